@@ -1,0 +1,233 @@
+"""`MLAAttention`: the whole MLA attention forward on top of the selected backends.
+
+Per step (DESIGN section 1):
+1. the new latent rows [kv_c | k_pe] are written to the paged cache;
+2. decodes (first in the batch) run absorbed: q_nope @ W_UK_T -> MQA over the
+   576-wide latent cache (`forward_mqa`) -> @ W_UV;
+3. prefills run as MHA with qk head dim P + R and v head dim V: new tokens
+   causal, cached context in workspace-sized chunks gathered from the cache
+   (non-causal, with LSE), all merged with `merge_attn_states`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_multi import checks, ops
+from mla_multi.backends.base import FP8_DTYPES, dtype_name, resolve_kv_cache_dtype
+from mla_multi.dims import MLADims
+from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills
+from mla_multi.platforms import current_platform
+from mla_multi.registry import select_decode_backend, select_prefill_backend
+from mla_multi.workspace import WorkspaceManager
+
+
+def default_workspace_tokens(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+    """vLLM's chunked-prefill workspace size: enough for 8 full contexts, capped at 128K tokens."""
+    return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 128 * 1024)
+
+
+class MLAAttention:
+    """One MLA attention layer's attention (projections outside q/kv_c/k_pe are the caller's).
+
+    Args:
+        dims: the layer's `MLADims` (heads on this device).
+        scale: softmax scale (usually 1/sqrt(P + R), times the YaRN mscale^2 where used).
+        kv_b_proj_weight: [N * (P + V), Lkv] as checkpoints store `kv_b_proj.weight`.
+        block_size: tokens per cache block.
+        max_model_len, max_num_seqs: the worst case the workspace is reserved for.
+        kv_cache_dtype: "auto" (the weight dtype), "fp8"/"fp8_e4m3" (the platform's FP8)
+            or a torch dtype.
+        kv_cache_scale: per-tensor FP8 scale of the cache (float), required for fp8.
+        workspace_tokens: context tokens gathered per chunk (default: vLLM's rule).
+        prefill_backend, decode_backend: force a backend by name.
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        scale: float,
+        kv_b_proj_weight: torch.Tensor,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        kv_cache_scale: float | None = None,
+        workspace_tokens: int | None = None,
+        prefill_backend: str | None = None,
+        decode_backend: str | None = None,
+    ) -> None:
+        if not isinstance(dims, MLADims):
+            raise ValueError(f"dims={dims!r}; accepted: an MLADims")
+        n, p, v, lkv = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+        checks.check_tensor(
+            "kv_b_proj_weight", kv_b_proj_weight, ndim=2, dtypes=ops.FLOAT_DTYPES, shape=(n * (p + v), lkv)
+        )
+        for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}; accepted: a positive int")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scale={scale!r}; accepted: a positive float")
+        self.dims = dims
+        self.scale = float(scale)
+        self.dtype = kv_b_proj_weight.dtype
+        self.device = kv_b_proj_weight.device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.platform = current_platform()
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.platform)
+        if self.kv_cache_dtype in FP8_DTYPES:
+            if kv_cache_scale is None:
+                raise ValueError(
+                    f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} needs kv_cache_scale; accepted: a positive float"
+                )
+            checks.check_scale("kv_cache_scale", kv_cache_scale, required=True)
+            self.k_scale = torch.tensor([float(kv_cache_scale)], dtype=torch.float32, device=self.device)
+        else:
+            self.k_scale = None
+        self.workspace_tokens = workspace_tokens or default_workspace_tokens(max_model_len, max_num_seqs, block_size)
+        if self.workspace_tokens < block_size:
+            raise ValueError(
+                f"workspace_tokens={self.workspace_tokens}; accepted: at least one block ({block_size} tokens)"
+            )
+
+        # kv_b_proj maps the latent to [k_nope | v] per head.
+        weight = kv_b_proj_weight.view(n, p + v, lkv)
+        self.kv_b_proj_weight = kv_b_proj_weight
+        self.W_UK = weight[:, :p, :].contiguous()  # [N, P, Lkv]: q_nope @ W_UK -> absorbed query
+        self.W_UV = weight[:, p:, :].contiguous()  # [N, V, Lkv]: latent output @ W_UV^T -> per-head V
+
+        self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
+        self.decode_backend = select_decode_backend(
+            dims, self.dtype, self.kv_cache_dtype, block_size, backend=decode_backend
+        )
+        self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
+            n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device
+        )
+        self.decode_impl = self.decode_backend.get_decode_impl_cls()(
+            n, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
+        )
+        self.workspace = WorkspaceManager(self.device)
+        self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len)
+
+    @property
+    def W_UK_T(self) -> torch.Tensor:
+        """[N, P, Lkv], vLLM's name for the absorption weight."""
+        return self.W_UK
+
+    def lock_workspace(self) -> None:
+        """Forbid workspace growth (call before capturing CUDA graphs of decode)."""
+        self.workspace.lock()
+
+    def backends(self) -> dict[str, str]:
+        return {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CommonAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output [T, N * V] for the batch described by `metadata`.
+
+        q [T, N, P + R]; kv_c_normed [T, Lkv]; k_pe [T, R] (rotary applied);
+        kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype.
+        """
+        d = self.dims
+        n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        tokens = metadata.num_actual_tokens
+        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
+        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
+        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
+        checks.check_tensor(
+            "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, lkv + r), device=self.device
+        )
+        if metadata.block_size != self.block_size:
+            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
+        if output is None:
+            output = torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
+        else:
+            checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
+
+        ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, scale=self.k_scale)
+
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
+        if num_decode_tokens > 0:
+            self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output)
+        if num_prefills > 0:
+            self._forward_prefill(q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output)
+        return output
+
+    def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
+        d = self.dims
+        p, v = d.qk_nope_head_dim, d.v_head_dim
+        query_lens = metadata.query_lens_cpu[:num_decodes]
+        # Decode rows with no new token (padding) carry no query.
+        rows = torch.nonzero(query_lens > 0).flatten()
+        if len(rows) == num_decodes:
+            block_table, seq_lens = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
+        else:
+            index = rows.to(metadata.block_table.device)
+            block_table, seq_lens = metadata.block_table[index], metadata.seq_lens[index]
+        q_decode = q[:num_decode_tokens]
+        q_nope, q_pe = q_decode[..., :p], q_decode[..., p:]
+        # Absorb W_UK into the query: [B, N, P] x [N, P, Lkv] -> [B, N, Lkv].
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        latent_out, _ = self.decode_impl.forward_mqa(
+            ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
+            k_scale=self.k_scale, workspace_manager=self.workspace,
+        )
+        # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].
+        decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
+        output[:num_decode_tokens] = decoded.reshape(num_decode_tokens, d.num_heads * v)
+
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows -> per-head k [T, N, P + R] and v [T, N, V]."""
+        d = self.dims
+        kv = torch.matmul(kv_c, self.kv_b_proj_weight.t()).view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
+        k_nope, value = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, d.num_heads, -1)], dim=-1)
+        return key, value.contiguous()
+
+    def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
+        d = self.dims
+        prefill_metadata = build_prefill_metadata(
+            metadata, self.workspace_tokens, self.prefill_backend.get_prefill_metadata_cls()
+        )
+        q_prefill = q[num_decode_tokens:]
+        key, value = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
+        chunked = prefill_metadata.chunked_context
+        if chunked is None:
+            out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False)
+        else:
+            suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
+                prefill_metadata, q_prefill, key, value, True
+            )
+            context_out = context_lse = None
+            for chunk_idx in range(chunked.num_chunks):
+                rows = ops.gather_cache(
+                    kv_cache,
+                    prefill_metadata.block_table,
+                    chunked.starts[chunk_idx],
+                    chunked.seq_lens[chunk_idx],
+                    scale=self.k_scale,
+                    out_dtype=self.dtype,
+                )
+                chunk_key, chunk_value = self._up_project(rows[:, : d.kv_lora_rank], rows[:, d.kv_lora_rank :])
+                chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
+                    prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value
+                )
+                if context_out is None:
+                    context_out, context_lse = chunk_out, chunk_lse
+                else:
+                    context_out, context_lse = ops.merge_attn_states(context_out, context_lse, chunk_out, chunk_lse)
+            out, _ = ops.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+        output[num_decode_tokens:] = out.reshape(out.shape[0], d.num_heads * d.v_head_dim)

@@ -1,0 +1,378 @@
+"""The interfaces every MLA backend implements, one pair per phase.
+
+After vLLM's MLA prefill backend base: a backend *class* declares what it can
+run (vendors, dtypes, block sizes, head counts, KV-cache dtypes, CUDA-graph
+support) and explains, as a list of reasons, why it cannot run a given
+configuration; an *impl* object does the computation.
+
+`validate_configuration` is the one source of truth for the registry: the
+base class checks availability, vendor, dtype and the declared capabilities;
+a backend with further limits extends it through ``super()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from mla_multi.dims import MLADims
+from mla_multi.platforms import Platform
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSelectorConfig:
+    """Hashable description of a prefill problem, the key of backend selection."""
+
+    dims: MLADims
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        d = self.dims
+        return (
+            f"phase=prefill num_heads={d.num_heads} qk_head_dim={d.qk_head_dim} "
+            f"v_head_dim={d.v_head_dim} dtype={dtype_name(self.dtype)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSelectorConfig:
+    """Hashable description of a decode problem, the key of backend selection.
+
+    kv_cache_dtype is already resolved to a torch dtype (see
+    `mla_multi.backends.base.resolve_kv_cache_dtype`); max_query_len is the
+    number of query tokens per request (1, or more for speculative decoding).
+    """
+
+    dims: MLADims
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    block_size: int
+    max_query_len: int = 1
+
+    def describe(self) -> str:
+        d = self.dims
+        return (
+            f"phase=decode num_heads={d.num_heads} kv_lora_rank={d.kv_lora_rank} "
+            f"qk_rope_head_dim={d.qk_rope_head_dim} dtype={dtype_name(self.dtype)} "
+            f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} block_size={self.block_size} "
+            f"max_query_len={self.max_query_len}"
+        )
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+_KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32", "float64")
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str | torch.dtype, dtype: torch.dtype, platform: Platform
+) -> torch.dtype:
+    """Turn vLLM's kv_cache_dtype spelling into a torch dtype.
+
+    "auto" is the model dtype; "fp8" / "fp8_e4m3" is the platform's FP8 flavour
+    (float8_e4m3fnuz on gfx942, float8_e4m3fn on gfx950 and NVIDIA).
+    """
+    if isinstance(kv_cache_dtype, torch.dtype):
+        return kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        if platform.fp8_dtype is None:
+            # Platforms without FP8 arithmetic can still store e4m3fn and
+            # dequantise it (the reference backend does).
+            return torch.float8_e4m3fn
+        return platform.fp8_dtype
+    if kv_cache_dtype in _KV_CACHE_DTYPE_NAMES:
+        return getattr(torch, kv_cache_dtype)
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r}; accepted: {', '.join(_KV_CACHE_DTYPE_NAMES)} or a torch.dtype"
+    )
+
+
+class _BackendDeclarations:
+    """Class-level declarations and checks shared by both phases."""
+
+    name: ClassVar[str]
+    vendors: ClassVar[frozenset[str]] = frozenset({"cuda", "rocm", "cpu"})
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the backend's libraries import here."""
+        return not cls.availability_reasons()
+
+    @classmethod
+    def availability_reasons(cls) -> list[str]:
+        """Why the backend's libraries cannot be used here (empty when they can)."""
+        return []
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def platform_reasons(cls, platform: Platform) -> list[str]:
+        """Why the backend cannot run on `platform`; replaces vLLM's compute-capability check."""
+        if platform.vendor not in cls.vendors:
+            return [
+                f"platform {platform.name} ({platform.vendor} {platform.arch}) is not supported; "
+                f"supported vendors: {', '.join(sorted(cls.vendors))}"
+            ]
+        return []
+
+    @classmethod
+    def supports_platform(cls, platform: Platform) -> bool:
+        return not cls.platform_reasons(platform)
+
+    @classmethod
+    def _common_reasons(cls, platform: Platform, dtype: torch.dtype) -> list[str]:
+        reasons = list(cls.availability_reasons())
+        reasons += cls.platform_reasons(platform)
+        if not cls.supports_dtype(dtype):
+            reasons.append(
+                f"dtype {dtype_name(dtype)} is not supported; supported: "
+                f"{', '.join(dtype_name(d) for d in cls.supported_dtypes)}"
+            )
+        return reasons
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        """Declared capabilities, JSON-friendly (for `mla-multi info`)."""
+        return {
+            "vendors": sorted(cls.vendors),
+            "dtypes": [dtype_name(d) for d in cls.supported_dtypes],
+        }
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@dataclasses.dataclass
+class MLAPrefillBuilderState:
+    """Per-builder resources a prefill backend keeps across batches (workspaces, wrappers)."""
+
+    device: torch.device | None = None
+
+
+class MLAPrefillImpl(ABC):
+    """Prefill attention over new tokens (causal) and cached-context chunks (non-causal).
+
+    Backends implement `forward_varlen`; the two vLLM-style entry points are
+    expressed through it, and a backend may override them.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        device: torch.device | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.scale = float(scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.device = device
+
+    @abstractmethod
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        return_softmax_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Varlen attention.
+
+        q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv]; cu_seqlens int32 [B + 1].
+        Causal masks are aligned bottom-right. Returns out [Tq, N, Dv] in q's
+        dtype, and with `return_softmax_lse` also lse [N, Tq] float32.
+        """
+
+    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool):
+        """Causal attention of the new tokens among themselves.
+
+        q, k [num_tokens, N, P + R], v [num_tokens, N, V]. Returns out
+        [num_tokens, N, V], plus lse [N, num_tokens] with `return_softmax_lse`.
+        """
+        return self.forward_varlen(
+            q,
+            k,
+            v,
+            prefill_metadata.query_start_loc,
+            prefill_metadata.query_start_loc,
+            prefill_metadata.max_query_len,
+            prefill_metadata.max_query_len,
+            causal=True,
+            return_softmax_lse=return_softmax_lse,
+        )
+
+    def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v):
+        """Non-causal attention of the new tokens over context chunk `chunk_idx`.
+
+        q [num_tokens, N, P + R], k [chunk_tokens, N, P + R], v [chunk_tokens, N, V].
+        Returns (out [num_tokens, N, V], lse [N, num_tokens] float32).
+        """
+        chunked = prefill_metadata.chunked_context
+        return self.forward_varlen(
+            q,
+            k,
+            v,
+            prefill_metadata.query_start_loc,
+            chunked.cu_seq_lens[chunk_idx],
+            prefill_metadata.max_query_len,
+            chunked.max_seq_lens[chunk_idx],
+            causal=False,
+            return_softmax_lse=True,
+        )
+
+
+class MLAPrefillBackend(_BackendDeclarations, ABC):
+    """A prefill implementation and the declaration of what it can run."""
+
+    @classmethod
+    def create_builder_state(cls, dims: MLADims, device: torch.device) -> MLAPrefillBuilderState:
+        """Resources allocated once per metadata builder; override to allocate workspaces."""
+        return MLAPrefillBuilderState(device=device)
+
+    @staticmethod
+    @abstractmethod
+    def get_prefill_impl_cls() -> type[MLAPrefillImpl]:
+        """The implementation class of this backend."""
+
+    @staticmethod
+    def get_prefill_metadata_cls() -> type:
+        from mla_multi.metadata import MLAPrefillMetadata
+
+        return MLAPrefillMetadata
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: PrefillSelectorConfig) -> list[str]:
+        """Reasons this backend cannot run `config` on `platform`; empty when it can."""
+        return cls._common_reasons(platform, config.dtype)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class MLADecodeImpl(ABC):
+    """MQA over the paged latent cache (the absorbed decode of MLA)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        kv_cache_dtype: torch.dtype,
+        block_size: int,
+        device: torch.device | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.scale = float(scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        self.block_size = block_size
+        self.device = device
+
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
+        """Size `workspace_manager` for the worst case before it is locked (default: nothing to reserve)."""
+
+    @abstractmethod
+    def forward_mqa(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        k_scale: torch.Tensor | None = None,
+        num_kv_splits: int | None = None,
+        workspace_manager=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention.
+
+        q_nope [B, N, Lkv] (absorbed) or [B, Q, N, Lkv] for Q query tokens per
+        request (causal within the request); q_pe likewise with R; kv_cache
+        [num_blocks, block_size, Lkv + R]; block_table [B, max_blocks] int32;
+        seq_lens [B] int32 (tokens in the cache, the new ones included).
+        Returns out with q_nope's shape and dtype and lse [B, (Q,) N] float32.
+        """
+
+
+class MLADecodeBackend(_BackendDeclarations, ABC):
+    """A decode implementation and the declaration of what it can run.
+
+    `supported_block_sizes` / `supported_num_heads` of None mean any.
+    """
+
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    supported_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    supported_num_heads: ClassVar[tuple[int, ...] | None] = None
+    max_num_heads: ClassVar[int] = 128
+    max_query_len: ClassVar[int] = 1
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    @staticmethod
+    @abstractmethod
+    def get_decode_impl_cls() -> type[MLADecodeImpl]:
+        """The implementation class of this backend."""
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: DecodeSelectorConfig) -> list[str]:
+        """Reasons this backend cannot run `config` on `platform`; empty when it can."""
+        reasons = cls._common_reasons(platform, config.dtype)
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype {dtype_name(config.kv_cache_dtype)} is not supported; supported: "
+                f"{', '.join(dtype_name(d) for d in cls.supported_kv_cache_dtypes)}"
+            )
+        if cls.supported_block_sizes is not None and config.block_size not in cls.supported_block_sizes:
+            reasons.append(
+                f"block_size {config.block_size} is not supported; supported: "
+                f"{', '.join(map(str, cls.supported_block_sizes))}"
+            )
+        num_heads = config.dims.num_heads
+        if cls.supported_num_heads is not None and num_heads not in cls.supported_num_heads:
+            reasons.append(
+                f"num_heads {num_heads} is not supported; supported: "
+                f"{', '.join(map(str, cls.supported_num_heads))}"
+            )
+        elif num_heads > cls.max_num_heads:
+            reasons.append(f"num_heads {num_heads} is over the maximum of {cls.max_num_heads}")
+        if config.max_query_len > cls.max_query_len:
+            reasons.append(
+                f"max_query_len {config.max_query_len} (query tokens per decode request) is over "
+                f"the maximum of {cls.max_query_len}"
+            )
+        return reasons
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        info = super().info()
+        info.update(
+            kv_cache_dtypes=[dtype_name(d) for d in cls.supported_kv_cache_dtypes],
+            block_sizes=list(cls.supported_block_sizes) if cls.supported_block_sizes else "any",
+            num_heads=list(cls.supported_num_heads) if cls.supported_num_heads else f"1..{cls.max_num_heads}",
+            max_query_len=cls.max_query_len,
+            cuda_graphs=cls.supports_cuda_graphs,
+        )
+        return info

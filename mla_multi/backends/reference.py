@@ -1,0 +1,251 @@
+"""REFERENCE: pure PyTorch MLA on any device and any float dtype.
+
+It is the oracle of the test suite and the backend of last resort.  Every
+function loops over requests on the host and computes in float32 (float64
+when the inputs are float64), so it is simple to read, not fast.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mla_multi.backends.base import (
+    FP8_DTYPES,
+    MLADecodeBackend,
+    MLADecodeImpl,
+    MLAPrefillBackend,
+    MLAPrefillImpl,
+)
+
+_ALL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _softmax_with_lse(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over the last dim and its natural-log LSE; fully masked rows give p 0 and lse -inf."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
+    return probs, torch.where(finite, lse, torch.full_like(lse, float("-inf")))
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention, causal aligned bottom-right.
+
+    q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv], cu_seqlens [B + 1].
+    Query i of a sequence with lq queries and lk keys sees keys j <= i + lk - lq
+    when causal. Returns out [Tq, N, Dv] in q's dtype and lse [N, Tq] float32
+    (float64 for float64 inputs); rows that see no key give 0 and -inf.
+    """
+    compute = _compute_dtype(q.dtype)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    out = torch.zeros(num_tokens, num_heads, v.shape[-1], dtype=compute, device=q.device)
+    lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=compute, device=q.device)
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for i in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[i], starts_q[i + 1], starts_k[i], starts_k[i + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        qi = q[q0:q1].to(compute).transpose(0, 1)  # [N, lq, D]
+        ki = k[k0:k1].to(compute).transpose(0, 1)
+        vi = v[k0:k1].to(compute).transpose(0, 1)
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [N, lq, lk]
+        mask = None
+        if causal:
+            rows = torch.arange(lq, device=q.device).unsqueeze(1)
+            cols = torch.arange(lk, device=q.device).unsqueeze(0)
+            mask = (cols <= rows + (lk - lq)).unsqueeze(0)
+        probs, row_lse = _softmax_with_lse(scores, mask)
+        out[q0:q1] = torch.matmul(probs, vi).transpose(0, 1)
+        lse[:, q0:q1] = row_lse
+    lse_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def dequantize_cache_rows(rows: torch.Tensor, k_scale, compute: torch.dtype) -> torch.Tensor:
+    """Cache rows as `compute` values; FP8 rows are multiplied by their per-tensor scale."""
+    values = rows.to(compute)
+    if rows.dtype in FP8_DTYPES:
+        if k_scale is None:
+            raise ValueError("k_scale=None with an fp8 kv_cache; accepted: a float or a 1-element tensor")
+        scale = k_scale if not torch.is_tensor(k_scale) else k_scale.to(device=values.device, dtype=compute).reshape(())
+        values = values * scale
+    return values
+
+
+def mla_decode_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA decode over the paged latent cache.
+
+    q_nope [B, N, Lkv] or [B, Q, N, Lkv]; q_pe [B, (Q,) N, R]; kv_cache
+    [num_blocks, block_size, Lkv + R]; block_table [B, max_blocks]; seq_lens [B].
+    Query token j of Q sees cache positions < seq_len - Q + 1 + j.
+    Returns out [B, (Q,) N, Lkv] in q's dtype and lse [B, (Q,) N] float32.
+    """
+    single_token = q_nope.dim() == 3
+    if single_token:
+        q_nope, q_pe = q_nope.unsqueeze(1), q_pe.unsqueeze(1)
+    batch, q_len, num_heads, kv_lora_rank = q_nope.shape
+    compute = _compute_dtype(q_nope.dtype)
+    block_size = kv_cache.shape[1]
+    out = torch.zeros(batch, q_len, num_heads, kv_lora_rank, dtype=compute, device=q_nope.device)
+    lse = torch.full((batch, q_len, num_heads), float("-inf"), dtype=compute, device=q_nope.device)
+    query = torch.cat([q_nope, q_pe], dim=-1).to(compute)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len <= 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[b, :num_blocks].long()
+        rows = kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:seq_len]
+        rows = dequantize_cache_rows(rows, k_scale, compute)
+        scores = torch.einsum("qhd,sd->qhs", query[b], rows) * scale  # [Q, N, S]
+        limits = seq_len - q_len + 1 + torch.arange(q_len, device=q_nope.device)
+        mask = torch.arange(seq_len, device=q_nope.device).unsqueeze(0) < limits.unsqueeze(1)
+        probs, row_lse = _softmax_with_lse(scores, mask.unsqueeze(1))
+        out[b] = torch.einsum("qhs,sd->qhd", probs, rows[:, :kv_lora_rank])
+        lse[b] = row_lse
+    lse_dtype = torch.float64 if compute == torch.float64 else torch.float32
+    out, lse = out.to(q_nope.dtype), lse.to(lse_dtype)
+    if single_token:
+        out, lse = out.squeeze(1), lse.squeeze(1)
+    return out, lse
+
+
+def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix_lse):
+    """Merge two partial attentions by their LSE.
+
+    outputs [T, N, D], lse [N, T]. An LSE of +inf counts as -inf; when both
+    sides are -inf the output is 0 and the LSE -inf. Returns (output, lse).
+    """
+    compute = _compute_dtype(prefix_output.dtype)
+    neg_inf = torch.tensor(float("-inf"), dtype=compute, device=prefix_lse.device)
+    p_lse = prefix_lse.to(compute)
+    s_lse = suffix_lse.to(compute)
+    p_lse = torch.where(p_lse == float("inf"), neg_inf, p_lse)
+    s_lse = torch.where(s_lse == float("inf"), neg_inf, s_lse)
+    max_lse = torch.maximum(p_lse, s_lse)
+    empty = max_lse == float("-inf")
+    safe_max = torch.where(empty, torch.zeros_like(max_lse), max_lse)
+    p_weight = torch.exp(p_lse - safe_max)
+    s_weight = torch.exp(s_lse - safe_max)
+    total = p_weight + s_weight
+    safe_total = torch.where(empty, torch.ones_like(total), total)
+    p_weight = torch.where(empty, torch.zeros_like(p_weight), p_weight / safe_total)
+    s_weight = torch.where(empty, torch.zeros_like(s_weight), s_weight / safe_total)
+    # [N, T] -> [T, N, 1]
+    output = (
+        prefix_output.to(compute) * p_weight.transpose(0, 1).unsqueeze(-1)
+        + suffix_output.to(compute) * s_weight.transpose(0, 1).unsqueeze(-1)
+    )
+    lse = torch.where(empty, neg_inf.expand_as(max_lse), torch.log(safe_total) + safe_max)
+    return output.to(prefix_output.dtype), lse.to(prefix_lse.dtype)
+
+
+def quantize_to_fp8(values: torch.Tensor, scale, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """values / scale, saturated to the FP8 dtype's finite range."""
+    if scale is None:
+        raise ValueError("scale=None with an fp8 kv_cache; accepted: a float or a 1-element tensor")
+    finite_max = torch.finfo(fp8_dtype).max
+    scale_value = scale.to(device=values.device, dtype=torch.float32).reshape(()) if torch.is_tensor(scale) else scale
+    return (values.float() / scale_value).clamp(-finite_max, finite_max).to(fp8_dtype)
+
+
+def concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+    """Write [kv_c | k_pe] rows into the paged cache at `slot_mapping` (negative slots skipped)."""
+    rows = torch.cat([kv_c, k_pe], dim=-1)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    rows = rows[keep]
+    if kv_cache.dtype in FP8_DTYPES:
+        rows = quantize_to_fp8(rows, scale, kv_cache.dtype)
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    flat[slots] = rows.to(kv_cache.dtype)
+
+
+def gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale=None, out_dtype=None) -> torch.Tensor:
+    """For each request i, its cached rows seq_starts[i] .. seq_starts[i] + seq_lens[i], concatenated.
+
+    Returns [sum(seq_lens), Lkv + R], dequantised to `out_dtype` (default: the
+    cache dtype, or bfloat16 for an fp8 cache).
+    """
+    block_size = kv_cache.shape[1]
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype
+    pieces = []
+    for i, (start, length) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist())):
+        if length <= 0:
+            continue
+        positions = torch.arange(start, start + length, device=kv_cache.device)
+        blocks = block_table[i].long()[positions // block_size]
+        rows = kv_cache[blocks, positions % block_size]
+        if kv_cache.dtype in FP8_DTYPES:
+            rows = dequantize_cache_rows(rows, scale, torch.float32)
+        pieces.append(rows.to(out_dtype))
+    if not pieces:
+        return torch.empty(0, kv_cache.shape[-1], dtype=out_dtype, device=kv_cache.device)
+    return torch.cat(pieces)
+
+
+# --------------------------------------------------------------------------- backend classes
+
+
+class ReferencePrefillImpl(MLAPrefillImpl):
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
+        out, lse = varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, self.scale, causal)
+        return (out, lse) if return_softmax_lse else out
+
+
+class ReferencePrefillBackend(MLAPrefillBackend):
+    name: ClassVar[str] = "REFERENCE"
+    supported_dtypes = _ALL_FLOAT_DTYPES
+
+    @staticmethod
+    def get_prefill_impl_cls():
+        return ReferencePrefillImpl
+
+
+class ReferenceDecodeImpl(MLADecodeImpl):
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None, workspace_manager=None):
+        # The reference computes each request in one piece: num_kv_splits does not apply.
+        out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale)
+        return out, lse
+
+
+class ReferenceDecodeBackend(MLADecodeBackend):
+    name: ClassVar[str] = "REFERENCE"
+    supported_dtypes = _ALL_FLOAT_DTYPES
+    supported_kv_cache_dtypes = _ALL_FLOAT_DTYPES + FP8_DTYPES
+    max_num_heads = 1 << 16
+    max_query_len = 1 << 16
+    # Host loops over the batch read seq_lens back, which a graph cannot capture.
+    supports_cuda_graphs = False
+
+    @staticmethod
+    def get_decode_impl_cls():
+        return ReferenceDecodeImpl
+

@@ -1,0 +1,100 @@
+"""Input checks shared by the public ops and `MLAAttention.forward`.
+
+Shape, dtype and device checks run on the host from tensor metadata and never
+synchronise the device.  Checks that read tensor data (indices inside the
+cache) run only when `MLA_MULTI_CHECK_INPUTS=1` (the test suite sets it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from mla_multi import envs
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def describe(value) -> str:
+    if torch.is_tensor(value):
+        return f"tensor(shape={tuple(value.shape)}, dtype={str(value.dtype).replace('torch.', '')}, device={value.device})"
+    return repr(value)
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Raise ValueError naming `name` unless `value` is a tensor of the given rank/dtype/shape/device.
+
+    `shape` entries of None are free; the last dimension must be contiguous.
+    """
+    if not torch.is_tensor(value):
+        raise ValueError(f"{name}={describe(value)}; accepted: a torch.Tensor")
+    ranks = (ndim,) if isinstance(ndim, int) else ndim
+    if ranks is not None and value.dim() not in ranks:
+        raise ValueError(f"{name} has {value.dim()} dims {tuple(value.shape)}; accepted: {' or '.join(map(str, ranks))} dims")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {str(value.dtype).replace('torch.', '')}; accepted: {_names(dtypes)}")
+    if shape is not None:
+        if len(shape) != value.dim() or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} has shape {list(value.shape)}; accepted: {expected}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}; all tensors must be on {device}")
+    if value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{name} has last-dimension stride {value.stride(-1)}; accepted: a contiguous last dimension (stride 1)")
+    return value
+
+
+def check_scale(name: str, scale, required: bool) -> None:
+    if scale is None:
+        if required:
+            raise ValueError(f"{name}=None with an fp8 kv_cache; accepted: a positive float or a 1-element float32 tensor")
+        return
+    if torch.is_tensor(scale):
+        if scale.numel() != 1 or not scale.dtype.is_floating_point:
+            raise ValueError(f"{name}={describe(scale)}; accepted: a positive float or a 1-element float32 tensor")
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"{name}={scale!r}; accepted: a positive float or a 1-element float32 tensor")
+
+
+def data_checks_enabled() -> bool:
+    return bool(envs.MLA_MULTI_CHECK_INPUTS)
+
+
+def check_block_table_data(block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """With MLA_MULTI_CHECK_INPUTS=1: every block a sequence uses lies in [0, num_blocks), seq_lens fit the table."""
+    if not data_checks_enabled():
+        return
+    lens = seq_lens.detach().to("cpu", torch.int64)
+    table = block_table.detach().cpu()
+    capacity = table.shape[1] * block_size
+    if bool((lens < 0).any()) or bool((lens > capacity).any()):
+        raise ValueError(f"seq_lens={lens.tolist()}; accepted: values in [0, {capacity}] (max_blocks * block_size)")
+    for row, length in enumerate(lens.tolist()):
+        used = table[row, : -(-length // block_size)]
+        if used.numel() and (bool((used < 0).any()) or bool((used >= num_blocks).any())):
+            raise ValueError(
+                f"block_table[{row}] uses blocks {used.tolist()} for seq_len {length}; accepted: indices in [0, {num_blocks})"
+            )
+
+
+def check_slot_data(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """With MLA_MULTI_CHECK_INPUTS=1: every non-negative slot lies inside the cache."""
+    if not data_checks_enabled():
+        return
+    slots = slot_mapping.detach().cpu()
+    bad = slots[slots >= num_slots]
+    if bad.numel():
+        raise ValueError(f"slot_mapping holds slots {bad[:8].tolist()}; accepted: negative (skip) or in [0, {num_slots})")

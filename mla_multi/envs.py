@@ -1,0 +1,140 @@
+"""Every `MLA_MULTI_*` environment variable: name, type, default, meaning.
+
+Values are parsed strictly when read: a value that does not parse raises
+`EnvironmentValueError` naming the variable, the value and what is accepted,
+instead of being ignored.  Module attributes read the environment on each
+access (``mla_multi.envs.MLA_MULTI_NUM_KV_SPLITS``), so tests can monkeypatch
+`os.environ`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+class EnvironmentValueError(ValueError):
+    """An `MLA_MULTI_*` variable holds a value that does not parse."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    doc: str
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        return self.parse(self.name, raw.strip())
+
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "").strip() != ""
+
+
+def _backend_name(name: str, raw: str) -> str:
+    # The registry checks the name against the registered backends; here only
+    # the spelling is normalised so "triton" and "TRITON" mean the same.
+    return raw.upper()
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if value < 1 or value > 1024 or str(value) != raw.lstrip("+"):
+        raise EnvironmentValueError(
+            f"{name}={raw!r} is not accepted; expected an integer in [1, 1024]"
+        )
+    return value
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(name: str, raw: str) -> str:
+    level = raw.upper()
+    if level not in _LOG_LEVELS:
+        raise EnvironmentValueError(
+            f"{name}={raw!r} is not accepted; expected one of {', '.join(_LOG_LEVELS)}"
+        )
+    return level
+
+
+def _flag(name: str, raw: str) -> bool:
+    lowered = raw.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise EnvironmentValueError(
+        f"{name}={raw!r} is not accepted; expected one of 1, 0, true, false, yes, no, on, off"
+    )
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar(
+            "MLA_MULTI_PREFILL_BACKEND",
+            None,
+            _backend_name,
+            "Force the prefill backend by name (TRITON, ROCM_AITER, CUDA_FLASH_ATTN, REFERENCE). "
+            "A forced backend that cannot run the configuration raises with its reasons; it never falls back.",
+        ),
+        EnvVar(
+            "MLA_MULTI_DECODE_BACKEND",
+            None,
+            _backend_name,
+            "Force the decode backend by name, with the same rules as MLA_MULTI_PREFILL_BACKEND.",
+        ),
+        EnvVar(
+            "MLA_MULTI_NUM_KV_SPLITS",
+            None,
+            _positive_int,
+            "Fix the number of KV splits of split-KV decode (1..1024) instead of the compute-unit "
+            "heuristic; still clamped to the splits reserved in the workspace.",
+        ),
+        EnvVar(
+            "MLA_MULTI_LOG_LEVEL",
+            "WARNING",
+            _log_level,
+            "Level of the 'mla_multi' logger: DEBUG, INFO, WARNING, ERROR or CRITICAL.",
+        ),
+        EnvVar(
+            "MLA_MULTI_CHECK_INPUTS",
+            False,
+            _flag,
+            "Also run the input checks that read tensor data (block-table entries inside the cache, "
+            "seq_lens within the block table, slots inside the cache); they synchronise the device.",
+        ),
+    )
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENV_VARS:
+        return ENV_VARS[name].read()
+    raise AttributeError(f"module 'mla_multi.envs' has no attribute {name!r}")
+
+
+def validate_all() -> dict[str, Any]:
+    """Parse every variable now; raises `EnvironmentValueError` on the first bad one."""
+    return {name: var.read() for name, var in ENV_VARS.items()}
+
+
+def overrides_in_force() -> dict[str, str]:
+    """The `MLA_MULTI_*` variables that are set, as raw strings (for `mla-multi info`)."""
+    return {name: os.environ[name] for name, var in ENV_VARS.items() if var.is_set()}
+
+
+def configure_logging() -> logging.Logger:
+    logger = logging.getLogger("mla_multi")
+    logger.setLevel(ENV_VARS["MLA_MULTI_LOG_LEVEL"].read())
+    return logger

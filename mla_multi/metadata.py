@@ -1,0 +1,258 @@
+"""Batch metadata: decode/prefill split, slot mapping and chunked-context planning.
+
+The vocabulary is vLLM's.  A batch holds requests with their *query* lengths
+(tokens scheduled now) and *sequence* lengths (tokens in the cache after this
+step, new ones included); decodes (query length <= decode_threshold) come
+first.  Context chunks follow vLLM's MLA common module: the workspace is
+shared equally among the prefills that have cached context, rounded down to
+the block size, and the context is cut into chunks of that many tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+def _as_int_list(values, name: str) -> list[int]:
+    if torch.is_tensor(values):
+        if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} has shape {tuple(values.shape)} and dtype {values.dtype}; accepted: 1-D int32/int64")
+        values = values.tolist()
+    values = list(values)
+    if any((not isinstance(v, int)) or isinstance(v, bool) or v < 0 for v in values):
+        raise ValueError(f"{name}={values!r}; accepted: non-negative ints")
+    return values
+
+
+def reorder_batch_to_split_decodes_and_prefills(query_lens: Sequence[int], decode_threshold: int = 1) -> list[int]:
+    """A stable permutation of request indices that puts decodes (query_len <= threshold) first."""
+    query_lens = _as_int_list(query_lens, "query_lens")
+    decodes = [i for i, q in enumerate(query_lens) if q <= decode_threshold]
+    prefills = [i for i, q in enumerate(query_lens) if q > decode_threshold]
+    return decodes + prefills
+
+
+@dataclasses.dataclass
+class CommonAttentionMetadata:
+    """Per-batch metadata shared by every layer.
+
+    query_start_loc [B + 1] int32 and seq_lens [B] int32 live on the device
+    of `block_table`; the `_cpu` copies are for host-side planning.
+    slot_mapping [num_actual_tokens] int64 is the cache slot of every new token.
+    """
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_computed_tokens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    decode_threshold: int = 1
+
+    @classmethod
+    def from_lengths(
+        cls,
+        query_lens: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        decode_threshold: int = 1,
+    ) -> CommonAttentionMetadata:
+        """Build the metadata of a batch whose decodes come first.
+
+        query_lens[i] new tokens of request i sit at cache positions
+        seq_lens[i] - query_lens[i] .. seq_lens[i] - 1; their slots come from
+        block_table [B, max_blocks] int32. Requests with query_len 0 are allowed
+        (padding rows). Use `reorder_batch_to_split_decodes_and_prefills` to
+        order a batch.
+        """
+        query_lens = _as_int_list(query_lens, "query_lens")
+        seq_lens_list = _as_int_list(seq_lens, "seq_lens")
+        if len(query_lens) != len(seq_lens_list):
+            raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens_list)}; they must match")
+        if not torch.is_tensor(block_table) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+            raise ValueError(
+                f"block_table={_describe(block_table)}; accepted: a 2-D int32 tensor [num_reqs, max_blocks]"
+            )
+        if block_table.shape[0] != len(query_lens):
+            raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r}; accepted: a positive int")
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):
+            if q > s:
+                raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
+            if s > block_table.shape[1] * block_size:
+                raise ValueError(
+                    f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+                    f"{block_size} tokens in its block_table row"
+                )
+        is_decode = [q <= decode_threshold for q in query_lens]
+        if any(is_decode[i + 1] and not is_decode[i] for i in range(len(is_decode) - 1)):
+            raise ValueError(
+                f"query_lens={query_lens}: decodes (query_len <= {decode_threshold}) must come before prefills; "
+                "reorder with reorder_batch_to_split_decodes_and_prefills"
+            )
+        device = block_table.device
+        query_start_loc_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        if query_lens:
+            query_start_loc_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        seq_lens_cpu = torch.tensor(seq_lens_list, dtype=torch.int32)
+        computed = seq_lens_cpu - torch.tensor(query_lens, dtype=torch.int32)
+        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size
+        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
+        positions = torch.cat([torch.arange(c, s) for c, s in zip(computed.tolist(), seq_lens_list)]) if query_lens else torch.zeros(0, dtype=torch.int64)
+        block_table_cpu = block_table.cpu()
+        blocks = block_table_cpu[req_of_token, positions // block_size].long() if len(positions) else torch.zeros(0, dtype=torch.int64)
+        slot_mapping = blocks * block_size + positions % block_size
+        return cls(
+            query_start_loc=query_start_loc_cpu.to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu.to(device),
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=computed,
+            block_table=block_table,
+            slot_mapping=slot_mapping.to(device),
+            block_size=block_size,
+            num_reqs=len(query_lens),
+            num_actual_tokens=int(query_start_loc_cpu[-1]),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens_list, default=0),
+            decode_threshold=decode_threshold,
+        )
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return repr(value)
+
+
+def split_decodes_and_prefills(
+    common_attn_metadata: CommonAttentionMetadata, decode_threshold: int | None = None
+) -> tuple[int, int, int, int]:
+    """(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens) of a batch ordered decodes first."""
+    threshold = common_attn_metadata.decode_threshold if decode_threshold is None else decode_threshold
+    query_lens = common_attn_metadata.query_lens_cpu.tolist()
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] <= threshold:
+        num_decodes += 1
+    num_decode_tokens = int(sum(query_lens[:num_decodes]))
+    return (
+        num_decodes,
+        len(query_lens) - num_decodes,
+        num_decode_tokens,
+        common_attn_metadata.num_actual_tokens - num_decode_tokens,
+    )
+
+
+@dataclasses.dataclass
+class ChunkedContextMetadata:
+    """How the cached context of the prefills is cut into workspace-sized chunks.
+
+    starts [num_chunks, num_prefills] int32: first context position of each
+    request in each chunk; seq_lens [num_chunks, num_prefills]; cu_seq_lens
+    [num_chunks, num_prefills + 1] int32 (device); seq_tot[c] tokens in chunk c
+    (never over the workspace); max_seq_lens[c] the longest piece of chunk c.
+    """
+
+    starts: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    seq_tot: list[int]
+    max_seq_lens: list[int]
+    max_context_chunk: int
+    starts_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.seq_tot)
+
+
+def plan_context_chunks(
+    context_lens: Sequence[int] | torch.Tensor, workspace_tokens: int, block_size: int, device: torch.device | str = "cpu"
+) -> ChunkedContextMetadata | None:
+    """Cut the cached context of each prefill into chunks that fit `workspace_tokens` together.
+
+    The workspace is shared equally among the prefills with context, rounded
+    down to the block size (the gather starts on block boundaries); None when
+    no prefill has context.
+    """
+    context_lens = _as_int_list(context_lens, "context_lens")
+    num_with_context = sum(1 for c in context_lens if c > 0)
+    if num_with_context == 0:
+        return None
+    max_context_chunk = (workspace_tokens // num_with_context) // block_size * block_size
+    if max_context_chunk <= 0:
+        raise ValueError(
+            f"workspace_tokens={workspace_tokens} cannot hold one block of {block_size} tokens for each of the "
+            f"{num_with_context} prefills with context; accepted: at least {num_with_context * block_size}"
+        )
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    num_chunks = -(-int(lens.max()) // max_context_chunk)
+    starts = torch.arange(num_chunks, dtype=torch.int64).unsqueeze(1).expand(-1, len(context_lens)) * max_context_chunk
+    ends = torch.minimum(lens.unsqueeze(0), starts + max_context_chunk)
+    seq_lens = (ends - starts).clamp(min=0)
+    cu = torch.zeros(num_chunks, len(context_lens) + 1, dtype=torch.int64)
+    cu[:, 1:] = seq_lens.cumsum(dim=1)
+    seq_tot = seq_lens.sum(dim=1).tolist()
+    if max(seq_tot) > workspace_tokens:  # cannot happen by construction; guard the invariant
+        raise AssertionError(f"context chunk of {max(seq_tot)} tokens exceeds the workspace of {workspace_tokens}")
+    return ChunkedContextMetadata(
+        starts=starts.to(torch.int32).to(device),
+        seq_lens=seq_lens.to(torch.int32).to(device),
+        cu_seq_lens=cu.to(torch.int32).to(device),
+        seq_tot=seq_tot,
+        max_seq_lens=seq_lens.max(dim=1).values.tolist(),
+        max_context_chunk=max_context_chunk,
+        starts_cpu=starts.to(torch.int32),
+        seq_lens_cpu=seq_lens.to(torch.int32),
+    )
+
+
+@dataclasses.dataclass
+class MLAPrefillMetadata:
+    """What prefill backends read: the prefill requests only, positions relative to the first prefill token.
+
+    query_start_loc [num_prefills + 1] int32 (device); block_table rows of the
+    prefills; context_lens_cpu tokens already cached per prefill.
+    """
+
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    block_table: torch.Tensor
+    context_lens_cpu: torch.Tensor
+    chunked_context: ChunkedContextMetadata | None = None
+
+
+def build_prefill_metadata(
+    common: CommonAttentionMetadata, workspace_tokens: int, metadata_cls: type = MLAPrefillMetadata
+) -> MLAPrefillMetadata | None:
+    """Prefill metadata of `common`'s prefills with their context chunks; None without prefills."""
+    num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(common)
+    if num_prefills == 0:
+        return None
+    device = common.block_table.device
+    start = common.query_start_loc_cpu[num_decodes:] - num_decode_tokens
+    context_lens = common.num_computed_tokens_cpu[num_decodes:]
+    query_lens = start[1:] - start[:-1]
+    return metadata_cls(
+        query_start_loc=start.to(device),
+        max_query_len=int(query_lens.max()),
+        block_table=common.block_table[num_decodes:],
+        context_lens_cpu=context_lens,
+        chunked_context=plan_context_chunks(context_lens, workspace_tokens, common.block_size, device),
+    )

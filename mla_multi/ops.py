@@ -1,0 +1,214 @@
+"""Public functional ops.
+
+`mla_decode` and `mla_prefill` run through the registry (``backend=None``
+chooses, a name forces one).  The cache ops and `merge_attn_states` use Triton
+kernels on GPUs and PyTorch elsewhere.  Every op checks its inputs on the host
+(see `mla_multi.checks`) and raises ValueError naming the bad argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_multi import checks
+from mla_multi.backends import reference
+from mla_multi.backends.base import FP8_DTYPES
+from mla_multi.dims import MLADims
+from mla_multi.registry import select_decode_backend, select_prefill_backend
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+
+__all__ = ["mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_mla", "gather_cache"]
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    """Triton kernels serve GPU tensors; the PyTorch versions serve the CPU."""
+    return tensor.device.type == "cuda"
+
+
+def _check_positive_int(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; accepted: a positive int{' or None' if allow_none else ''}")
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r}; accepted: a positive float")
+    return float(value)
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale=None,
+    num_kv_splits: int | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+):
+    """MLA decode: MQA of absorbed queries over the paged latent cache.
+
+    q_nope [B, N, Lkv] (already multiplied by W_UK_T) or [B, Q, N, Lkv] for Q
+    query tokens per request (causal: token j sees positions < seq_len - Q + 1 + j);
+    q_pe [B, (Q,) N, R]; kv_cache [num_blocks, block_size, Lkv + R] (fp8 with
+    `k_scale`); block_table [B, max_blocks] int32; seq_lens [B] int32.
+    Returns out [B, (Q,) N, Lkv] in q's dtype, and lse [B, (Q,) N] float32
+    when `return_lse`. seq_len 0 gives 0 and -inf.
+    """
+    checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None), device=device)
+    width = q_nope.shape[-1] + q_pe.shape[-1]
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device)
+    batch = q_nope.shape[0]
+    checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(batch, None), device=device)
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
+    scale = _check_float("scale", scale)
+    checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+    _check_positive_int("num_kv_splits", num_kv_splits)
+    checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
+
+    num_heads = q_nope.shape[-2]
+    q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+    dims = MLADims(num_heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
+    backend_cls = select_decode_backend(
+        dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend
+    )
+    impl = backend_cls.get_decode_impl_cls()(
+        num_heads, scale, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device
+    )
+    out, lse = impl.forward_mqa(
+        q_nope, q_pe, kv_cache, block_table, seq_lens.to(torch.int32), k_scale=k_scale, num_kv_splits=num_kv_splits
+    )
+    return (out, lse) if return_lse else out
+
+
+def mla_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    *,
+    causal: bool = True,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Varlen MHA of MLA prefill (qk head dim P + R, v head dim V).
+
+    q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv]; cu_seqlens_* int32 [B + 1].
+    Causal masks align bottom-right (a sequence with fewer queries than keys
+    is the tail of the keys). Returns out [Tq, N, Dv] in q's dtype, and
+    lse [N, Tq] float32 when `return_lse`.
+    """
+    checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    num_heads, qk_head_dim = q.shape[1], q.shape[2]
+    checks.check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(None, num_heads, qk_head_dim), device=device)
+    checks.check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], num_heads, None), device=device)
+    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(cu_seqlens_q.shape[0],), device=device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q is empty; accepted: [B + 1] cumulative lengths starting at 0")
+    _check_positive_int("max_seqlen_q", max_seqlen_q, allow_none=False) if max_seqlen_q else None
+    _check_positive_int("max_seqlen_k", max_seqlen_k, allow_none=False) if max_seqlen_k else None
+    scale = _check_float("scale", scale)
+    if qk_head_dim < 2:
+        raise ValueError(f"q has head dim {qk_head_dim}; accepted: at least 2")
+    if checks.data_checks_enabled():
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            values = cu.cpu()
+            if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()) or int(values[-1]) > total:
+                raise ValueError(f"{name}={values.tolist()}; accepted: non-decreasing from 0 up to {total}")
+
+    rope = min(64, qk_head_dim - 1)
+    dims = MLADims(num_heads, qk_nope_head_dim=qk_head_dim - rope, qk_rope_head_dim=rope, v_head_dim=v.shape[-1])
+    backend_cls = select_prefill_backend(dims, q.dtype, backend=backend)
+    impl = backend_cls.get_prefill_impl_cls()(
+        num_heads, scale, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, device
+    )
+    return impl.forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
+    )
+
+
+def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
+    """Combine two partial attentions over disjoint keys by their LSE.
+
+    outputs [T, N, D], lse [N, T] float32. An LSE of +inf counts as -inf; when
+    both are -inf the output is 0 and the LSE -inf. Returns (output [T, N, D]
+    in prefix_output's dtype, lse [N, T] float32).
+    """
+    checks.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=FLOAT_DTYPES)
+    device = prefix_output.device
+    tokens, heads, _ = prefix_output.shape
+    checks.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), shape=tuple(prefix_output.shape), device=device)
+    lse_dtypes = (torch.float32, torch.float64)
+    checks.check_tensor("prefix_lse", prefix_lse, ndim=2, dtypes=lse_dtypes, shape=(heads, tokens), device=device)
+    checks.check_tensor("suffix_lse", suffix_lse, ndim=2, dtypes=(prefix_lse.dtype,), shape=(heads, tokens), device=device)
+    if _use_triton(prefix_output) and prefix_output.dtype != torch.float64:
+        from mla_multi.kernels.merge import merge_attn_states as merge_kernel
+
+        return merge_kernel(prefix_output, prefix_lse, suffix_output, suffix_lse)
+    return reference.merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix_lse)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
+    """Write rows [kv_c | k_pe] into the paged latent cache.
+
+    kv_c [T, Lkv], k_pe [T, R], kv_cache [num_blocks, block_size, Lkv + R],
+    slot_mapping [T] int64 (or int32); a negative slot skips that token. An fp8
+    cache is written as value / scale saturated to the fp8 range.
+    """
+    checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
+    device = kv_c.device
+    tokens = kv_c.shape[0]
+    checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, None), device=device)
+    width = kv_c.shape[1] + k_pe.shape[1]
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device)
+    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device)
+    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
+    checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    if _use_triton(kv_cache):
+        from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
+
+        return cache_kernel(kv_c, k_pe, kv_cache, slot_mapping, scale)
+    reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+def gather_cache(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None) -> torch.Tensor:
+    """Gather cached rows of several requests into one contiguous tensor.
+
+    kv_cache [num_blocks, block_size, W]; block_table [B, max_blocks] int32;
+    seq_starts, seq_lens [B]: request i contributes its positions seq_starts[i]
+    .. seq_starts[i] + seq_lens[i] - 1. Returns [sum(seq_lens), W] in
+    `out_dtype` (default: the cache dtype; bfloat16 for an fp8 cache, dequantised
+    with `scale`). Reads seq_lens on the host to size the output.
+    """
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES)
+    device = kv_cache.device
+    checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    batch = block_table.shape[0]
+    checks.check_tensor("seq_starts", seq_starts, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
+    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
+        raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")
+    checks.check_block_table_data(block_table, seq_starts.long() + seq_lens.long(), kv_cache.shape[0], kv_cache.shape[1])
+    if _use_triton(kv_cache):
+        from mla_multi.kernels.cache_ops import gather_cache as gather_kernel
+
+        return gather_kernel(kv_cache, block_table, seq_starts, seq_lens, scale=scale, out_dtype=out_dtype)
+    return reference.gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale, out_dtype)

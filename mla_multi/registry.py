@@ -1,0 +1,284 @@
+"""Backend registration, per-platform priorities and selection with reasons.
+
+Backends are registered by name with the *qualified name* of their class, so a
+backend module (and the optional library behind it) is imported only when a
+selection looks at it; an import that raises anything becomes a reason.
+
+The priority lists for every platform live in `PREFILL_PRIORITIES` and
+`DECODE_PRIORITIES` below and nowhere else.  `select_*` walks the list of the
+current platform and returns the first backend without reasons; when none
+fits, `NoBackendError` prints the configuration and one block of reasons per
+backend.  A backend forced by argument or by `MLA_MULTI_PREFILL_BACKEND` /
+`MLA_MULTI_DECODE_BACKEND` is validated and raises with its reasons; it never
+falls back silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from mla_multi import envs
+from mla_multi.backends.base import (
+    DecodeSelectorConfig,
+    MLADecodeBackend,
+    MLAPrefillBackend,
+    PrefillSelectorConfig,
+    resolve_kv_cache_dtype,
+)
+from mla_multi.dims import MLADims
+from mla_multi.platforms import Platform, current_platform
+
+logger = logging.getLogger("mla_multi")
+
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+# name -> "module:Class"
+PREFILL_BACKENDS: dict[str, str] = {
+    "REFERENCE": "mla_multi.backends.reference:ReferencePrefillBackend",
+}
+DECODE_BACKENDS: dict[str, str] = {
+    "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
+}
+
+# Priority by platform: the first key that matches wins: (vendor, arch), then vendor.
+PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", None): ("REFERENCE",),
+    ("cuda", None): ("REFERENCE",),
+    ("cpu", None): ("REFERENCE",),
+}
+DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", None): ("REFERENCE",),
+    ("cuda", None): ("REFERENCE",),
+    ("cpu", None): ("REFERENCE",),
+}
+
+
+class NoBackendError(RuntimeError):
+    """No backend (or not the forced one) can run a configuration; the message lists every reason."""
+
+    def __init__(self, phase: str, platform: Platform, config, reasons: dict[str, list[str]], forced: str | None = None):
+        self.phase = phase
+        self.platform = platform
+        self.config = config
+        self.reasons = reasons
+        self.forced = forced
+        if forced:
+            head = f"The forced {phase} backend {forced} cannot run this configuration"
+        else:
+            head = f"No MLA {phase} backend can run this configuration"
+        lines = [
+            f"{head} on {platform.name} ({platform.vendor} {platform.arch}):",
+            f"  config: {config.describe()}",
+        ]
+        for name, backend_reasons in reasons.items():
+            lines.append(f"  {name}:")
+            lines.extend(f"    - {reason}" for reason in backend_reasons)
+        super().__init__("\n".join(lines))
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is not registered for the phase."""
+
+
+@dataclasses.dataclass
+class Registry:
+    """Backends by phase and their per-platform priorities.
+
+    The module-level `default_registry` holds the package's backends; tests
+    build their own `Registry` with test-only backends and tables.
+    """
+
+    backends: dict[str, dict[str, str | type]]
+    priorities: dict[str, dict[tuple[str, str | None], tuple[str, ...]]]
+
+    def __post_init__(self) -> None:
+        self._select_cached = functools.lru_cache(maxsize=256)(self._select_uncached)
+        self._load = functools.lru_cache(maxsize=64)(self._load_uncached)
+
+    # -- registration ---------------------------------------------------------
+    def register(self, phase: Phase, name: str, backend: str | type) -> None:
+        """Register `backend` (a class or "module:Class") under `name` for `phase`."""
+        self._check_phase(phase)
+        self.backends[phase][name.upper()] = backend
+        self.clear_cache()
+
+    def names(self, phase: Phase) -> list[str]:
+        self._check_phase(phase)
+        return list(self.backends[phase])
+
+    def clear_cache(self) -> None:
+        self._select_cached.cache_clear()
+        self._load.cache_clear()
+
+    # -- lookup ---------------------------------------------------------------
+    def priority(self, phase: Phase, platform: Platform) -> tuple[str, ...]:
+        """The ordered backend names tried for `phase` on `platform`."""
+        self._check_phase(phase)
+        table = self.priorities[phase]
+        for key in ((platform.vendor, platform.arch), (platform.vendor, None)):
+            if key in table:
+                return table[key]
+        return ()
+
+    def check_name(self, phase: Phase, name: str) -> str:
+        normalized = name.upper()
+        if normalized not in self.backends[phase]:
+            raise UnknownBackendError(
+                f"unknown {phase} backend {name!r}; valid names: {', '.join(self.backends[phase])}"
+            )
+        return normalized
+
+    def _load_uncached(self, phase: Phase, name: str) -> tuple[type | None, str | None]:
+        target = self.backends[phase][name]
+        if not isinstance(target, str):
+            return target, None
+        module_name, _, class_name = target.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), class_name), None
+        except Exception as error:  # an optional library may raise anything on import
+            return None, f"importing {module_name} failed: {type(error).__name__}: {error}"
+
+    def load(self, phase: Phase, name: str) -> type:
+        backend, error = self._load(phase, self.check_name(phase, name))
+        if backend is None:
+            raise ImportError(error)
+        return backend
+
+    def reasons(self, phase: Phase, name: str, platform: Platform, config) -> list[str]:
+        """Why backend `name` cannot run `config` on `platform` (empty: it can). Never raises."""
+        backend, error = self._load(phase, self.check_name(phase, name))
+        if backend is None:
+            return [error]
+        try:
+            return list(backend.validate_configuration(platform, config))
+        except Exception as error:  # a buggy probe is a reason, not a crash
+            return [f"validate_configuration raised {type(error).__name__}: {error}"]
+
+    # -- selection ------------------------------------------------------------
+    def select(self, phase: Phase, config, platform: Platform | None = None, backend: str | None = None) -> type:
+        """The backend class for `config`: the forced one (argument, then environment) or the first fitting by priority."""
+        self._check_phase(phase)
+        platform = platform or current_platform()
+        forced = backend or _forced_from_env(phase)
+        if forced is not None:
+            forced = self.check_name(phase, forced)
+        return self._select_cached(phase, config, platform, forced)
+
+    def _select_uncached(self, phase: Phase, config, platform: Platform, forced: str | None) -> type:
+        if forced is not None:
+            reasons = self.reasons(phase, forced, platform, config)
+            if reasons:
+                raise NoBackendError(phase, platform, config, {forced: reasons}, forced=forced)
+            return self.load(phase, forced)
+        all_reasons: dict[str, list[str]] = {}
+        for name in self.priority(phase, platform):
+            reasons = self.reasons(phase, name, platform, config)
+            if not reasons:
+                logger.debug("selected %s backend %s on %s", phase, name, platform.name)
+                return self.load(phase, name)
+            all_reasons[name] = reasons
+        if not all_reasons:
+            all_reasons["(none)"] = [f"no {phase} backend is listed for {platform.vendor} {platform.arch}"]
+        raise NoBackendError(phase, platform, config, all_reasons)
+
+    def explain(self, phase: Phase, config, platform: Platform | None = None) -> list[dict]:
+        """Every registered backend of `phase`: its priority rank, reasons and whether it would be chosen."""
+        platform = platform or current_platform()
+        order = self.priority(phase, platform)
+        rows = []
+        chosen = None
+        for name in list(order) + [n for n in self.backends[phase] if n not in order]:
+            reasons = self.reasons(phase, name, platform, config)
+            if name not in order:
+                reasons = reasons + [f"not in the {phase} priority list of {platform.vendor} {platform.arch}"]
+            selected = chosen is None and not reasons
+            if selected:
+                chosen = name
+            rows.append({"name": name, "rank": order.index(name) if name in order else None,
+                         "available": not reasons, "selected": selected, "reasons": reasons})
+        return rows
+
+    @staticmethod
+    def _check_phase(phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}; accepted: {', '.join(PHASES)}")
+
+
+def _forced_from_env(phase: Phase) -> str | None:
+    return envs.MLA_MULTI_PREFILL_BACKEND if phase == "prefill" else envs.MLA_MULTI_DECODE_BACKEND
+
+
+default_registry = Registry(
+    backends={"prefill": PREFILL_BACKENDS, "decode": DECODE_BACKENDS},
+    priorities={"prefill": PREFILL_PRIORITIES, "decode": DECODE_PRIORITIES},
+)
+
+
+def prefill_config(dims: MLADims, dtype: torch.dtype) -> PrefillSelectorConfig:
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"dims={dims!r}; accepted: an MLADims")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}; accepted: a torch.dtype")
+    return PrefillSelectorConfig(dims, dtype)
+
+
+def decode_config(
+    dims: MLADims,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    block_size: int = 64,
+    max_query_len: int = 1,
+    platform: Platform | None = None,
+) -> DecodeSelectorConfig:
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"dims={dims!r}; accepted: an MLADims")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}; accepted: a torch.dtype")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}; accepted: a positive int")
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len={max_query_len!r}; accepted: a positive int")
+    resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
+    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len)
+
+
+def select_prefill_backend(
+    dims: MLADims, dtype: torch.dtype, *, backend: str | None = None, platform: Platform | None = None
+) -> type[MLAPrefillBackend]:
+    """The prefill backend class for (dims, dtype) on the current platform; raises `NoBackendError`."""
+    return default_registry.select("prefill", prefill_config(dims, dtype), platform, backend)
+
+
+def select_decode_backend(
+    dims: MLADims,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    block_size: int = 64,
+    *,
+    max_query_len: int = 1,
+    backend: str | None = None,
+    platform: Platform | None = None,
+) -> type[MLADecodeBackend]:
+    """The decode backend class for the configuration on the current platform; raises `NoBackendError`."""
+    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform)
+    return default_registry.select("decode", config, platform, backend)
+
+
+def check_forced_names() -> None:
+    """Fail on an `MLA_MULTI_*_BACKEND` value that names no registered backend."""
+    for phase in PHASES:
+        forced = _forced_from_env(phase)
+        if forced is not None:
+            default_registry.check_name(phase, forced)
+
+
+def names(phase: Phase) -> Sequence[str]:
+    return default_registry.names(phase)

@@ -1,0 +1,137 @@
+"""Naive float64 MLA straight from the math, and a paged-cache scenario driver.
+
+Used by the test suite, `mla-multi demo` and the GPU checks: no absorption,
+no chunking, no paging tricks — full attention of each request's new queries
+over all of its tokens, cached and new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from mla_multi.dims import MLADims
+from mla_multi.metadata import CommonAttentionMetadata
+
+
+def naive_mla_attention(
+    dims: MLADims,
+    scale: float,
+    kv_b_proj_weight: torch.Tensor,
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+) -> torch.Tensor:
+    """One request's attention in float64.
+
+    q [Q, N, P + R] for the last Q of its S tokens; latent [S, Lkv] and k_pe
+    [S, R] for all S tokens. Returns [Q, N * V] float64.
+    """
+    n, p, v = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim
+    weight = kv_b_proj_weight.double().view(n, p + v, dims.kv_lora_rank)
+    q = q.double()
+    k_nope = torch.einsum("npl,sl->snp", weight[:, :p], latent.double())
+    value = torch.einsum("nvl,sl->snv", weight[:, p:], latent.double())
+    seq_len, q_len = latent.shape[0], q.shape[0]
+    scores = torch.einsum("qnp,snp->nqs", q[..., :p], k_nope) + torch.einsum("qnr,sr->nqs", q[..., p:], k_pe.double())
+    scores = scores * scale
+    allowed = torch.arange(seq_len).unsqueeze(0) <= (seq_len - q_len + torch.arange(q_len)).unsqueeze(1)
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    out = torch.einsum("nqs,snv->qnv", torch.softmax(scores, dim=-1), value)
+    return out.reshape(q_len, n * v)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere gives inf."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denominator = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denominator if denominator > 0 else 1.0)
+
+
+@dataclasses.dataclass
+class PagedScenario:
+    """Requests with growing histories in a paged cache, for step-by-step checks.
+
+    Each request keeps its float64 latent and k_pe history; blocks are handed
+    out in a shuffled order so block tables are not contiguous.
+    """
+
+    dims: MLADims
+    block_size: int
+    num_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.free_blocks = list(range(self.num_blocks))
+        self.rng.shuffle(self.free_blocks)
+        self.blocks: dict[int, list[int]] = {}
+        self.latent: dict[int, torch.Tensor] = {}
+        self.k_pe: dict[int, torch.Tensor] = {}
+
+    def randn(self, *shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator, dtype=torch.float64) * std
+
+    def seq_len(self, request: int) -> int:
+        return 0 if request not in self.latent else self.latent[request].shape[0]
+
+    def _ensure_blocks(self, request: int, seq_len: int) -> None:
+        blocks = self.blocks.setdefault(request, [])
+        while len(blocks) * self.block_size < seq_len:
+            if not self.free_blocks:
+                raise RuntimeError(f"scenario ran out of its {self.num_blocks} cache blocks")
+            blocks.append(self.free_blocks.pop())
+
+    def step(self, requests: list[tuple[int, int]], max_blocks: int | None = None):
+        """Schedule (request id, new tokens) pairs, decodes first.
+
+        Returns (metadata, q, kv_c, k_pe) with the new tokens' inputs in
+        `dtype` on `device`; the float64 history is extended by the values as
+        rounded to `dtype`.
+        """
+        d = self.dims
+        query_lens, seq_lens = [], []
+        new_latent, new_pe, queries = [], [], []
+        for request, count in requests:
+            seq_len = self.seq_len(request) + count
+            self._ensure_blocks(request, seq_len)
+            latent = self.randn(count, d.kv_lora_rank, std=1.0).to(self.dtype)
+            pe = self.randn(count, d.qk_rope_head_dim, std=1.0).to(self.dtype)
+            query = self.randn(count, d.num_heads, d.qk_head_dim, std=1.0).to(self.dtype)
+            self.latent[request] = torch.cat([self.latent.get(request, torch.zeros(0, d.kv_lora_rank, dtype=torch.float64)), latent.double()])
+            self.k_pe[request] = torch.cat([self.k_pe.get(request, torch.zeros(0, d.qk_rope_head_dim, dtype=torch.float64)), pe.double()])
+            new_latent.append(latent)
+            new_pe.append(pe)
+            queries.append(query)
+            query_lens.append(count)
+            seq_lens.append(seq_len)
+        width = max_blocks or max(len(self.blocks[r]) for r, _ in requests)
+        table = torch.zeros(len(requests), width, dtype=torch.int32)
+        for row, (request, _) in enumerate(requests):
+            blocks = self.blocks[request]
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        metadata = CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table.to(self.device), self.block_size)
+        cat = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
+        return metadata, cat(queries), cat(new_latent), cat(new_pe)
+
+    def reference(self, requests: list[tuple[int, int]], q: torch.Tensor, scale: float, kv_b_proj_weight: torch.Tensor) -> torch.Tensor:
+        """The float64 naive output [T, N * V] for the step just scheduled."""
+        outputs = []
+        offset = 0
+        for request, count in requests:
+            if count:
+                outputs.append(
+                    naive_mla_attention(
+                        self.dims, scale, kv_b_proj_weight.cpu(), q[offset : offset + count].cpu(),
+                        self.latent[request], self.k_pe[request],
+                    )
+                )
+            offset += count
+        return torch.cat(outputs) if outputs else torch.zeros(0, self.dims.num_heads * self.dims.v_head_dim, dtype=torch.float64)

@@ -1,0 +1,156 @@
+"""MLAAttention end to end against naive float64 MLA (no absorption, full attention)."""
+
+import pytest
+import torch
+
+import mla_multi as mm
+from mla_multi.testing import PagedScenario, relative_error
+
+SMALL = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+
+
+def make_layer(dims, dtype, block_size, *, workspace_tokens=None, kv_cache_dtype="auto", kv_cache_scale=None, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(
+        dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, generator=generator, dtype=torch.float64
+    ) / dims.kv_lora_rank**0.5
+    weight = weight.to(dtype).to(device)
+    scale = dims.qk_head_dim**-0.5
+    layer = mm.MLAAttention(
+        dims, scale, weight, block_size=block_size, max_model_len=4096, max_num_seqs=16,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, workspace_tokens=workspace_tokens,
+    )
+    return layer, weight, scale
+
+
+def run_steps(layer, weight, scale, scenario, steps, cache):
+    errors = []
+    for requests in steps:
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        out = torch.full((q.shape[0], layer.dims.num_heads * layer.dims.v_head_dim), float("nan"), dtype=q.dtype)
+        layer.forward(q, kv_c, k_pe, cache, metadata, output=out)
+        errors.append(relative_error(out, scenario.reference(requests, q, scale, weight)))
+    return errors
+
+
+# Steps: prefills without context, then decodes + prefills with and without context.
+MIXED_STEPS = [
+    [(0, 23), (1, 5), (2, 40)],
+    [(0, 1), (1, 1), (3, 9), (2, 17)],
+    [(3, 1), (0, 1), (4, 33), (1, 12)],
+    [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["float64", "float32"])
+def test_mixed_batches_match_naive_mla(block_size, dtype, tol):
+    dims = mm.MLADims(4, **SMALL)
+    layer, weight, scale = make_layer(dims, dtype, block_size, workspace_tokens=max(64, block_size * 5))
+    num_blocks = 4096 // block_size
+    scenario = PagedScenario(dims, block_size, num_blocks, torch.device("cpu"), dtype, seed=block_size)
+    cache = torch.full((num_blocks, block_size, dims.kv_cache_width), float("nan"), dtype=dtype)
+    errors = run_steps(layer, weight, scale, scenario, MIXED_STEPS, cache)
+    assert max(errors) < tol, errors
+
+
+@pytest.mark.parametrize("num_heads", [1, 8, 16, 32, 128])
+def test_head_counts(num_heads):
+    dims = mm.MLADims(num_heads, **SMALL)
+    layer, weight, scale = make_layer(dims, torch.float32, 16, workspace_tokens=64)
+    scenario = PagedScenario(dims, 16, 64, torch.device("cpu"), torch.float32, seed=num_heads)
+    cache = torch.full((64, 16, dims.kv_cache_width), float("nan"), dtype=torch.float32)
+    errors = run_steps(layer, weight, scale, scenario, [[(0, 20), (1, 3)], [(0, 1), (1, 6)], [(1, 1), (0, 1)]], cache)
+    assert max(errors) < 1e-5, errors
+
+
+def test_deepseek_v3_dims_decode_and_prefill():
+    dims = mm.MLADims.deepseek_v3(num_heads=8)
+    layer, weight, scale = make_layer(dims, torch.float32, 64, workspace_tokens=128)
+    scenario = PagedScenario(dims, 64, 32, torch.device("cpu"), torch.float32, seed=3)
+    cache = torch.full((32, 64, 576), float("nan"), dtype=torch.float32)
+    errors = run_steps(layer, weight, scale, scenario, [[(0, 150), (1, 20)], [(1, 1), (0, 1), (2, 70)]], cache)
+    assert max(errors) < 1e-5, errors
+
+
+def test_context_longer_than_workspace_uses_at_least_three_chunks(monkeypatch):
+    dims = mm.MLADims(4, **SMALL)
+    layer, weight, scale = make_layer(dims, torch.float64, 16, workspace_tokens=32)
+    scenario = PagedScenario(dims, 16, 256, torch.device("cpu"), torch.float64, seed=7)
+    cache = torch.full((256, 16, dims.kv_cache_width), float("nan"), dtype=torch.float64)
+    run_steps(layer, weight, scale, scenario, [[(0, 100), (1, 70)]], cache)
+
+    chunk_calls = []
+    original = layer.prefill_impl.run_prefill_context_chunk
+
+    def counting(metadata, chunk_idx, q, k, v):
+        # The gathered chunk never exceeds the workspace.
+        assert k.shape[0] <= layer.workspace_tokens
+        chunk_calls.append(chunk_idx)
+        return original(metadata, chunk_idx, q, k, v)
+
+    monkeypatch.setattr(layer.prefill_impl, "run_prefill_context_chunk", counting)
+    errors = run_steps(layer, weight, scale, scenario, [[(0, 9), (1, 30)]], cache)
+    assert len(chunk_calls) >= 3, chunk_calls
+    assert max(errors) < 1e-12, errors
+
+
+def test_padding_rows_with_seq_len_zero():
+    """Decode rows with no token and an empty sequence are skipped, the rest is exact."""
+    dims = mm.MLADims(4, **SMALL)
+    layer, weight, scale = make_layer(dims, torch.float64, 16, workspace_tokens=64)
+    scenario = PagedScenario(dims, 16, 64, torch.device("cpu"), torch.float64, seed=11)
+    cache = torch.full((64, 16, dims.kv_cache_width), float("nan"), dtype=torch.float64)
+    run_steps(layer, weight, scale, scenario, [[(0, 10), (1, 12)]], cache)
+    metadata, q, kv_c, k_pe = scenario.step([(0, 1), (5, 0), (1, 1)])
+    assert metadata.seq_lens_cpu.tolist() == [11, 0, 13]
+    out = layer.forward(q, kv_c, k_pe, cache, metadata)
+    reference = scenario.reference([(0, 1), (5, 0), (1, 1)], q, scale, weight)
+    assert relative_error(out, reference) < 1e-12
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+def test_fp8_kv_cache(fp8_dtype):
+    dims = mm.MLADims(8, **SMALL)
+    layer, weight, scale = make_layer(
+        dims, torch.float32, 16, workspace_tokens=48, kv_cache_dtype=fp8_dtype, kv_cache_scale=0.02
+    )
+    assert layer.k_scale is not None and layer.kv_cache_dtype == fp8_dtype
+    scenario = PagedScenario(dims, 16, 128, torch.device("cpu"), torch.float32, seed=5)
+    cache = torch.zeros((128, 16, dims.kv_cache_width), dtype=fp8_dtype)
+    errors = run_steps(layer, weight, scale, scenario, MIXED_STEPS[:3], cache)
+    assert max(errors) < 6e-2, errors
+    # The cache really is quantised: a float cache would give a much smaller error.
+    assert max(errors) > 1e-5
+
+
+def test_fp8_needs_scale():
+    dims = mm.MLADims(2, **SMALL)
+    with pytest.raises(ValueError, match="kv_cache_scale"):
+        make_layer(dims, torch.float32, 16, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_bad_inputs_name_the_argument():
+    dims = mm.MLADims(2, **SMALL)
+    layer, weight, scale = make_layer(dims, torch.float32, 16, workspace_tokens=64)
+    scenario = PagedScenario(dims, 16, 16, torch.device("cpu"), torch.float32)
+    metadata, q, kv_c, k_pe = scenario.step([(0, 3)])
+    cache = torch.zeros((16, 16, dims.kv_cache_width))
+    with pytest.raises(ValueError, match="q has shape"):
+        layer.forward(q[:, :1], kv_c, k_pe, cache, metadata)
+    with pytest.raises(ValueError, match="kv_c_normed has dtype"):
+        layer.forward(q, kv_c.double(), k_pe, cache, metadata)
+    with pytest.raises(ValueError, match="kv_cache has shape"):
+        layer.forward(q, kv_c, k_pe, torch.zeros((16, 8, dims.kv_cache_width)), metadata)
+    with pytest.raises(ValueError, match="kv_b_proj_weight has shape"):
+        mm.MLAAttention(dims, scale, weight[1:], block_size=16, max_model_len=64, max_num_seqs=2)
+    with pytest.raises(ValueError, match="block_size=0"):
+        mm.MLAAttention(dims, scale, weight, block_size=0, max_model_len=64, max_num_seqs=2)
+
+
+def test_absorbed_weights_split_kv_b_proj():
+    dims = mm.MLADims(3, **SMALL)
+    layer, weight, _ = make_layer(dims, torch.float64, 16)
+    per_head = weight.view(3, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    assert torch.equal(layer.W_UK_T, per_head[:, : dims.qk_nope_head_dim])
+    assert torch.equal(layer.W_UV, per_head[:, dims.qk_nope_head_dim :])
