@@ -1,0 +1,3 @@
+from mla_multi.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""`mla-multi info | demo | bench | compile-check`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import platform as host_platform
+import sys
+import time
+
+_LIBRARIES = ("torch", "triton", "pytorch-triton-rocm", "amd-aiter", "flash-attn", "flash-attn-3", "packaging")
+
+
+def _guarded(probe, default="could not collect"):
+    """Run a probe; any exception becomes a string instead of a crash (PyTorch collect_env's rule)."""
+    try:
+        return probe()
+    except Exception as error:  # noqa: BLE001 - a report must never crash
+        return f"{default} ({type(error).__name__}: {error})"
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed distribution versions, read from metadata without importing the libraries."""
+
+    def version(name: str):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {name: _guarded(lambda n=name: version(n)) for name in _LIBRARIES}
+
+
+def collect_info(as_spec: str | None = None) -> dict:
+    """Everything `mla-multi info` prints, as a JSON-friendly dict."""
+    import torch
+
+    import mla_multi as mm
+    from mla_multi import envs, platforms, registry
+    from mla_multi.dims import MLADims
+
+    info: dict = {"mla_multi": mm.__version__, "python": sys.version.split()[0], "host": host_platform.platform()}
+    info["torch_build"] = _guarded(
+        lambda: {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+    )
+    info["libraries"] = library_versions()
+    info["environment"] = envs.overrides_in_force()
+    detected = platforms.current_platform()
+    info["detected_platform"] = detected.describe()
+    info["detection_error"] = platforms.detection_error()
+    target = platforms.get_spec(as_spec) if as_spec else detected
+    info["platform"] = target.describe()
+    info["impersonated"] = as_spec is not None
+
+    dims = MLADims.deepseek_v3()
+    dtype = mm.default_dtype(target)
+    with platforms.override(target):
+        configs = {
+            "prefill": registry.prefill_config(dims, dtype),
+            "decode": registry.decode_config(dims, dtype, "auto", 64, platform=target),
+        }
+        phases = {}
+        for phase, config in configs.items():
+            rows = _guarded(lambda p=phase, c=config: registry.default_registry.explain(p, c, target), default="[]")
+            forced = _guarded(lambda p=phase: registry._forced_from_env(p))
+            selected = None
+            try:
+                selected = registry.default_registry.select(phase, config, target).name
+            except Exception as error:  # the reasons are the report
+                selected = f"none: {error}"
+            phases[phase] = {"config": config.describe(), "priority": list(registry.default_registry.priority(phase, target)),
+                             "forced": forced, "selected": selected, "backends": rows}
+            for row in rows if isinstance(rows, list) else []:
+                backend = _guarded(lambda p=phase, n=row["name"]: registry.default_registry.load(p, n), default=None)
+                if hasattr(backend, "info"):
+                    row["declares"] = _guarded(backend.info)
+        info["phases"] = phases
+    return info
+
+
+def _print_info(info: dict) -> None:
+    p = info["platform"]
+    title = "impersonated" if info["impersonated"] else "detected"
+    print(f"mla_multi {info['mla_multi']}  python {info['python']}  {info['host']}")
+    print(f"platform ({title}): {p['name']}  vendor={p['vendor']} arch={p['arch']} "
+          f"compute_units={p['num_compute_units']} warp_size={p['warp_size']} fp8={p['fp8_dtype']} "
+          f"shared_memory_per_block={p['max_shared_memory_per_block']}")
+    if info["impersonated"]:
+        d = info["detected_platform"]
+        print(f"detected platform: {d['name']} ({d['vendor']} {d['arch']})")
+    if info["detection_error"]:
+        print(f"GPU detection failed, using the CPU: {info['detection_error']}")
+    print("torch build: " + json.dumps(info["torch_build"]))
+    print("libraries: " + ", ".join(f"{k}={v or '-'}" for k, v in info["libraries"].items()))
+    env = info["environment"]
+    print("environment overrides: " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else "none"))
+    for phase, data in info["phases"].items():
+        print(f"\n{phase}: selected {data['selected']}")
+        print(f"  config: {data['config']}")
+        print(f"  priority: {' > '.join(data['priority']) or '(none)'}")
+        for row in data["backends"] if isinstance(data["backends"], list) else []:
+            state = "SELECTED" if row["selected"] else ("available" if row["available"] else "unavailable")
+            print(f"  {row['name']:<16} {state}")
+            for reason in row["reasons"]:
+                print(f"      - {reason}")
+
+
+def cmd_info(args) -> int:
+    info = collect_info(args.as_spec)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        _print_info(info)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    import mla_multi as mm
+    from mla_multi.testing import PagedScenario, relative_error
+
+    platform = mm.current_platform()
+    device = platform.torch_device
+    on_gpu = platform.is_gpu()
+    num_heads = args.num_heads or (128 if on_gpu else 16)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    dims = mm.MLADims.deepseek_v3(num_heads=num_heads)
+    block_size = 64
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                          generator=generator) / dims.kv_lora_rank**0.5).to(dtype).to(device)
+    scale = dims.qk_head_dim**-0.5
+    layer = mm.MLAAttention(dims, scale, weight, block_size=block_size, max_model_len=8192, max_num_seqs=64,
+                            workspace_tokens=args.workspace_tokens)
+    num_blocks = 512
+    scenario = PagedScenario(dims, block_size, num_blocks, device, dtype, seed=0)
+    cache = torch.zeros(num_blocks, block_size, dims.kv_cache_width, dtype=dtype, device=device)
+    steps = [
+        [(0, 300), (1, 45), (2, 700)],                         # fresh prefills
+        [(0, 1), (1, 1), (3, 120), (2, 64)],                   # decodes + prefill with cached context
+        [(3, 1), (0, 1), (1, 1), (2, 1), (4, 200)],
+        [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)],              # pure decode
+        [(4, 1), (0, 1), (2, 300)],                            # long cached context, chunked
+    ]
+    print(f"platform: {platform.name} ({platform.vendor} {platform.arch}); device {device}")
+    print(f"layer: DeepSeek-V3 MLA, {num_heads} heads, {dtype}, block size {block_size}, "
+          f"workspace {layer.workspace_tokens} tokens")
+    print(f"backends: prefill={layer.prefill_backend.name} decode={layer.decode_backend.name}")
+    worst = 0.0
+    for index, requests in enumerate(steps):
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = layer.forward(q, kv_c, k_pe, cache, metadata)
+        if on_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        error = relative_error(out, scenario.reference(requests, q, scale, weight).to(out.device))
+        worst = max(worst, error)
+        decodes = sum(1 for _, n in requests if n == 1)
+        print(f"step {index}: {decodes} decodes, {len(requests) - decodes} prefills, {metadata.num_actual_tokens} tokens, "
+              f"max seq_len {metadata.max_seq_len}: rel err {error:.2e}, {elapsed * 1e3:.1f} ms")
+    status = "OK" if worst <= tolerance else "FAILED"
+    print(f"max relative error vs naive float64 MLA: {worst:.2e} (tolerance {tolerance:.0e}) {status}")
+    return 0 if worst <= tolerance else 1
+
+
+def cmd_bench(args) -> int:
+    module = importlib.import_module(f"mla_multi.benchmarks.{args.phase}")
+    return int(module.main(args.rest) or 0)
+
+
+def cmd_compile_check(args) -> int:
+    from mla_multi import compile_check
+
+    return int(compile_check.main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla-multi", description="MLA attention for AMD and NVIDIA GPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="platform, backends per phase with their reasons, overrides, versions")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument("--as", dest="as_spec", metavar="SPEC",
+                      help="show the selection on a ready platform spec (MI300X, MI355X, H100, ...)")
+    info.set_defaults(func=cmd_info)
+    demo = sub.add_parser("demo", help="run a DeepSeek-V3-shaped MLA layer through the paged cache and check it")
+    demo.add_argument("--num-heads", type=int, default=None, help="heads (default 128 on a GPU, 16 on the CPU)")
+    demo.add_argument("--workspace-tokens", type=int, default=256, help="context tokens gathered per chunk")
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks on the GPU: decode or prefill")
+    bench.add_argument("phase", choices=("decode", "prefill"))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    check = sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",
+                           add_help=False)
+    check.add_argument("rest", nargs=argparse.REMAINDER)
+    check.set_defaults(func=cmd_compile_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
