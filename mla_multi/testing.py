@@ -37,15 +37,16 @@ def naive_mla_attention(
     seq_len, q_len = latent.shape[0], q.shape[0]
     scores = torch.einsum("qnp,snp->nqs", q[..., :p], k_nope) + torch.einsum("qnr,sr->nqs", q[..., p:], k_pe.double())
     scores = scores * scale
-    allowed = torch.arange(seq_len).unsqueeze(0) <= (seq_len - q_len + torch.arange(q_len)).unsqueeze(1)
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    positions = torch.arange(seq_len, device=q.device)
+    allowed = positions.unsqueeze(0) <= (seq_len - q_len + torch.arange(q_len, device=q.device)).unsqueeze(1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.einsum("nqs,snv->qnv", torch.softmax(scores, dim=-1), value)
     return out.reshape(q_len, n * v)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN or inf anywhere gives inf."""
-    out64, ref64 = out.double(), ref.double()
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     if not torch.isfinite(out64).all():
         return float("inf")
     denominator = ref64.norm().item()
@@ -129,9 +130,11 @@ class PagedScenario:
             if count:
                 outputs.append(
                     naive_mla_attention(
-                        self.dims, scale, kv_b_proj_weight.cpu(), q[offset : offset + count].cpu(),
-                        self.latent[request], self.k_pe[request],
+                        self.dims, scale, kv_b_proj_weight, q[offset : offset + count],
+                        self.latent[request].to(q.device), self.k_pe[request].to(q.device),
                     )
                 )
             offset += count
-        return torch.cat(outputs) if outputs else torch.zeros(0, self.dims.num_heads * self.dims.v_head_dim, dtype=torch.float64)
+        if not outputs:
+            return torch.zeros(0, self.dims.num_heads * self.dims.v_head_dim, dtype=torch.float64, device=q.device)
+        return torch.cat(outputs)

@@ -27,7 +27,7 @@ def run_steps(layer, weight, scale, scenario, steps, cache):
     errors = []
     for requests in steps:
         metadata, q, kv_c, k_pe = scenario.step(requests)
-        out = torch.full((q.shape[0], layer.dims.num_heads * layer.dims.v_head_dim), float("nan"), dtype=q.dtype)
+        out = torch.full((q.shape[0], layer.dims.num_heads * layer.dims.v_head_dim), float("nan"), dtype=q.dtype, device=q.device)
         layer.forward(q, kv_c, k_pe, cache, metadata, output=out)
         errors.append(relative_error(out, scenario.reference(requests, q, scale, weight)))
     return errors
@@ -154,3 +154,47 @@ def test_absorbed_weights_split_kv_b_proj():
     per_head = weight.view(3, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
     assert torch.equal(layer.W_UK_T, per_head[:, : dims.qk_nope_head_dim])
     assert torch.equal(layer.W_UV, per_head[:, dims.qk_nope_head_dim :])
+
+
+def make_gpu_layer(dims, dtype, block_size, backend, **kwargs):
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                          generator=generator, dtype=torch.float64) / dims.kv_lora_rank**0.5).to(dtype).cuda()
+    scale = dims.qk_head_dim**-0.5
+    layer = mm.MLAAttention(dims, scale, weight, block_size=block_size, max_model_len=16384, max_num_seqs=16,
+                            prefill_backend=backend, decode_backend=backend, **kwargs)
+    return layer, weight, scale
+
+
+GPU_STEPS = [
+    [(0, 700), (1, 64), (2, 1500)],
+    [(0, 1), (1, 1), (3, 300), (2, 257)],
+    [(3, 1), (0, 1), (1, 1), (4, 33), (2, 900)],
+    [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)],
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "REFERENCE"], ids=["auto", "reference"])
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_gpu_bf16_deepseek_v3_layer(backend, num_heads, block_size):
+    dims = mm.MLADims.deepseek_v3(num_heads=num_heads)
+    layer, weight, scale = make_gpu_layer(dims, torch.bfloat16, block_size, backend, workspace_tokens=512)
+    num_blocks = 8192 // block_size
+    scenario = PagedScenario(dims, block_size, num_blocks, torch.device("cuda"), torch.bfloat16, seed=num_heads)
+    cache = torch.full((num_blocks, block_size, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    errors = run_steps(layer, weight, scale, scenario, GPU_STEPS, cache)
+    assert max(errors) < 1e-2, (layer.backends(), errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "REFERENCE"], ids=["auto", "reference"])
+def test_gpu_fp8_kv_cache_layer(backend):
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    layer, weight, scale = make_gpu_layer(dims, torch.bfloat16, 64, backend, workspace_tokens=512,
+                                          kv_cache_dtype="fp8", kv_cache_scale=0.05)
+    scenario = PagedScenario(dims, 64, 128, torch.device("cuda"), torch.bfloat16, seed=2)
+    cache = torch.zeros((128, 64, 576), dtype=layer.kv_cache_dtype, device="cuda")
+    errors = run_steps(layer, weight, scale, scenario, GPU_STEPS, cache)
+    assert max(errors) < 6e-2, (layer.backends(), errors)
