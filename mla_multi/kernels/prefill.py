@@ -1,0 +1,524 @@
+"""Varlen flash attention with LSE for MLA prefill (qk head dim 192, v head dim 128).
+
+The prefill phase of MLA is ordinary multi-head attention whose query/key head
+dim (``qk_nope_head_dim + qk_rope_head_dim`` = 192) differs from the value head
+dim (``v_head_dim`` = 128). Padding V to 192 (what a generic flash kernel needs)
+wastes a third of the second matmul and the output bandwidth, so this kernel
+handles the two head dims natively: the 192-wide dot product is computed as a
+128-wide plus a 64-wide ``tl.dot`` (Triton block shapes are powers of two), and
+the accumulator is 128 wide.
+
+Layout follows flash-attn's varlen interface: tokens of all sequences are packed
+along the first dimension and ``cu_seqlens`` (int32, ``[B + 1]``) marks the
+sequence boundaries. The log-sum-exp is returned in natural log, float32,
+``[num_heads, num_tokens]``.
+
+Performance notes (what the kernel does and why):
+
+* the softmax runs in base 2 with ``log2(e)`` folded into the scale, so each
+  score costs one FMA and one ``exp2``;
+* the key loop is split into an unmasked part (every key visible to every query
+  row of the tile, no boundary checks) and a masked part (the causal diagonal
+  and the ragged end of the sequence), so the mask arithmetic runs on at most
+  ``BLOCK_M / BLOCK_N + 1`` tiles per program;
+* the grid is ``(query tiles, heads, batch)`` with an early exit for tiles past
+  a sequence's end; for causal attention the query tiles run in reverse order so
+  the longest rows (the most keys) are scheduled first and the short ones fill
+  the tail.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["varlen_attention", "compile_specs", "kernel_constexprs"]
+
+_LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q_a,
+    q_b,
+    k_ptrs_a,
+    k_ptrs_b,
+    v_ptrs,
+    k_desc_a,
+    k_desc_b,
+    v_desc,
+    desc_row,
+    desc_col_k,
+    desc_col_v,
+    start_n_lo,
+    start_n_hi,
+    stride_k_t,
+    stride_v_t,
+    offs_m,
+    offs_n,
+    seqlen_k,
+    causal_offset,
+    qk_scale_log2,
+    offs_d_b,
+    offs_dv,
+    HEAD_DIM_QK: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK_A: tl.constexpr,
+    BLOCK_DQK_B: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DQK_B: tl.constexpr,
+    PAD_DQK_B: tl.constexpr,
+    PAD_DV: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """One pass of the online softmax over key tiles [start_n_lo, start_n_hi).
+
+    MASKED=False: every key of every tile is visible to every row (no checks).
+    MASKED=True: keys past ``seqlen_k`` and, when CAUSAL, keys past the causal
+    bound ``offs_m + causal_offset`` are excluded.
+    USE_TMA: unmasked tiles come through the tensor-memory accelerator (Hopper+)
+    from 2-D descriptors whose rows are tokens and whose columns are
+    ``head * stride_h + d``; masked tiles always use pointer loads so keys of a
+    neighbouring sequence are never read into the softmax.
+    """
+    k_ptrs_a += start_n_lo * stride_k_t
+    if HAS_DQK_B:
+        k_ptrs_b += start_n_lo * stride_k_t
+    v_ptrs += start_n_lo * stride_v_t
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if MASKED:
+            key_in = (start_n + offs_n) < seqlen_k
+            k_a = tl.load(k_ptrs_a, mask=key_in[:, None], other=0.0)
+        elif USE_TMA:
+            k_a = k_desc_a.load([desc_row + start_n, desc_col_k])
+        else:
+            k_a = tl.load(k_ptrs_a)
+        qk = tl.dot(q_a, tl.trans(k_a))
+        if HAS_DQK_B:
+            if MASKED:
+                if PAD_DQK_B:
+                    k_b = tl.load(
+                        k_ptrs_b,
+                        mask=key_in[:, None] & (offs_d_b[None, :] < HEAD_DIM_QK),
+                        other=0.0,
+                    )
+                else:
+                    k_b = tl.load(k_ptrs_b, mask=key_in[:, None], other=0.0)
+            elif USE_TMA:
+                k_b = k_desc_b.load([desc_row + start_n, desc_col_k + BLOCK_DQK_A])
+            else:
+                if PAD_DQK_B:
+                    k_b = tl.load(k_ptrs_b, mask=offs_d_b[None, :] < HEAD_DIM_QK, other=0.0)
+                else:
+                    k_b = tl.load(k_ptrs_b)
+            qk = tl.dot(q_b, tl.trans(k_b), qk)
+
+        if MASKED:
+            visible = key_in[None, :]
+            if CAUSAL:
+                visible = visible & ((start_n + offs_n)[None, :] <= (offs_m + causal_offset)[:, None])
+            qk = tl.where(visible, qk * qk_scale_log2, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no visible key yet keeps m = -inf; subtracting
+            # it would give -inf - -inf = NaN, so such rows subtract 0 instead
+            # (their p and alpha are exp2(-inf) = 0 either way).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
+            p = tl.math.exp2(qk * qk_scale_log2 - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+
+        if MASKED:
+            if PAD_DV:
+                v = tl.load(v_ptrs, mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=key_in[:, None], other=0.0)
+        elif USE_TMA:
+            v = v_desc.load([desc_row + start_n, desc_col_v])
+        else:
+            if PAD_DV:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+
+        k_ptrs_a += BLOCK_N * stride_k_t
+        if HAS_DQK_B:
+            k_ptrs_b += BLOCK_N * stride_k_t
+        v_ptrs += BLOCK_N * stride_v_t
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _varlen_attention_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    k_desc_a,
+    k_desc_b,
+    v_desc,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    qk_scale_log2,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_h,
+    num_m_blocks,
+    num_queries_per_kv,
+    HEAD_DIM_QK: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK_A: tl.constexpr,
+    BLOCK_DQK_B: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    HAS_DQK_B: tl.constexpr = BLOCK_DQK_B > 0
+    PAD_DQK_B: tl.constexpr = BLOCK_DQK_A + BLOCK_DQK_B != HEAD_DIM_QK
+    PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
+
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if CAUSAL:
+        # Heaviest (last) query tiles first: they see the most keys.
+        start_m = num_m_blocks - 1 - pid_m
+    else:
+        start_m = pid_m
+
+    q_start = tl.load(cu_seqlens_q + seq)
+    seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if start_m * BLOCK_M >= seqlen_q:
+        return
+    k_start = tl.load(cu_seqlens_k + seq)
+    seqlen_k = tl.load(cu_seqlens_k + seq + 1) - k_start
+    kv_head = head // num_queries_per_kv
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d_a = tl.arange(0, BLOCK_DQK_A)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if HAS_DQK_B:
+        offs_d_b = BLOCK_DQK_A + tl.arange(0, BLOCK_DQK_B)
+    else:
+        offs_d_b = offs_d_a
+    row_in = offs_m < seqlen_q
+
+    # 64-bit sequence bases: packed token counts times strides overflow int32.
+    q_base = Q + q_start.to(tl.int64) * stride_q_t + head.to(tl.int64) * stride_q_h
+    k_base = K + k_start.to(tl.int64) * stride_k_t + kv_head.to(tl.int64) * stride_k_h
+    v_base = V + k_start.to(tl.int64) * stride_v_t + kv_head.to(tl.int64) * stride_v_h
+
+    q_ptrs_a = q_base + offs_m[:, None] * stride_q_t + offs_d_a[None, :]
+    q_a = tl.load(q_ptrs_a, mask=row_in[:, None], other=0.0)
+    if HAS_DQK_B:
+        q_ptrs_b = q_base + offs_m[:, None] * stride_q_t + offs_d_b[None, :]
+        if PAD_DQK_B:
+            q_b = tl.load(q_ptrs_b, mask=row_in[:, None] & (offs_d_b[None, :] < HEAD_DIM_QK), other=0.0)
+        else:
+            q_b = tl.load(q_ptrs_b, mask=row_in[:, None], other=0.0)
+    else:
+        q_b = q_a
+    k_ptrs_a = k_base + offs_n[:, None] * stride_k_t + offs_d_a[None, :]
+    k_ptrs_b = k_base + offs_n[:, None] * stride_k_t + offs_d_b[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_v_t + offs_dv[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # Bottom-right aligned causal mask: query i sees keys j <= i + causal_offset.
+    causal_offset = seqlen_k - seqlen_q
+    if CAUSAL:
+        # Keys every row of this tile sees: j <= start_m * BLOCK_M + causal_offset.
+        full_end = tl.minimum(start_m * BLOCK_M + causal_offset + 1, seqlen_k)
+        # Keys any row of this tile sees.
+        masked_end = tl.minimum((start_m + 1) * BLOCK_M + causal_offset, seqlen_k)
+    else:
+        full_end = seqlen_k
+        masked_end = seqlen_k
+    full_end = tl.maximum(full_end, 0)
+    masked_end = tl.maximum(masked_end, 0)
+    unmasked_hi = (full_end // BLOCK_N) * BLOCK_N
+
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs,
+        k_desc_a, k_desc_b, v_desc, k_start, kv_head * stride_k_h, kv_head * stride_v_h,
+        0, unmasked_hi, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
+        qk_scale_log2, offs_d_b, offs_dv,
+        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
+        False, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs,
+        k_desc_a, k_desc_b, v_desc, k_start, kv_head * stride_k_h, kv_head * stride_v_h,
+        unmasked_hi, masked_end, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
+        qk_scale_log2, offs_d_b, offs_dv,
+        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
+        True, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA,
+    )  # fmt: skip
+
+    # Rows that saw no key (empty key set, or causal with seqlen_k < seqlen_q)
+    # have l = 0: output 0 and LSE -inf, never NaN.
+    no_key = l_i == 0.0
+    l_safe = tl.where(no_key, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = (
+        Out
+        + q_start.to(tl.int64) * stride_o_t
+        + head.to(tl.int64) * stride_o_h
+        + offs_m[:, None] * stride_o_t
+        + offs_dv[None, :]
+    )
+    if PAD_DV:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_in[:, None])
+    if STORE_LSE:
+        lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse_ptrs = Lse + head.to(tl.int64) * stride_lse_h + q_start + offs_m
+        tl.store(lse_ptrs, lse, mask=row_in)
+
+
+def _split_head_dim_qk(head_dim_qk: int) -> tuple[int, int]:
+    """Split the qk head dim into two power-of-two blocks (192 -> 128 + 64).
+
+    The second block is padded up to a power of two (>= 16, the smallest dot
+    width) and masked when the remainder is not one; 0 means no second block.
+    """
+    block_a = 1 << (head_dim_qk.bit_length() - 1)
+    rest = head_dim_qk - block_a
+    block_b = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return block_a, block_b
+
+
+def kernel_constexprs(
+    head_dim_qk: int,
+    head_dim_v: int,
+    block_m: int,
+    block_n: int,
+    causal: bool,
+    store_lse: bool = True,
+    use_tma: bool = False,
+) -> dict[str, Any]:
+    """The compile-time arguments of the kernel for one head-dim pair and tile.
+
+    Shared by the launcher and the ahead-of-time compile check so both compile
+    exactly the same specialisation.
+    """
+    block_dqk_a, block_dqk_b = _split_head_dim_qk(head_dim_qk)
+    return {
+        "HEAD_DIM_QK": head_dim_qk,
+        "HEAD_DIM_V": head_dim_v,
+        "BLOCK_DQK_A": block_dqk_a,
+        "BLOCK_DQK_B": block_dqk_b,
+        "BLOCK_DV": max(16, triton.next_power_of_2(head_dim_v)),
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "CAUSAL": bool(causal),
+        "STORE_LSE": bool(store_lse),
+        "USE_TMA": bool(use_tma),
+    }
+
+
+def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, constexprs: dict[str, Any]):
+    """Host-side TMA descriptors for K (two column blocks) and V, or None when the
+    tensors do not meet the descriptor rules (16-byte aligned base and row stride,
+    head dims that need no padding)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a Triton without host descriptors
+        return None
+    block_a, block_b, block_dv = constexprs["BLOCK_DQK_A"], constexprs["BLOCK_DQK_B"], constexprs["BLOCK_DV"]
+    head_dim_qk, head_dim_v = k.shape[2], v.shape[2]
+    if block_a + block_b != head_dim_qk or block_dv != head_dim_v or block_b == 0:
+        return None
+    elem = k.element_size()
+    for t in (k, v):
+        if t.data_ptr() % 16 or (t.stride(0) * elem) % 16 or t.shape[0] == 0:
+            return None
+    block_n = constexprs["BLOCK_N"]
+    # 2-D views: rows are tokens, columns run over all heads (head h at h * stride_h);
+    # the column extent stops at the last head's last element so no read leaves the tensor.
+    k_cols = (k.shape[1] - 1) * k.stride(1) + head_dim_qk
+    v_cols = (v.shape[1] - 1) * v.stride(1) + head_dim_v
+    k_desc_a = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, block_a])
+    k_desc_b = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, block_b])
+    v_desc = TensorDescriptor(v, [v.shape[0], v_cols], [v.stride(0), 1], [block_n, block_dv])
+    return k_desc_a, k_desc_b, v_desc
+
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {got}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name}.dtype is {t.dtype}; accepted: float16, bfloat16, float32")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all tensors must share one device")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k head dim {k.shape[2]} must equal q head dim {q.shape[2]}")
+    if v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
+        raise ValueError(f"v shape {tuple(v.shape)} must match k shape {tuple(k.shape)} in tokens and heads")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    if q.shape[2] < 16 or v.shape[2] < 16:
+        raise ValueError(f"head dims must be >= 16, got qk {q.shape[2]} and v {v.shape[2]}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {got}")
+        if t.numel() < 1:
+            raise ValueError(f"{name} must hold at least one entry (batch + 1), got 0")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.numel()} entries and cu_seqlens_k {cu_seqlens_k.numel()}; "
+            "both must be batch + 1"
+        )
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if out is not None:
+        expected = (num_tokens, num_heads, v.shape[2])
+        if tuple(out.shape) != expected or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+            raise ValueError(
+                f"out must be a {q.dtype} tensor of shape {expected} on {q.device} with a contiguous last "
+                f"dimension, got {out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
+            )
+    if lse is not None:
+        expected = (num_heads, num_tokens)
+        if tuple(lse.shape) != expected or lse.dtype != torch.float32 or lse.device != q.device or (
+            num_tokens > 1 and lse.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"lse must be a float32 tensor of shape {expected} on {q.device} with a contiguous last "
+                f"dimension, got {lse.dtype} {tuple(lse.shape)} strides {lse.stride()} on {lse.device}"
+            )
+
+
+def _config_for(q: torch.Tensor, head_dim_v: int, causal: bool):
+    from mla_multi.kernels.launch_config import prefill_config
+    from mla_multi.platforms import current_platform
+
+    return prefill_config(current_platform(), q.shape[2], head_dim_v, q.dtype, causal)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    *,
+    causal: bool,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = True,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Variable-length flash attention returning the log-sum-exp.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim_qk]`` float16/bfloat16 (float32 for tests);
+            any strides with a contiguous last dimension.
+        k: ``[total_k, num_kv_heads, head_dim_qk]``, same dtype; ``num_heads`` must be a
+            multiple of ``num_kv_heads`` (MLA prefill uses ``num_kv_heads == num_heads``).
+        v: ``[total_k, num_kv_heads, head_dim_v]``, same dtype (``head_dim_v`` may differ
+            from ``head_dim_qk``: 128 vs 192 for MLA).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` prefix sums of the query / key
+            lengths; sequence ``b`` owns rows ``cu[b]:cu[b+1]``. Zero-length sequences are allowed.
+        max_seqlen_q: upper bound of the query lengths (sizes the grid).
+        max_seqlen_k: upper bound of the key lengths (validated, not needed by the kernel).
+        scale: softmax scale (always explicit; MLA uses ``1/sqrt(192)`` times any YaRN factor).
+        causal: causal mask aligned bottom-right: query ``i`` of a sequence with ``lq``
+            queries and ``lk`` keys sees keys ``j <= i + lk - lq``.
+        out: optional output buffer ``[total_q, num_heads, head_dim_v]`` in q's dtype.
+        lse: optional LSE buffer ``[num_heads, total_q]`` float32.
+        return_lse: when False the LSE is neither computed nor returned (``None``).
+        config: a ``PrefillLaunchConfig``; default ``launch_config.prefill_config`` for the
+            current platform.
+
+    Returns:
+        ``(out, lse)``: out ``[total_q, num_heads, head_dim_v]`` in q's dtype, lse
+        ``[num_heads, total_q]`` float32 natural log (``None`` when ``return_lse`` is False).
+        A query that sees no key (empty key sequence, or causal with ``lk < lq``) gets
+        output 0 and LSE -inf.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+    num_tokens, num_heads, head_dim_qk = q.shape
+    head_dim_v = v.shape[2]
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim_v), dtype=q.dtype, device=q.device)
+    if return_lse and lse is None:
+        lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.numel() - 1
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out, (lse if return_lse else None)
+    if config is None:
+        config = _config_for(q, head_dim_v, causal)
+
+    constexprs = kernel_constexprs(
+        head_dim_qk, head_dim_v, config.block_m, config.block_n, causal, return_lse, config.use_tma
+    )
+    descriptors = _tma_descriptors(k, v, constexprs) if config.use_tma else None
+    if descriptors is None:
+        constexprs["USE_TMA"] = False
+        descriptors = (None, None, None)
+    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m)
+    grid = (num_m_blocks, num_heads, batch)
+    lse_arg = lse if return_lse else out  # never written when STORE_LSE is False
+    _varlen_attention_kernel[grid](
+        q, k, v, out, lse_arg,
+        *descriptors,
+        cu_seqlens_q, cu_seqlens_k,
+        float(scale) * _LOG2_E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if return_lse else 0,
+        num_m_blocks,
+        num_heads // k.shape[1],
+        **constexprs,
+        **config.launch_options(),
+    )  # fmt: skip
+    return out, (lse if return_lse else None)
