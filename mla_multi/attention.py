@@ -183,7 +183,7 @@ class MLAAttention:
         ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
         latent_out, _ = self.decode_impl.forward_mqa(
             ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
-            k_scale=self.k_scale, workspace_manager=self.workspace,
+            k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len,
         )
         # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].
         decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)

@@ -42,21 +42,25 @@ PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
 # name -> "module:Class"
 PREFILL_BACKENDS: dict[str, str] = {
+    "TRITON": "mla_multi.backends.triton:TritonPrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferencePrefillBackend",
 }
 DECODE_BACKENDS: dict[str, str] = {
+    "TRITON": "mla_multi.backends.triton:TritonDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
 }
 
 # Priority by platform: the first key that matches wins: (vendor, arch), then vendor.
+# REFERENCE ends every GPU list as the correct-but-slow last resort; selecting
+# it on a GPU logs a warning.
 PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("rocm", None): ("REFERENCE",),
-    ("cuda", None): ("REFERENCE",),
+    ("rocm", None): ("TRITON", "REFERENCE"),
+    ("cuda", None): ("TRITON", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("rocm", None): ("REFERENCE",),
-    ("cuda", None): ("REFERENCE",),
+    ("rocm", None): ("TRITON", "REFERENCE"),
+    ("cuda", None): ("TRITON", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 
@@ -183,6 +187,11 @@ class Registry:
             reasons = self.reasons(phase, name, platform, config)
             if not reasons:
                 logger.debug("selected %s backend %s on %s", phase, name, platform.name)
+                if name == "REFERENCE" and platform.is_gpu():
+                    logger.warning(
+                        "%s on %s falls back to the slow REFERENCE backend; `mla-multi info` lists why the others "
+                        "were rejected: %s", phase, platform.name, all_reasons,
+                    )
                 return self.load(phase, name)
             all_reasons[name] = reasons
         if not all_reasons:

@@ -307,6 +307,7 @@ class MLADecodeImpl(ABC):
         k_scale: torch.Tensor | None = None,
         num_kv_splits: int | None = None,
         workspace_manager=None,
+        max_seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention.
 
@@ -314,7 +315,11 @@ class MLADecodeImpl(ABC):
         request (causal within the request); q_pe likewise with R; kv_cache
         [num_blocks, block_size, Lkv + R]; block_table [B, max_blocks] int32;
         seq_lens [B] int32 (tokens in the cache, the new ones included).
-        Returns out with q_nope's shape and dtype and lse [B, (Q,) N] float32.
+        num_kv_splits forces the split count (backends without splits ignore
+        it); workspace_manager supplies scratch (reserved ahead for CUDA
+        graphs); max_seq_len is a host-side bound of seq_lens for heuristics.
+        Returns out with q_nope's shape and dtype and lse [B, (Q,) N] float32;
+        the output may live in the workspace, valid until its next use.
         """
 
 

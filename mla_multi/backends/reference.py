@@ -230,7 +230,7 @@ class ReferencePrefillBackend(MLAPrefillBackend):
 
 
 class ReferenceDecodeImpl(MLADecodeImpl):
-    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None, workspace_manager=None):
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None, workspace_manager=None, max_seq_len=None):
         # The reference computes each request in one piece: num_kv_splits does not apply.
         out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale)
         return out, lse

@@ -1,0 +1,175 @@
+"""TRITON: the portable backend, one set of kernels for AMD and NVIDIA GPUs.
+
+Prefill runs `mla_multi.kernels.prefill.varlen_attention` (qk 192 / v 128
+natively, LSE); decode runs the split-KV kernel of
+`mla_multi.kernels.mla_decode` with the number of splits from
+`mla_multi.heuristics`, its scratch taken from a reserved `WorkspaceManager`
+so that a captured CUDA graph never allocates.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import torch
+
+from mla_multi.backends.base import (
+    FP8_DTYPES,
+    MLADecodeBackend,
+    MLADecodeImpl,
+    MLAPrefillBackend,
+    MLAPrefillImpl,
+)
+from mla_multi.platforms import Platform, current_platform
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as error:  # any failure of an optional library is a reason
+        return f"triton is not importable: {type(error).__name__}: {error}"
+    return None
+
+
+def _gpu_platform_reasons(platform: Platform) -> list[str]:
+    if not platform.is_gpu():
+        return [f"platform {platform.name} has no GPU; the Triton kernels need a CUDA or ROCm device"]
+    if platform.is_cuda() and not platform.has_device_capability(8, 0):
+        return [f"NVIDIA {platform.arch} is older than sm_80; the kernels use bf16 MMA of sm_80+"]
+    return []
+
+
+class TritonPrefillImpl(MLAPrefillImpl):
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
+        from mla_multi.kernels.prefill import varlen_attention
+
+        out, lse = varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal
+        )
+        return (out, lse) if return_softmax_lse else out
+
+
+class TritonPrefillBackend(MLAPrefillBackend):
+    name: ClassVar[str] = "TRITON"
+    vendors = frozenset({"cuda", "rocm"})
+    supported_dtypes = (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def availability_reasons(cls) -> list[str]:
+        error = _triton_import_error()
+        return [error] if error else []
+
+    @classmethod
+    def platform_reasons(cls, platform: Platform) -> list[str]:
+        return super().platform_reasons(platform) or _gpu_platform_reasons(platform)
+
+    @classmethod
+    def validate_configuration(cls, platform, config) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        if config.dims.qk_head_dim > 256 or config.dims.v_head_dim > 256:
+            reasons.append(
+                f"head dims qk {config.dims.qk_head_dim} / v {config.dims.v_head_dim}; supported: up to 256"
+            )
+        return reasons
+
+    @staticmethod
+    def get_prefill_impl_cls():
+        return TritonPrefillImpl
+
+
+class TritonDecodeImpl(MLADecodeImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.platform = current_platform()
+        self.max_num_kv_splits: int | None = None
+        self.max_model_len: int | None = None
+
+    def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
+        lse_shape = tuple(out_shape[:-1])
+        return (
+            ((num_rows, self.num_heads, num_splits, self.kv_lora_rank + 1), torch.float32),
+            (tuple(out_shape), out_dtype),
+            (lse_shape, torch.float32),
+        )
+
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
+        """Reserve split-KV logits, output and LSE for `max_num_seqs` requests of `max_query_len` tokens."""
+        from mla_multi.heuristics import max_num_kv_splits
+
+        self.max_model_len = max_model_len
+        self.max_num_kv_splits = max_num_kv_splits(max_model_len, self.platform)
+        out_shape = (max_num_seqs, max_query_len, self.num_heads, self.kv_lora_rank)
+        # The output dtype is the query's; reserve for the widest (float32 would only appear in tests).
+        workspace_manager.reserve(
+            *self._workspace_specs(max_num_seqs * max_query_len, self.max_num_kv_splits, out_shape, torch.float32)
+        )
+
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
+                    workspace_manager=None, max_seq_len: int | None = None):
+        from mla_multi.heuristics import max_num_kv_splits as reserve_splits
+        from mla_multi.heuristics import num_kv_splits as choose_splits
+        from mla_multi.kernels.mla_decode import mla_decode_fwd
+
+        batch = q_nope.shape[0]
+        q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+        limit = self.max_num_kv_splits
+        if limit is None:
+            # Not reserved ahead: size by the longest sequence this call can see.
+            bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_cache.shape[1]
+            limit = reserve_splits(max(1, bound), self.platform)
+        if num_kv_splits is None:
+            bound = max_seq_len if max_seq_len is not None else (self.max_model_len or block_table.shape[1] * kv_cache.shape[1])
+            num_kv_splits = choose_splits(
+                self.platform, max(1, batch), self.num_heads, bound, limit, q_len=q_len,
+                kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, kv_cache_dtype=kv_cache.dtype,
+            )
+        num_kv_splits = max(1, min(int(num_kv_splits), limit))
+        out_shape = tuple(q_nope.shape)
+        specs = self._workspace_specs(batch * q_len, num_kv_splits, out_shape, q_nope.dtype)
+        if workspace_manager is not None:
+            attn_logits, out, lse = workspace_manager.get_simultaneous(*specs)
+        else:
+            attn_logits, out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs)
+        if k_scale is not None and not torch.is_tensor(k_scale):
+            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
+        return mla_decode_fwd(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
+            num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
+        )
+
+
+class TritonDecodeBackend(MLADecodeBackend):
+    name: ClassVar[str] = "TRITON"
+    vendors = frozenset({"cuda", "rocm"})
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = (torch.float16, torch.bfloat16) + FP8_DTYPES
+    supported_block_sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    max_num_heads = 128
+    max_query_len = 8
+    supports_cuda_graphs = True
+
+    @classmethod
+    def availability_reasons(cls) -> list[str]:
+        error = _triton_import_error()
+        return [error] if error else []
+
+    @classmethod
+    def platform_reasons(cls, platform: Platform) -> list[str]:
+        return super().platform_reasons(platform) or _gpu_platform_reasons(platform)
+
+    @classmethod
+    def validate_configuration(cls, platform, config) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        dims = config.dims
+        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
+            reasons.append(
+                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
+            )
+        return reasons
+
+    @staticmethod
+    def get_decode_impl_cls():
+        return TritonDecodeImpl
