@@ -35,6 +35,9 @@ INTERPRETER_CASES = [
     ("float16-causal-mla-H100", "float16", True, [70, 3, 0, 129], [70, 64, 2, 140], 2, 2, 192, 128, "H100"),
     ("float16-full-mla-MI300X", "float16", False, [70, 3, 0, 129], [70, 64, 2, 140], 2, 2, 192, 128, "MI300X"),
     ("float16-causal-mla-default", "float16", True, [33, 0, 64], [40, 5, 64], 2, 2, 192, 128, None),
+    # TMA descriptors for the unmasked tiles (the interpreter emulates them).
+    ("float16-causal-mla-tma", "float16", True, _MLA_QLENS, _MLA_KLENS, 3, 3, 192, 128, (32, 16, "tma")),
+    ("float32-full-gqa-tma", "float32", False, [40, 17], [70, 33], 4, 2, 192, 128, (16, 16, "tma")),
     ("float32-causal-gqa-d96-v64", "float32", True, [17, 33, 1], [9, 40, 30], 4, 2, 96, 64, (16, 16)),
     ("float32-full-d72-v40", "float32", False, [20, 47], [20, 31], 2, 2, 72, 40, (32, 16)),
     ("float16-causal-d64-v64", "float16", True, [50], [50], 2, 2, 64, 64, (32, 32)),
@@ -108,7 +111,9 @@ def _run_interpreter_case(case):
     elif isinstance(tile, str):
         config = prefill_config(SPECS[tile], dqk, dv, torch.bfloat16, causal)
     else:
-        config = PrefillLaunchConfig(block_m=tile[0], block_n=tile[1], num_warps=4, num_stages=1)
+        config = PrefillLaunchConfig(
+            block_m=tile[0], block_n=tile[1], num_warps=4, num_stages=1, use_tma="tma" in tile[2:]
+        )
     out = torch.full((total_q, num_heads, dv), float("nan"), dtype=dtype)
     lse = torch.full((num_heads, total_q), float("nan"), dtype=torch.float32)
     res_out, res_lse = varlen_attention(
@@ -220,8 +225,18 @@ _GPU_LENGTHS = [1, 17, 128, 300, 1000, 2049, 8192, 0, 77]
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
-def test_varlen_attention_gpu_bf16(num_heads, causal, prefix):
+@pytest.mark.parametrize("tile", [None, "tma"], ids=["default", "tma"])
+def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
+    from mla_multi.kernels.launch_config import PrefillLaunchConfig, prefill_config
     from mla_multi.kernels.prefill import varlen_attention
+    from mla_multi.platforms import current_platform
+
+    config = None
+    if tile == "tma":
+        if torch.cuda.get_device_capability()[0] < 9 or torch.version.hip is not None:
+            pytest.skip("tma: needs NVIDIA sm_90+")
+        default = prefill_config(current_platform(), 192, 128, torch.bfloat16, causal)
+        config = PrefillLaunchConfig(default.block_m, default.block_n, default.num_warps, default.num_stages, True)
 
     device = "cuda"
     torch.manual_seed(num_heads * 7 + causal + prefix)
@@ -237,7 +252,14 @@ def test_varlen_attention_gpu_bf16(num_heads, causal, prefix):
     scale = 192**-0.5
     out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
     lse = torch.full((num_heads, total_q), float("nan"), device=device, dtype=torch.float32)
-    varlen_attention(q, k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out, lse=lse)
+    if config is not None and config.use_tma:  # the descriptor path must really be taken
+        from mla_multi.kernels.prefill import _tma_descriptors, kernel_constexprs
+
+        constexprs = kernel_constexprs(192, 128, config.block_m, config.block_n, causal, True, True)
+        assert _tma_descriptors(k, v, constexprs) is not None
+    varlen_attention(
+        q, k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out, lse=lse, config=config
+    )
     torch.cuda.synchronize()
     ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)
     result = _compare(out, lse, ref_out, ref_lse)

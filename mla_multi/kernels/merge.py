@@ -192,3 +192,46 @@ def merge_attn_states(
         **kernel_constexprs(head_dim, store_lse),
     )
     return output, output_lse
+
+
+_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compile_specs(platform) -> list:
+    """Kernel instances for the ahead-of-time compile check: the prefill output (head dim
+    128) in bfloat16 and float16 with and without the output LSE, and the decode latent
+    width (512) in bfloat16. The launch options are the same on every platform."""
+    from mla_multi.kernels.launch_config import CompileSpec
+
+    specs = []
+    for dtype, head_dim, store_lse in (
+        (torch.bfloat16, 128, True),
+        (torch.bfloat16, 128, False),
+        (torch.float16, 128, True),
+        (torch.bfloat16, 512, True),
+    ):
+        ty = _TRITON_DTYPE_NAMES[dtype]
+        signature = {
+            "Out": f"*{ty}", "OutLse": "*fp32", "PrefixOut": f"*{ty}", "PrefixLse": "*fp32",
+            "SuffixOut": f"*{ty}", "SuffixLse": "*fp32", "num_heads": "i32",
+        }  # fmt: skip
+        strides = [
+            "stride_o_t", "stride_o_h", "stride_ol_h", "stride_po_t", "stride_po_h", "stride_pl_h",
+            "stride_so_t", "stride_so_h", "stride_sl_h",
+        ]  # fmt: skip
+        signature.update({name: "i32" for name in strides})
+        constexprs = kernel_constexprs(head_dim, store_lse)
+        signature.update({name: "constexpr" for name in constexprs})
+        specs.append(
+            CompileSpec(
+                name=f"merge_attn_states[d{head_dim},{ty}{'' if store_lse else ',no-lse'}]",
+                fn=_merge_attn_states_kernel,
+                signature=signature,
+                constexprs=constexprs,
+                options={"num_warps": _MERGE_NUM_WARPS, "num_stages": 1},
+                # LSE head strides are token counts: any value.
+                divisible_by_16=("Out", "OutLse", "PrefixOut", "PrefixLse", "SuffixOut", "SuffixLse",
+                                 "stride_o_t", "stride_o_h", "stride_po_t", "stride_po_h", "stride_so_t", "stride_so_h"),
+            )
+        )
+    return specs

@@ -81,7 +81,8 @@ def _attend_tiles(
     PAD_DV: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """One pass of the online softmax over key tiles [start_n_lo, start_n_hi).
+    """One pass of the online softmax over key tiles [start_n_lo, start_n_hi); the
+    K/V pointers (not the descriptor coordinates) already point at key start_n_lo.
 
     MASKED=False: every key of every tile is visible to every row (no checks).
     MASKED=True: keys past ``seqlen_k`` and, when CAUSAL, keys past the causal
@@ -91,10 +92,6 @@ def _attend_tiles(
     ``head * stride_h + d``; masked tiles always use pointer loads so keys of a
     neighbouring sequence are never read into the softmax.
     """
-    k_ptrs_a += start_n_lo * stride_k_t
-    if HAS_DQK_B:
-        k_ptrs_b += start_n_lo * stride_k_t
-    v_ptrs += start_n_lo * stride_v_t
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if MASKED:
@@ -231,15 +228,18 @@ def _varlen_attention_kernel(
         offs_d_b = offs_d_a
     row_in = offs_m < seqlen_q
 
-    # 64-bit sequence bases: packed token counts times strides overflow int32.
-    q_base = Q + q_start.to(tl.int64) * stride_q_t + head.to(tl.int64) * stride_q_h
+    # 64-bit bases (token index times stride overflows int32 for long batches); the
+    # offsets inside a tile stay 32-bit.
+    q_row0 = q_start.to(tl.int64) + start_m * BLOCK_M
+    offs_tile_m = tl.arange(0, BLOCK_M)
+    q_base = Q + q_row0 * stride_q_t + head.to(tl.int64) * stride_q_h
     k_base = K + k_start.to(tl.int64) * stride_k_t + kv_head.to(tl.int64) * stride_k_h
     v_base = V + k_start.to(tl.int64) * stride_v_t + kv_head.to(tl.int64) * stride_v_h
 
-    q_ptrs_a = q_base + offs_m[:, None] * stride_q_t + offs_d_a[None, :]
+    q_ptrs_a = q_base + offs_tile_m[:, None] * stride_q_t + offs_d_a[None, :]
     q_a = tl.load(q_ptrs_a, mask=row_in[:, None], other=0.0)
     if HAS_DQK_B:
-        q_ptrs_b = q_base + offs_m[:, None] * stride_q_t + offs_d_b[None, :]
+        q_ptrs_b = q_base + offs_tile_m[:, None] * stride_q_t + offs_d_b[None, :]
         if PAD_DQK_B:
             q_b = tl.load(q_ptrs_b, mask=row_in[:, None] & (offs_d_b[None, :] < HEAD_DIM_QK), other=0.0)
         else:
@@ -276,8 +276,11 @@ def _varlen_attention_kernel(
         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
         False, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA,
     )  # fmt: skip
+    # 64-bit advance: unmasked_hi * stride overflows int32 past ~87K keys at 128 x 192.
+    skip_k = unmasked_hi.to(tl.int64) * stride_k_t
+    skip_v = unmasked_hi.to(tl.int64) * stride_v_t
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs,
+        acc, l_i, m_i, q_a, q_b, k_ptrs_a + skip_k, k_ptrs_b + skip_k, v_ptrs + skip_v,
         k_desc_a, k_desc_b, v_desc, k_start, kv_head * stride_k_h, kv_head * stride_v_h,
         unmasked_hi, masked_end, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
         qk_scale_log2, offs_d_b, offs_dv,
@@ -292,9 +295,9 @@ def _varlen_attention_kernel(
     out = acc / l_safe[:, None]
     o_ptrs = (
         Out
-        + q_start.to(tl.int64) * stride_o_t
+        + q_row0 * stride_o_t
         + head.to(tl.int64) * stride_o_h
-        + offs_m[:, None] * stride_o_t
+        + offs_tile_m[:, None] * stride_o_t
         + offs_dv[None, :]
     )
     if PAD_DV:
@@ -522,3 +525,64 @@ def varlen_attention(
         **config.launch_options(),
     )  # fmt: skip
     return out, (lse if return_lse else None)
+
+
+_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compile_specs(platform) -> list:
+    """Kernel instances for the ahead-of-time compile check on `platform`.
+
+    Every launch configuration `all_prefill_configs` can choose, for the MLA head
+    dims (qk 192, v 128): bfloat16 causal and non-causal with LSE, causal without
+    LSE, and float16 causal; with TMA configurations also the pointer-load fallback.
+    """
+    from mla_multi.kernels.launch_config import CompileSpec, all_prefill_configs
+
+    head_dim_qk, head_dim_v = 192, 128
+    variants = [
+        (torch.bfloat16, True, True),
+        (torch.bfloat16, False, True),
+        (torch.bfloat16, True, False),
+        (torch.float16, True, True),
+    ]
+    specs = []
+    for config in all_prefill_configs(platform):
+        for use_tma in sorted({False, bool(config.use_tma)}):
+            for dtype, causal, store_lse in variants:
+                constexprs = kernel_constexprs(
+                    head_dim_qk, head_dim_v, config.block_m, config.block_n, causal, store_lse, use_tma
+                )
+                ty = _TRITON_DTYPE_NAMES[dtype]
+                signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32"}
+                if use_tma:
+                    block_n = config.block_n
+                    signature["k_desc_a"] = f"tensordesc<{ty}[{block_n},{constexprs['BLOCK_DQK_A']}]>"
+                    signature["k_desc_b"] = f"tensordesc<{ty}[{block_n},{constexprs['BLOCK_DQK_B']}]>"
+                    signature["v_desc"] = f"tensordesc<{ty}[{block_n},{constexprs['BLOCK_DV']}]>"
+                else:
+                    for name in ("k_desc_a", "k_desc_b", "v_desc"):
+                        signature[name] = "constexpr"
+                        constexprs[name] = None
+                signature.update({"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale_log2": "fp32"})
+                strides = [
+                    "stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
+                    "stride_o_t", "stride_o_h", "stride_lse_h",
+                ]  # fmt: skip
+                for name in strides + ["num_m_blocks", "num_queries_per_kv"]:
+                    signature[name] = "i32"
+                for name in constexprs:
+                    signature.setdefault(name, "constexpr")
+                mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",tma" if use_tma else "")
+                specs.append(
+                    CompileSpec(
+                        name=f"prefill_varlen[{config.name},{ty},{mode}]",
+                        fn=_varlen_attention_kernel,
+                        signature=signature,
+                        constexprs=constexprs,
+                        options=config.launch_options(),
+                        # The LSE head stride is the token count: any value.
+                        divisible_by_16=("Q", "K", "V", "Out", "Lse", "cu_seqlens_q", "cu_seqlens_k", *strides[:-1]),
+                    )
+                )
+    return specs
