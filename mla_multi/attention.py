@@ -220,6 +220,8 @@ class MLAAttention:
                     chunked.seq_lens[chunk_idx],
                     scale=self.k_scale,
                     out_dtype=self.dtype,
+                    cu_seq_lens=chunked.cu_seq_lens[chunk_idx],
+                    num_tokens=chunked.seq_tot[chunk_idx],
                 )
                 chunk_key, chunk_value = self._up_project(rows[:, : d.kv_lora_rank], rows[:, d.kv_lora_rank :])
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(

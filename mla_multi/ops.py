@@ -23,8 +23,14 @@ __all__ = ["mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_m
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    """Triton kernels serve GPU tensors; the PyTorch versions serve the CPU."""
-    return tensor.device.type == "cuda"
+    """Triton kernels serve GPU tensors (float64 excepted); the PyTorch versions serve the CPU."""
+    return tensor.device.type == "cuda" and tensor.dtype != torch.float64
+
+
+def _scale_tensor(scale, device: torch.device):
+    if scale is None or torch.is_tensor(scale):
+        return scale
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
 def _check_positive_int(name: str, value, allow_none: bool = True) -> None:
@@ -181,21 +187,24 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
     checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
-    if _use_triton(kv_cache):
+    if _use_triton(kv_cache) and _use_triton(kv_c):
         from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
 
-        return cache_kernel(kv_c, k_pe, kv_cache, slot_mapping, scale)
+        return cache_kernel(kv_c, k_pe, kv_cache, slot_mapping.long(), _scale_tensor(scale, kv_cache.device))
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
 
-def gather_cache(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None) -> torch.Tensor:
+def gather_cache(
+    kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None, cu_seq_lens=None, num_tokens=None
+) -> torch.Tensor:
     """Gather cached rows of several requests into one contiguous tensor.
 
     kv_cache [num_blocks, block_size, W]; block_table [B, max_blocks] int32;
     seq_starts, seq_lens [B]: request i contributes its positions seq_starts[i]
     .. seq_starts[i] + seq_lens[i] - 1. Returns [sum(seq_lens), W] in
     `out_dtype` (default: the cache dtype; bfloat16 for an fp8 cache, dequantised
-    with `scale`). Reads seq_lens on the host to size the output.
+    with `scale`). Reads seq_lens on the host to size the output unless the
+    caller passes `cu_seq_lens` ([B + 1] int32 on the device) and `num_tokens`.
     """
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES)
     device = kv_cache.device
@@ -207,8 +216,18 @@ def gather_cache(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
         raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")
     checks.check_block_table_data(block_table, seq_starts.long() + seq_lens.long(), kv_cache.shape[0], kv_cache.shape[1])
-    if _use_triton(kv_cache):
+    if _use_triton(kv_cache) and out_dtype != torch.float64:
         from mla_multi.kernels.cache_ops import gather_cache as gather_kernel
 
-        return gather_kernel(kv_cache, block_table, seq_starts, seq_lens, scale=scale, out_dtype=out_dtype)
+        if cu_seq_lens is None:
+            cu_seq_lens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+            cu_seq_lens[1:] = seq_lens.cumsum(0)
+        if num_tokens is None:
+            num_tokens = int(cu_seq_lens[-1])
+        dtype = out_dtype or (torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype)
+        out = torch.empty(num_tokens, kv_cache.shape[-1], dtype=dtype, device=device)
+        return gather_kernel(
+            kv_cache, block_table, cu_seq_lens.to(torch.int32), seq_starts.to(torch.int32), out,
+            _scale_tensor(scale, device),
+        )
     return reference.gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale, out_dtype)
