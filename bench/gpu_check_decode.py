@@ -1,0 +1,59 @@
+"""GPU check of the decode kernel, the cache ops and the decode benchmark, in one script.
+
+    PYTHONPATH=. python3 bench/gpu_check_decode.py [all|tests|bench|sweep]
+
+Writes its logs under $OUT (or ./gpu_check_out): env.txt, pytest.log, bench.txt / bench.json,
+sweep.txt / sweep.json.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.environ.get("OUT") or os.path.join(ROOT, "gpu_check_out")
+
+
+def sh(command: list[str], log: str, timeout: float) -> int:
+    start = time.time()
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    with open(os.path.join(OUT, log), "a") as handle:
+        handle.write(f"$ {' '.join(command)}\n")
+        handle.flush()
+        try:
+            proc = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            handle.write(f"\nTIMEOUT after {timeout} s\n")
+            code = 124
+        handle.write(f"\n[exit {code}, {time.time() - start:.0f} s]\n")
+    print(f"{log}: exit {code} in {time.time() - start:.0f} s", flush=True)
+    return code
+
+
+def main() -> int:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+    os.makedirs(OUT, exist_ok=True)
+    py = sys.executable
+    sh(["bash", "-c", "nvidia-smi; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'"],
+       "env.txt", 60)
+    if mode in ("all", "tests"):
+        sh([py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_kernels_decode.py",
+            "tests/test_cache_ops_triton.py", "-rf"], "pytest.log", float(os.environ.get("TESTS_TIMEOUT", 140)))
+    if mode in ("all", "bench"):
+        sh([py, "bench/decode.py", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 110)
+        sh([py, "bench/decode.py", "--no-ceilings", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096"],
+           "bench.txt", 40)
+    if mode in ("all", "sweep"):
+        sh([py, "bench/decode.py", "--no-ceilings", "--heads", "128", "--cases", "128x4096,32x4096",
+            "--configs", "h64n32w8s2,h64n64w8s2,h32n32w8s2,h32n64w8s2,h32n32w4s2"], "sweep.txt", 60)
+        sh([py, "bench/decode.py", "--no-ceilings", "--heads", "16", "--cases", "32x4096,128x16384",
+            "--configs", "h16n64w4s2,h16n32w4s2,h16n32w4s3,h16n128w4s2,h16n64w8s2"], "sweep.txt", 60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

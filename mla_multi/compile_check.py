@@ -1,0 +1,275 @@
+"""Ahead-of-time compilation of every Triton kernel of the package, for every target.
+
+Each kernel module listed in `KERNEL_MODULES` exposes
+``compile_specs(platform) -> list[CompileSpec]``: every (kernel, launch
+configuration) the code can choose on that platform.  This module compiles each
+one with the stock ``triton`` wheel on the CPU — no GPU needed — for AMD
+gfx942 (MI300), gfx950 (MI355) and NVIDIA sm_80, sm_90, sm_100::
+
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(...), options=...)
+
+and reports per kernel, configuration and target: registers (VGPRs, AGPRs and
+SGPRs on AMD, read from the AMDGCN assembly's ``.vgpr_count`` / ``.agpr_count``
+/ ``.sgpr_count``; on NVIDIA the register count and stack frame from
+``cuobjdump --dump-resource-usage`` of the cubin, with the cuobjdump that the
+triton wheel ships), spills (``.vgpr_spill_count`` + ``.sgpr_spill_count`` on
+AMD; the stack frame in bytes on NVIDIA, where Triton kernels keep nothing but
+spilled registers) and shared memory / LDS.
+
+It fails (exit status 1) on a compile error, on any spill for gfx942, gfx950
+or sm_90, and on shared memory over the target's per-block limit.
+
+Usage: ``python -m mla_multi.compile_check --targets gfx942,sm_90 --kernels mla_decode``
+(the CLI's ``mla-multi compile-check`` calls `main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from mla_multi.kernels.launch_config import CompileSpec
+
+__all__ = ["KERNEL_MODULES", "TARGETS", "CompileSpec", "CompileResult", "run_checks", "main"]
+
+KERNEL_MODULES: list[str] = [
+    "mla_multi.kernels.mla_decode",
+    "mla_multi.kernels.cache_ops",
+    "mla_multi.kernels.prefill",
+    "mla_multi.kernels.merge",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A compile target: Triton's (backend, arch, warp size) and the platform it stands for."""
+
+    name: str
+    backend: str
+    arch: Any
+    warp_size: int
+    platform_name: str
+    spills_fatal: bool
+
+    def gpu_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget(self.backend, self.arch, self.warp_size)
+
+
+TARGETS: dict[str, Target] = {
+    "gfx942": Target("gfx942", "hip", "gfx942", 64, "MI300X", True),
+    "gfx950": Target("gfx950", "hip", "gfx950", 64, "MI355X", True),
+    "sm_80": Target("sm_80", "cuda", 80, 32, "A100", False),
+    "sm_90": Target("sm_90", "cuda", 90, 32, "H100", True),
+    "sm_100": Target("sm_100", "cuda", 100, 32, "B200", False),
+}
+
+
+@dataclasses.dataclass
+class CompileResult:
+    """One compiled kernel instance; registers/spills are None where the target has no such count."""
+
+    kernel: str
+    module: str
+    target: str
+    ok: bool
+    seconds: float
+    registers: int | None = None
+    sgprs: int | None = None
+    agprs: int | None = None
+    spills: int | None = None
+    spill_unit: str = ""
+    shared_bytes: int | None = None
+    shared_limit: int | None = None
+    error: str = ""
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.ok and not self.problems
+
+
+def _platform(target: Target):
+    from mla_multi.platforms import SPECS
+
+    return SPECS[target.platform_name]
+
+
+def _attrs(spec: CompileSpec) -> dict:
+    names = list(spec.signature)
+    attrs = {}
+    for name in spec.divisible_by_16:
+        if name not in spec.signature:
+            raise ValueError(f"{spec.name}: divisible_by_16 names {name!r}, which is not an argument")
+        attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def _triton_tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _amd_counts(asm: str) -> dict[str, int | None]:
+    def read(key: str) -> int | None:
+        match = re.search(re.escape(key) + r":\s*(\d+)", asm)
+        return int(match.group(1)) if match else None
+
+    vgpr_spills = read(".vgpr_spill_count") or 0
+    sgpr_spills = read(".sgpr_spill_count") or 0
+    return {
+        "registers": read(".vgpr_count"),
+        "sgprs": read(".sgpr_count"),
+        "agprs": read(".agpr_count"),
+        "spills": vgpr_spills + sgpr_spills,
+    }
+
+
+def _nvidia_counts(cubin: bytes) -> dict[str, int | None]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(cubin)
+        path = handle.name
+    try:
+        usage = subprocess.run(
+            [_triton_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(path)
+    match = re.search(r"REG:(\d+)\s+STACK:(\d+)", usage)
+    if not match:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {usage[-300:]!r}")
+    return {"registers": int(match.group(1)), "spills": int(match.group(2))}
+
+
+def compile_one(module_name: str, index: int, target_name: str) -> CompileResult:
+    """Compile spec `index` of `module_name` for `target_name` (runs in a worker process)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    target = TARGETS[target_name]
+    platform = _platform(target)
+    module = importlib.import_module(module_name)
+    spec: CompileSpec = module.compile_specs(platform)[index]
+    limit = platform.max_shared_memory_per_block
+    result = CompileResult(
+        kernel=spec.name, module=module_name, target=target_name, ok=False, seconds=0.0, shared_limit=limit
+    )
+    start = time.perf_counter()
+    try:
+        source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
+        compiled = triton.compile(source, target=target.gpu_target(), options=dict(spec.options))
+        result.shared_bytes = int(compiled.metadata.shared)
+        if target.backend == "hip":
+            counts = _amd_counts(compiled.asm["amdgcn"])
+            result.spill_unit = "registers"
+        else:
+            counts = _nvidia_counts(compiled.asm["cubin"])
+            result.spill_unit = "stack bytes"
+        for key, value in counts.items():
+            setattr(result, key, value)
+        result.ok = True
+    except Exception as error:  # a compile error is a result, reported with the rest
+        result.error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    result.seconds = time.perf_counter() - start
+    if result.ok:
+        if result.spills and target.spills_fatal:
+            result.problems.append(f"{result.spills} spilled {result.spill_unit}")
+        if result.shared_bytes is not None and result.shared_bytes > limit:
+            result.problems.append(f"shared memory {result.shared_bytes} B over the {limit} B limit")
+    else:
+        result.problems.append("compile error")
+    return result
+
+
+def _jobs(targets: list[str], kernel_filters: list[str], modules: list[str]) -> list[tuple[str, int, str]]:
+    jobs = []
+    for target_name in targets:
+        platform = _platform(TARGETS[target_name])
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            for index, spec in enumerate(module.compile_specs(platform)):
+                if kernel_filters and not any(text in spec.name for text in kernel_filters):
+                    continue
+                jobs.append((module_name, index, target_name))
+    return jobs
+
+
+def run_checks(
+    targets: list[str] | None = None,
+    kernel_filters: list[str] | None = None,
+    jobs: int | None = None,
+    modules: list[str] | None = None,
+) -> list[CompileResult]:
+    """Compile every selected kernel instance; returns one `CompileResult` per (instance, target)."""
+    targets = list(targets or TARGETS)
+    for name in targets:
+        if name not in TARGETS:
+            raise ValueError(f"target {name!r}; accepted: {', '.join(TARGETS)}")
+    work = _jobs(targets, kernel_filters or [], modules or KERNEL_MODULES)
+    workers = jobs if jobs is not None else min(len(work), os.cpu_count() or 1)
+    if workers <= 1 or len(work) <= 1:
+        return [compile_one(*job) for job in work]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(compile_one, *zip(*work)))
+
+
+def _format(results: list[CompileResult]) -> str:
+    header = f"{'target':7} {'kernel':70} {'regs':>5} {'sgpr':>5} {'agpr':>5} {'spills':>7} {'shared':>8} {'limit':>7} {'s':>5}  status"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        def show(value):
+            return "-" if value is None else str(value)
+
+        status = "ok" if r.passed else "FAIL: " + "; ".join(r.problems) + (f" ({r.error})" if r.error else "")
+        lines.append(
+            f"{r.target:7} {r.kernel[:70]:70} {show(r.registers):>5} {show(r.sgprs):>5} {show(r.agprs):>5} "
+            f"{show(r.spills):>7} {show(r.shared_bytes):>8} {show(r.shared_limit):>7} {r.seconds:5.1f}  {status}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry; returns 0 when every instance compiled cleanly, 1 otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="mla-multi compile-check", description="Compile every Triton kernel for every target on the CPU."
+    )
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
+    parser.add_argument("--kernels", default="", help="comma list of substrings of kernel names (default: all)")
+    parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: the CPU count)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    targets = [name.strip() for name in args.targets.split(",") if name.strip()]
+    filters = [text.strip() for text in args.kernels.split(",") if text.strip()]
+    try:
+        start = time.perf_counter()
+        results = run_checks(targets, filters, args.jobs)
+        elapsed = time.perf_counter() - start
+    except ValueError as error:
+        print(f"compile-check: {error}", file=sys.stderr)
+        return 2
+    print(_format(results))
+    failed = [r for r in results if not r.passed]
+    print(f"\n{len(results)} kernel instances, {len(failed)} failed, {elapsed:.1f} s")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump([dataclasses.asdict(r) for r in results], handle, indent=1)
+    if not results:
+        print("compile-check: no kernel matched the filters", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Split-KV decode heuristics: how many KV splits, and how many to reserve.
+
+Pure functions of (platform, config): tests impersonate any device through
+`mla_multi.platforms.SPECS`.
+
+The model (``num_kv_splits``)
+-----------------------------
+Stage 1 of split-KV decode launches ``B * head_blocks * s`` programs, where a
+head block is ``BLOCK_H`` query rows (heads x query tokens) of the launch
+configuration that `mla_multi.kernels.launch_config.decode_config` picks for
+the platform.  ``slots = num_compute_units * programs_per_cu`` programs run at
+once.  Time is counted in "token slots": the time one running program needs to
+stream one cache token (576 values) through the tile loop.
+
+* stage 1: ``ceil(programs / slots)`` waves, each as long as one program's
+  chunk, ``round_up(ceil(S / s), BLOCK_N)`` tokens, plus a fixed
+  ``PROGRAM_OVERHEAD_TOKENS`` (loading the query tile, filling the pipeline,
+  writing the partial result);
+* stage 2 (only when ``s > 1``): the partial outputs, ``B * rows * s * (Lkv + 1)``
+  float32 values, are written once and read once; at the rate the whole device
+  streams cache rows this costs ``B * rows * s * (Lkv + 1) * 8 / (slots * (Lkv + R) * elem)``
+  token slots;
+
+and ``s`` minimises the sum, ties going to fewer splits.  ``s`` is also capped
+so that a split holds at least ``MIN_TOKENS_PER_SPLIT`` tokens and never exceeds
+the splits reserved in the workspace.  The result: a small batch of long
+sequences is spread over all compute units; a batch that already fills the
+device (128 requests x 2 head blocks on 132 SMs) gets 1 split and skips the
+merge; more heads make splits dearer (each split writes ``rows`` partial rows).
+The same shape of model underlies FlashDecoding's and vLLM's occupancy-aware
+split choice; vLLM's Triton MLA uses only sequence length and SM count.
+
+``MLA_MULTI_NUM_KV_SPLITS`` overrides the choice (still clamped to the
+reservation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "MIN_TOKENS_PER_SPLIT",
+    "PROGRAM_OVERHEAD_TOKENS",
+    "num_kv_splits",
+    "max_num_kv_splits",
+]
+
+MIN_TOKENS_PER_SPLIT = 128
+PROGRAM_OVERHEAD_TOKENS = 32
+# Upper bound of the reservation whatever the device: with 128 heads and 256
+# decode requests a split costs 67 MB of float32 workspace.
+MAX_KV_SPLITS_CAP = 256
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def max_num_kv_splits(max_model_len: int, platform) -> int:
+    """Splits to reserve in the ``attn_logits`` workspace for sequences up to `max_model_len`.
+
+    The most `num_kv_splits` can return for any batch on `platform`: one split
+    per ``MIN_TOKENS_PER_SPLIT`` tokens, at most enough to give every compute
+    unit two programs from a single request and head block (rounded up to a
+    power of two), and at most ``MAX_KV_SPLITS_CAP``.
+    """
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len}; accepted: >= 1")
+    by_length = -(-max_model_len // MIN_TOKENS_PER_SPLIT)
+    by_device = 1 << max(0, math.ceil(math.log2(max(1, 2 * platform.num_compute_units))))
+    return max(1, min(by_length, by_device, MAX_KV_SPLITS_CAP))
+
+
+def _env_override() -> int | None:
+    from mla_multi import envs
+
+    return envs.MLA_MULTI_NUM_KV_SPLITS
+
+
+def num_kv_splits(
+    platform,
+    batch_size: int,
+    num_heads: int,
+    max_seq_len: int,
+    max_num_kv_splits: int,
+    *,
+    q_len: int = 1,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    kv_cache_dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """The number of KV splits for a decode batch (see the module docstring for the model).
+
+    Args:
+        platform: the `Platform` the kernel runs on (compute units, launch configuration).
+        batch_size: requests in the decode batch (B).
+        num_heads: query heads (N).
+        max_seq_len: the longest sequence of the batch, or the bound the batch
+            is captured for (e.g. max_model_len under CUDA graphs).
+        max_num_kv_splits: the splits reserved in the workspace; never exceeded.
+        q_len: query tokens per request (multi-token decode).
+        kv_lora_rank, qk_rope_head_dim, kv_cache_dtype: cache row shape and type.
+
+    Returns:
+        An int in 1 .. max_num_kv_splits.
+    """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("num_heads", num_heads),
+        ("max_num_kv_splits", max_num_kv_splits),
+        ("q_len", q_len),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; accepted: an int >= 1")
+    if max_seq_len < 0:
+        raise ValueError(f"max_seq_len={max_seq_len}; accepted: >= 0")
+    forced = _env_override()
+    if forced is not None:
+        return max(1, min(int(forced), max_num_kv_splits))
+    if max_seq_len <= MIN_TOKENS_PER_SPLIT:
+        return 1
+
+    from mla_multi.kernels.launch_config import decode_config
+
+    config = decode_config(platform, num_heads, q_len, kv_cache_dtype)
+    rows = num_heads * q_len
+    head_blocks = -(-rows // config.block_h)
+    slots = max(1, platform.num_compute_units * config.programs_per_cu)
+    row_bytes = (kv_lora_rank + qk_rope_head_dim) * _element_size(kv_cache_dtype)
+    partial_bytes_per_split = batch_size * rows * (kv_lora_rank + 1) * 4 * 2
+
+    limit = min(max_num_kv_splits, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
+    best_splits, best_cost = 1, math.inf
+    for splits in range(1, max(1, limit) + 1):
+        chunk = _round_up(-(-max_seq_len // splits), config.block_n)
+        waves = -(-(batch_size * head_blocks * splits) // slots)
+        cost = waves * (chunk + PROGRAM_OVERHEAD_TOKENS)
+        if splits > 1:
+            cost += splits * partial_bytes_per_split / (slots * row_bytes)
+        if cost < best_cost:
+            best_splits, best_cost = splits, cost
+    return best_splits

@@ -1,0 +1,399 @@
+"""Triton cache operations on the paged latent cache ``[num_blocks, block_size, Lkv + R]``.
+
+* `concat_and_cache_mla` writes ``[kv_c | k_pe]`` rows at their slots
+  (``slot = block * block_size + offset``; a negative slot is padding and is
+  skipped).  An FP8 cache is written as ``x / scale`` rounded to nearest-even
+  and saturated to the format's largest finite value (448 for e4m3fn, 240 for
+  e4m3fnuz), so no value becomes NaN.
+* `gather_cache` copies each request's cached tokens ``seq_starts[i] ..
+  seq_starts[i] + seq_lens[i]`` into one contiguous ``[sum(seq_lens), Lkv + R]``
+  tensor, dequantising an FP8 cache by ``scale``.
+
+FP8 bytes are encoded and decoded with integer arithmetic on every backend:
+the NVIDIA backend has no conversion for ``float8_e4m3fnuz`` (and none at all
+on sm_80), and these kernels are bound by memory, not arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_multi.kernels.launch_config import CompileSpec, cache_ops_config
+from mla_multi.kernels.mla_decode import _fp8_bits_to_float
+
+__all__ = ["concat_and_cache_mla", "gather_cache", "compile_specs", "FP8_MAX"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_FP8_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e4m3fnuz: 8}
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32) + FP8_DTYPES
+
+
+@triton.jit
+def _float_to_fp8_bits(x, EXPONENT_BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Encode float32 to e4m3 bytes: saturating, round to nearest even."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too
+    magnitude = tl.abs(x)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # normal numbers: round the float32 mantissa to 3 bits (ties to even), rebias
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal_code = (rounded >> 20) - ((127 - EXPONENT_BIAS) << 3)
+    # subnormals are multiples of 2^-(bias + 2); the float32 add rounds to even
+    scaled = magnitude * tl.exp2(EXPONENT_BIAS + 2.0)
+    subnormal_code = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    min_normal = tl.exp2(1.0 - EXPONENT_BIAS)
+    code = tl.where(magnitude < min_normal, subnormal_code, normal_code)
+    if EXPONENT_BIAS == 8:
+        # e4m3fnuz has no negative zero (0x80 is its NaN)
+        code = tl.where(negative & (code != 0), code | 0x80, code)
+    else:
+        code = tl.where(negative, code | 0x80, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _concat_and_cache_mla_kernel(
+    KV_c,
+    K_pe,
+    KV_cache,
+    Slot_mapping,
+    Scale,
+    stride_kv_c_t,
+    stride_k_pe_t,
+    stride_cache_block,
+    stride_cache_token,
+    block_size,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slot_mapping + token).to(tl.int64)
+    # padding tokens (negative slots) write nothing
+    keep = slot >= 0
+    safe_slot = tl.where(keep, slot, 0)
+    row = KV_cache + (safe_slot // block_size) * stride_cache_block + (safe_slot % block_size) * stride_cache_token
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    keep_c = (offs_c * 0 + slot) >= 0
+    keep_r = (offs_r * 0 + slot) >= 0
+    kv_c = tl.load(KV_c + token * stride_kv_c_t + offs_c, mask=keep_c, other=0.0)
+    k_pe = tl.load(K_pe + token * stride_k_pe_t + offs_r, mask=keep_r, other=0.0)
+    if FP8_BIAS != 0:
+        inv_scale = 1.0 / tl.load(Scale).to(tl.float32)
+        kv_c = _float_to_fp8_bits(kv_c.to(tl.float32) * inv_scale, FP8_BIAS, FP8_MAX)
+        k_pe = _float_to_fp8_bits(k_pe.to(tl.float32) * inv_scale, FP8_BIAS, FP8_MAX)
+    else:
+        kv_c = kv_c.to(KV_cache.dtype.element_ty)
+        k_pe = k_pe.to(KV_cache.dtype.element_ty)
+    tl.store(row + offs_c, kv_c, mask=keep_c)
+    tl.store(row + KV_LORA_RANK + offs_r, k_pe, mask=keep_r)
+
+
+@triton.jit
+def _gather_cache_kernel(
+    KV_cache,
+    Block_table,
+    Cu_seq_lens,
+    Seq_starts,
+    Out,
+    Scale,
+    batch_size,
+    stride_cache_block,
+    stride_cache_token,
+    stride_bt_b,
+    stride_out_t,
+    block_size,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+):
+    out_token = tl.program_id(0)
+    # the request owning this output row: the last i with cu_seq_lens[i] <= out_token
+    low = out_token * 0
+    high = low + batch_size - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (low + high + 1) // 2
+        go_right = tl.load(Cu_seq_lens + mid) <= out_token
+        low = tl.where(go_right, mid, low)
+        high = tl.where(go_right, high, mid - 1)
+    request = low
+    position = tl.load(Seq_starts + request) + (out_token - tl.load(Cu_seq_lens + request))
+    page = tl.load(Block_table + request.to(tl.int64) * stride_bt_b + position // block_size).to(tl.int64)
+    row = KV_cache + page * stride_cache_block + (position % block_size) * stride_cache_token
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    offs_r = tl.arange(0, ROPE_DIM)
+    kv_c = tl.load(row + offs_c)
+    k_pe = tl.load(row + KV_LORA_RANK + offs_r)
+    if FP8_BIAS != 0:
+        kv_c = _fp8_bits_to_float(kv_c, FP8_BIAS)
+        k_pe = _fp8_bits_to_float(k_pe, FP8_BIAS)
+    else:
+        kv_c = kv_c.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(Scale).to(tl.float32)
+        kv_c = kv_c * scale
+        k_pe = k_pe * scale
+    out_row = Out + out_token.to(tl.int64) * stride_out_t
+    tl.store(out_row + offs_c, kv_c.to(Out.dtype.element_ty))
+    tl.store(out_row + KV_LORA_RANK + offs_r, k_pe.to(Out.dtype.element_ty))
+
+
+def _split_row_width(kv_cache: torch.Tensor, kv_lora_rank: int | None) -> tuple[int, int]:
+    width = kv_cache.shape[-1]
+    if kv_lora_rank is None:
+        # DeepSeek rows are 512 + 64; other power-of-two splits are found by size
+        rope = 64 if width > 64 and ((width - 64) & (width - 65)) == 0 else width & -width
+        kv_lora_rank = width - rope
+    rope_dim = width - kv_lora_rank
+    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", rope_dim)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(
+                f"kv_cache row width {width} splits into {name}={value}; accepted: powers of two "
+                "(DeepSeek: 512 + 64)"
+            )
+    return kv_lora_rank, rope_dim
+
+
+def _check_scale(kv_cache: torch.Tensor, scale) -> None:
+    if kv_cache.dtype in FP8_DTYPES:
+        if scale is None or not torch.is_tensor(scale) or scale.numel() != 1:
+            raise ValueError(
+                f"scale={scale!r} with a {kv_cache.dtype} kv_cache; accepted: a float32 tensor of 1 element"
+            )
+        if scale.device != kv_cache.device:
+            raise ValueError(f"scale is on {scale.device}, kv_cache on {kv_cache.device}; accepted: the same device")
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Write ``[kv_c | k_pe]`` of each token into its cache slot.
+
+    Args:
+        kv_c: [T, Lkv] float16/bfloat16/float32.
+        k_pe: [T, R], same dtype as kv_c.
+        kv_cache: [num_blocks, block_size, Lkv + R], written in place; float16,
+            bfloat16, float32 or FP8 (float8_e4m3fn / float8_e4m3fnuz).
+        slot_mapping: [T] int64; slot = block * block_size + offset, negative = skip.
+        scale: float32 tensor of 1 element, required for an FP8 cache (the
+            stored value is x / scale, saturated).
+    """
+    if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0]:
+        raise ValueError(
+            f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)}; accepted: [T, Lkv] and [T, R]"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != kv_c.shape[1] + k_pe.shape[1]:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, "
+            f"{kv_c.shape[1] + k_pe.shape[1]}]"
+        )
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}")
+    if slot_mapping.shape != (kv_c.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping has shape {tuple(slot_mapping.shape)} and dtype {slot_mapping.dtype}; "
+            f"accepted: [{kv_c.shape[0]}] int64"
+        )
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("kv_c, k_pe and kv_cache must have a contiguous last dimension")
+    _split_row_width(kv_cache, kv_c.shape[1])
+    _check_scale(kv_cache, scale)
+    num_tokens = kv_c.shape[0]
+    if num_tokens == 0:
+        return
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    from mla_multi.platforms import current_platform
+
+    config = cache_ops_config(current_platform())
+    _concat_and_cache_mla_kernel[(num_tokens,)](
+        kv_c,
+        k_pe,
+        cache,
+        slot_mapping,
+        scale if fp8 else slot_mapping,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        kv_cache.shape[1],
+        KV_LORA_RANK=kv_c.shape[1],
+        ROPE_DIM=k_pe.shape[1],
+        FP8_BIAS=_FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
+        FP8_MAX=FP8_MAX[kv_cache.dtype] if fp8 else 0.0,
+        **config.launch_options(),
+    )
+
+
+def gather_cache(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    seq_starts: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    kv_lora_rank: int | None = None,
+) -> torch.Tensor:
+    """Gather each request's cached tokens into one contiguous tensor.
+
+    Args:
+        kv_cache: [num_blocks, block_size, Lkv + R] (float or FP8).
+        block_table: [B, max_blocks] int32.
+        cu_seq_lens: [B + 1] int32, cumulative lengths of the gathered ranges (starts at 0).
+        seq_starts: [B] int32, first cached position of each range.
+        out: [cu_seq_lens[-1], Lkv + R] float16/bfloat16/float32, written;
+            row cu_seq_lens[i] + j is position seq_starts[i] + j of request i.
+        scale: float32 tensor of 1 element, required for an FP8 cache (dequantisation).
+        kv_lora_rank: Lkv (default: 512 for 576-wide rows, else inferred).
+
+    Returns:
+        out.
+    """
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, Lkv + R]")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"block_table has shape {tuple(block_table.shape)} and dtype {block_table.dtype}; "
+            "accepted: [B, max_blocks] int32"
+        )
+    batch = block_table.shape[0]
+    if cu_seq_lens.shape != (batch + 1,) or cu_seq_lens.dtype != torch.int32:
+        raise ValueError(
+            f"cu_seq_lens has shape {tuple(cu_seq_lens.shape)} and dtype {cu_seq_lens.dtype}; "
+            f"accepted: [{batch + 1}] int32"
+        )
+    if seq_starts.shape != (batch,) or seq_starts.dtype != torch.int32:
+        raise ValueError(
+            f"seq_starts has shape {tuple(seq_starts.shape)} and dtype {seq_starts.dtype}; accepted: [{batch}] int32"
+        )
+    if out.dim() != 2 or out.shape[1] != kv_cache.shape[-1] or out.dtype not in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; accepted: [total_tokens, "
+            f"{kv_cache.shape[-1]}] float16/bfloat16/float32"
+        )
+    if out.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("out and kv_cache must have a contiguous last dimension")
+    lora, rope = _split_row_width(kv_cache, kv_lora_rank)
+    _check_scale(kv_cache, scale)
+    total = out.shape[0]
+    if total == 0 or batch == 0:
+        return out
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    from mla_multi.platforms import current_platform
+
+    config = cache_ops_config(current_platform())
+    _gather_cache_kernel[(total,)](
+        cache,
+        block_table,
+        cu_seq_lens,
+        seq_starts,
+        out,
+        scale if scale is not None else cu_seq_lens,
+        batch,
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        kv_cache.shape[1],
+        KV_LORA_RANK=lora,
+        ROPE_DIM=rope,
+        SEARCH_STEPS=batch.bit_length() + 1,
+        FP8_BIAS=_FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
+        HAS_SCALE=scale is not None,
+        **config.launch_options(),
+    )
+    return out
+
+
+def compile_specs(platform) -> list[CompileSpec]:
+    """The cache kernels for `platform`: bf16 and FP8 (e4m3fn bytes) caches, DeepSeek rows."""
+    config = cache_ops_config(platform)
+    options = config.launch_options()
+    specs = []
+    for fp8 in (False, True):
+        cache_type = "*u8" if fp8 else "*bf16"
+        specs.append(
+            CompileSpec(
+                name=f"concat_and_cache_mla[{config.name},kv={'fp8' if fp8 else 'bf16'}]",
+                fn=_concat_and_cache_mla_kernel,
+                signature={
+                    "KV_c": "*bf16",
+                    "K_pe": "*bf16",
+                    "KV_cache": cache_type,
+                    "Slot_mapping": "*i64",
+                    "Scale": "*fp32" if fp8 else "*i64",
+                    "stride_kv_c_t": "i32",
+                    "stride_k_pe_t": "i32",
+                    "stride_cache_block": "i32",
+                    "stride_cache_token": "i32",
+                    "block_size": "i32",
+                    "KV_LORA_RANK": "constexpr",
+                    "ROPE_DIM": "constexpr",
+                    "FP8_BIAS": "constexpr",
+                    "FP8_MAX": "constexpr",
+                },
+                constexprs={
+                    "KV_LORA_RANK": 512,
+                    "ROPE_DIM": 64,
+                    "FP8_BIAS": 7 if fp8 else 0,
+                    "FP8_MAX": 448.0 if fp8 else 0.0,
+                },
+                options=options,
+                divisible_by_16=("KV_c", "K_pe", "KV_cache", "Slot_mapping", "stride_cache_block", "stride_cache_token"),
+            )
+        )
+        specs.append(
+            CompileSpec(
+                name=f"gather_cache[{config.name},kv={'fp8' if fp8 else 'bf16'}]",
+                fn=_gather_cache_kernel,
+                signature={
+                    "KV_cache": cache_type,
+                    "Block_table": "*i32",
+                    "Cu_seq_lens": "*i32",
+                    "Seq_starts": "*i32",
+                    "Out": "*bf16",
+                    "Scale": "*fp32" if fp8 else "*i32",
+                    "batch_size": "i32",
+                    "stride_cache_block": "i32",
+                    "stride_cache_token": "i32",
+                    "stride_bt_b": "i32",
+                    "stride_out_t": "i32",
+                    "block_size": "i32",
+                    "KV_LORA_RANK": "constexpr",
+                    "ROPE_DIM": "constexpr",
+                    "SEARCH_STEPS": "constexpr",
+                    "FP8_BIAS": "constexpr",
+                    "HAS_SCALE": "constexpr",
+                },
+                constexprs={
+                    "KV_LORA_RANK": 512,
+                    "ROPE_DIM": 64,
+                    "SEARCH_STEPS": 9,
+                    "FP8_BIAS": 7 if fp8 else 0,
+                    "HAS_SCALE": fp8,
+                },
+                options=options,
+                divisible_by_16=("KV_cache", "Out", "stride_cache_block", "stride_cache_token", "stride_out_t"),
+            )
+        )
+    return specs

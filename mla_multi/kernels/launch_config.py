@@ -1,0 +1,440 @@
+"""Launch configurations of the package's Triton kernels, for NVIDIA and AMD, in one place.
+
+Every choice is a function of a `Platform` (vendor, arch, shared memory / LDS
+per block), never of ``torch.version``: tests and the ahead-of-time compile
+check impersonate any device.  Each kernel family has its own section;
+`all_*_configs(platform)` lists every configuration the code can choose so the
+compile check can build each one for each target.
+
+AMD-only options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) are
+passed only when the installed Triton's HIP backend declares them
+(`hip_option_names`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+__all__ = [
+    "CompileSpec",
+    "DecodeLaunchConfig",
+    "DecodeReduceLaunchConfig",
+    "CacheOpsLaunchConfig",
+    "hip_option_names",
+    "decode_config",
+    "all_decode_configs",
+    "decode_reduce_config",
+    "fp8_bit_decode_needed",
+    "cache_ops_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One kernel instance for the ahead-of-time compile check.
+
+    Attributes:
+        name: readable id, e.g. "mla_decode_split[h64n32w8s2,kv=bf16,page=64,partial]".
+        fn: the ``@triton.jit`` function.
+        signature: argument name -> Triton type ("*bf16", "i32", "fp32", "constexpr").
+        constexprs: constexpr argument name -> value.
+        options: compile options (num_warps, num_stages and backend options).
+        divisible_by_16: arguments (pointers, strides) that a real launch sees
+            16-divisible; the JIT specialises them and so must the compile check,
+            or loads lose their vector width and their pipelining.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+    divisible_by_16: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=1)
+def hip_option_names() -> frozenset[str]:
+    """Fields of the installed Triton's ``HIPOptions`` (empty if the HIP backend is absent)."""
+    try:
+        from triton.backends.amd.compiler import HIPOptions
+
+        return frozenset(field.name for field in dataclasses.fields(HIPOptions))
+    except Exception:  # a Triton without the AMD backend: no AMD-only options
+        return frozenset()
+
+
+def _amd_options(**options: Any) -> dict[str, Any]:
+    accepted = hip_option_names()
+    return {key: value for key, value in options.items() if value is not None and key in accepted}
+
+
+# ---------------------------------------------------------------------------
+# decode (mla_multi.kernels.mla_decode)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunchConfig:
+    """Tile and launch options of the split-KV decode kernel.
+
+    Attributes:
+        block_h: query rows (heads x folded query tokens) per program; >= 16, the MMA minimum.
+        block_n: cache tokens per tile.
+        num_warps, num_stages: Triton launch options (num_stages = software pipeline depth).
+        programs_per_cu: programs that run at once on one SM / CU with this
+            configuration (register and shared-memory bound), used by the split heuristic.
+        waves_per_eu, matrix_instr_nonkdim, kpack: AMD options (None elsewhere).
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_cu: int = 1
+    waves_per_eu: int | None = None
+    matrix_instr_nonkdim: int | None = None
+    kpack: int | None = None
+
+    @property
+    def name(self) -> str:
+        text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        if self.waves_per_eu is not None:
+            text += f"wpe{self.waves_per_eu}"
+        if self.matrix_instr_nonkdim is not None:
+            text += f"mi{self.matrix_instr_nonkdim}"
+        if self.kpack is not None:
+            text += f"kp{self.kpack}"
+        return text
+
+    def launch_options(self) -> dict[str, Any]:
+        """Keyword options for a Triton launch or ``triton.compile``."""
+        options: dict[str, Any] = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        options.update(
+            _amd_options(
+                waves_per_eu=self.waves_per_eu,
+                matrix_instr_nonkdim=self.matrix_instr_nonkdim,
+                kpack=self.kpack,
+            )
+        )
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeReduceLaunchConfig:
+    """Launch options of the split merge: `block_h` heads of one query token per program."""
+
+    block_h: int
+    num_warps: int
+    num_stages: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"h{self.block_h}w{self.num_warps}"
+
+    def launch_options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
+    """The decode configurations of a platform by row bucket ("16", "32", "64").
+
+    Chosen from the ahead-of-time compile report (registers, spills, shared
+    memory / LDS) of each target, then timed where a device was at hand:
+
+    * sm_90 / sm_100 (227 KiB): 16 rows x 64-token tiles, 2 stages (200
+      registers, 94 KiB).  Past 16 rows, 32-row tiles on 8 warps: a 64-row tile
+      needs a [64, 512] float32 accumulator *and* Triton assigns the QK product
+      (whose result feeds the PV product) to all 8 warps along the rows, which
+      duplicates it on both warpgroups and spills; 32 rows keep 220 registers
+      and no spill, at the price of reading each KV tile once per 32 heads
+      (the repeats mostly hit L2 because head blocks are adjacent in the grid).
+    * sm_80 (163 KiB): 32-token tiles.
+    * gfx942 (64 KiB LDS, 512 VGPRs per lane shared by the waves of a SIMD):
+      16-token tiles, one stage; 4 warps at 16 rows, 8 warps at 32 rows and
+      beyond, waves_per_eu=2 (two waves per SIMD) is spill-free at these sizes.
+    * gfx950 (160 KiB LDS): 2 stages; a 64-row tile on 8 warps fits without spills.
+    * RDNA (warp 32, 64 KiB LDS, no MFMA): the gfx942 shapes without CDNA options.
+
+    FP8 caches pass the tile through registers for the conversion, so their
+    tiles are smaller where the bf16 shapes would spill (sm_80/90/100, gfx942).
+    """
+    arch = platform.arch
+    smem = platform.max_shared_memory_per_block
+    if platform.is_cuda() and fp8:
+        return {
+            "16": DecodeLaunchConfig(16, 32, 8, 2, programs_per_cu=2),
+            "32": DecodeLaunchConfig(32, 16, 8, 2, programs_per_cu=2),
+            "64": DecodeLaunchConfig(32, 16, 8, 2, programs_per_cu=2),
+        }
+    if platform.is_cuda():
+        if smem >= 200 * 1024:  # sm_90, sm_100
+            return {
+                "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2),
+                "32": DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2),
+                "64": DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2),
+            }
+        return {  # sm_80 class
+            "16": DecodeLaunchConfig(16, 32, 4, 2, programs_per_cu=2),
+            "32": DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2),
+            "64": DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2),
+        }
+    if platform.is_rocm():
+        if arch == "gfx950":
+            return {
+                "16": DecodeLaunchConfig(16, 16, 4, 2, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+                "32": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+                "64": DecodeLaunchConfig(64, 16, 8, 2, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+            }
+        if platform.warp_size == 32:  # RDNA
+            return {
+                "16": DecodeLaunchConfig(16, 16, 4, 1, 2),
+                "32": DecodeLaunchConfig(32, 16, 8, 1, 2),
+                "64": DecodeLaunchConfig(32, 16, 8, 1, 2),
+            }
+        # gfx942 / gfx90a: 64 KiB LDS
+        if fp8:
+            return {
+                "16": DecodeLaunchConfig(16, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+                "32": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+                "64": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+            }
+        return {
+            "16": DecodeLaunchConfig(16, 16, 4, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+            "32": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+            "64": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+        }
+    # CPU (the Triton interpreter): small tiles keep it fast
+    return {
+        "16": DecodeLaunchConfig(16, 16, 4, 1),
+        "32": DecodeLaunchConfig(32, 16, 4, 1),
+        "64": DecodeLaunchConfig(32, 16, 4, 1),
+    }
+
+
+def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
+    """The decode launch configuration for `num_heads` heads x `q_len` query tokens.
+
+    Rows (num_heads * q_len) up to 16 take a 16-row tile (MMA minimum, padded),
+    up to 32 a 32-row tile, more the platform's large tile (several head blocks
+    when the rows exceed it).
+    FP8 caches (`kv_dtype`) have their own table.
+    """
+    if num_heads < 1 or q_len < 1:
+        raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
+    rows = num_heads * q_len
+    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES)
+    if rows <= 16:
+        return table["16"]
+    if rows <= 32:
+        return table["32"]
+    return table["64"]
+
+
+def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchConfig]:
+    """Every distinct decode configuration `decode_config` can return on `platform`.
+
+    fp8: only the FP8-cache table (True), only the 16-bit one (False), or both (None).
+    """
+    seen: list[DecodeLaunchConfig] = []
+    tables = (False, True) if fp8 is None else (fp8,)
+    for table in tables:
+        for config in _decode_table(platform, fp8=table).values():
+            if config not in seen:
+                seen.append(config)
+    return seen
+
+
+def decode_reduce_config(platform) -> DecodeReduceLaunchConfig:
+    """Launch options of the split merge (memory-bound, 4 heads x 512 floats per program)."""
+    return DecodeReduceLaunchConfig(block_h=4, num_warps=4)
+
+
+def fp8_bit_decode_needed(platform, kv_dtype: torch.dtype) -> bool:
+    """Whether the Triton backend of `platform` lacks a conversion for this FP8 flavour.
+
+    The HIP backend converts both e4m3 flavours; the NVIDIA backend converts
+    ``float8_e4m3fn`` from sm_89 on and never ``float8_e4m3fnuz``; the
+    interpreter converts both.  Where it lacks one, the kernel decodes the bytes.
+    """
+    if platform.is_rocm() or platform.is_cpu():
+        return False
+    if platform.is_cuda():
+        capability = platform.device_capability or (0, 0)
+        return kv_dtype != torch.float8_e4m3fn or tuple(capability) < (8, 9)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# cache ops (mla_multi.kernels.cache_ops)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOpsLaunchConfig:
+    """Launch options of the cache write / gather kernels (one token row per program)."""
+
+    num_warps: int
+    block_tokens: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"t{self.block_tokens}w{self.num_warps}"
+
+    def launch_options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": 1}
+
+
+def cache_ops_config(platform) -> CacheOpsLaunchConfig:
+    """Row copies of 576 elements: a few warps per row on every platform."""
+    return CacheOpsLaunchConfig(num_warps=2 if platform.warp_size == 64 else 4)
+
+
+# ---------------------------------------------------------------------------
+# prefill (mla_multi.kernels.prefill: varlen flash attention with LSE)
+# ---------------------------------------------------------------------------
+
+__all__ += ["PrefillLaunchConfig", "prefill_config", "all_prefill_configs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillLaunchConfig:
+    """Tile and launch options of the varlen prefill attention kernel.
+
+    Attributes:
+        block_m: query rows per program (128 on every GPU: large tiles amortise the
+            softmax and the K/V loads).
+        block_n: keys per inner-loop tile.
+        num_warps, num_stages: Triton launch options (num_stages = K/V pipeline depth).
+        use_tma: unmasked K/V tiles come through Hopper's tensor-memory accelerator
+            from host-built descriptors (NVIDIA sm_90+ only; the launcher falls back to
+            pointer loads when a tensor's alignment does not allow a descriptor).
+        waves_per_eu, matrix_instr_nonkdim, kpack: AMD options (None elsewhere).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    waves_per_eu: int | None = None
+    matrix_instr_nonkdim: int | None = None
+    kpack: int | None = None
+
+    @property
+    def name(self) -> str:
+        text = f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        if self.use_tma:
+            text += "tma"
+        if self.waves_per_eu is not None:
+            text += f"wpe{self.waves_per_eu}"
+        if self.matrix_instr_nonkdim is not None:
+            text += f"mi{self.matrix_instr_nonkdim}"
+        if self.kpack is not None:
+            text += f"kp{self.kpack}"
+        return text
+
+    def launch_options(self) -> dict[str, Any]:
+        """Keyword options for a Triton launch or ``triton.compile``."""
+        options: dict[str, Any] = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        options.update(
+            _amd_options(
+                waves_per_eu=self.waves_per_eu,
+                matrix_instr_nonkdim=self.matrix_instr_nonkdim,
+                kpack=self.kpack,
+            )
+        )
+        return options
+
+
+def _padded_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """Head dims as the kernel tiles them (qk split in two power-of-two blocks, v padded)."""
+    block_a = 1 << (head_dim_qk.bit_length() - 1)
+    rest = head_dim_qk - block_a
+    block_b = 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
+    return block_a + block_b, max(16, 1 << (head_dim_v - 1).bit_length())
+
+
+def _prefill_shared_bytes(platform, config: PrefillLaunchConfig, dqk: int, dv: int, elem: int) -> int:
+    """Shared memory / LDS model of one program.
+
+    NVIDIA: the query tile stays in shared memory (wgmma / the first dot reads it
+    there) and every pipeline stage holds one K and one V tile. AMD: the query tile
+    lives in registers and the stream pipeliner keeps ``max(1, num_stages - 1)``
+    K/V tile pairs in LDS plus the one in use when num_stages > 1.
+    """
+    kv_tile = config.block_n * (dqk + dv) * elem
+    if platform.is_rocm():
+        return kv_tile * max(1, config.num_stages)
+    return config.block_m * dqk * elem + kv_tile * config.num_stages
+
+
+def prefill_config(platform, head_dim_qk: int, head_dim_v: int, dtype: torch.dtype, causal: bool):
+    """The prefill launch configuration for one head-dim pair on `platform`.
+
+    Model (MLA: qk 192 = 128 + 64, v 128, bf16):
+    * sm_90 / sm_100 (227 KiB): 128 x 64 tiles, 8 warps (two warpgroups share the
+      128 query rows), 3 stages: 48 KiB query tile + 3 x 40 KiB K/V = 168 KiB;
+      128 x 128 tiles spill the 255-register budget.
+    * sm_80 (163 KiB, mma.sync with the query in registers): 128 x 32, 8 warps,
+      3 stages (88 KiB); 128 x 64 spills a few registers.
+    * gfx950 (160 KiB LDS): 128 x 64, 8 waves, 2 stages, ``waves_per_eu=2``, 16x16
+      MFMA. gfx942 / gfx90a (64 KiB LDS): 128 x 64, 8 waves, a single K/V stage
+      (32 KiB), ``waves_per_eu=2``, 16x16 MFMA, ``kpack=2`` on gfx942 (deprecated and
+      ignored on gfx950). With 4 waves the whole 64 x 192 K tile sits in each wave's
+      registers next to its 32 query rows and spills past the 256 VGPRs that two
+      waves per SIMD leave.
+    * RDNA (warp 32, 64 KiB, WMMA): 64 x 32, one stage.
+    * CPU (the Triton interpreter): 32 x 16, small tiles keep it fast.
+    Where a larger head dim would not fit, stages, then block_n, then block_m shrink
+    until the shared-memory model fits the platform's limit.
+    """
+    if head_dim_qk < 16 or head_dim_v < 16:
+        raise ValueError(f"head_dim_qk={head_dim_qk}, head_dim_v={head_dim_v}; accepted: both >= 16")
+    dqk, dv = _padded_head_dims(head_dim_qk, head_dim_v)
+    elem = 4 if dtype == torch.float32 else 2
+    arch = platform.arch
+    if platform.is_cuda():
+        if platform.max_shared_memory_per_block >= 200 * 1024:
+            config = PrefillLaunchConfig(128, 64, 8, 3)
+        else:
+            config = PrefillLaunchConfig(128, 32, 8, 3)
+    elif platform.is_rocm():
+        if platform.warp_size == 32:
+            config = PrefillLaunchConfig(64, 32, 4, 1)
+        elif arch == "gfx950":
+            config = PrefillLaunchConfig(128, 64, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16)
+        else:
+            kpack = 2 if arch == "gfx942" else None
+            config = PrefillLaunchConfig(128, 64, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=kpack)
+    else:
+        return PrefillLaunchConfig(32, 16, 4, 1)
+    # Fit the model under the limit, keeping 4 KiB for the compiler's scratch.
+    limit = platform.max_shared_memory_per_block - 4096
+    while _prefill_shared_bytes(platform, config, dqk, dv, elem) > limit:
+        if config.num_stages > 1:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif config.block_n > 16:
+            config = dataclasses.replace(config, block_n=config.block_n // 2)
+        elif config.block_m > 16:
+            config = dataclasses.replace(config, block_m=config.block_m // 2, num_warps=4)
+        else:
+            break
+    return config
+
+
+def all_prefill_configs(platform) -> list[PrefillLaunchConfig]:
+    """Every distinct prefill configuration `prefill_config` returns on `platform` for the
+    MLA head dims (qk 192, v 128) in bfloat16 and float16, causal or not."""
+    seen: list[PrefillLaunchConfig] = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (True, False):
+            config = prefill_config(platform, 192, 128, dtype, causal)
+            if config not in seen:
+                seen.append(config)
+    return seen

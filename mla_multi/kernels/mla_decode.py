@@ -1,0 +1,621 @@
+"""Split-KV MLA decode over the paged latent cache (Triton).
+
+Decode is MQA over the latent: every query head attends to the same cache rows
+``kv_cache[block, slot] = [kv_c (Lkv) | k_pe (R)]`` with a 576-wide QK head
+(Lkv + R) and a 512-wide V that is the first Lkv columns of the same rows.
+
+Design (why it is shaped this way):
+
+* One program owns a block of ``BLOCK_H`` query rows (heads, and for multi-token
+  decode the Q query tokens folded into the head dimension: row = token * N +
+  head) and one KV split of one request.  Each KV tile ``[BLOCK_N, Lkv + R]`` is
+  loaded once per head block and used for both products, ``q @ K^T`` on the
+  576 columns and ``P @ V`` on the first 512, so a 128-head model reads the
+  cache twice at BLOCK_H=64 instead of eight times at 16 heads per program.
+* The grid is ``(head blocks, splits, requests)`` with the head blocks fastest:
+  the programs that share a KV tile start together and the second read of a
+  tile comes from L2.
+* Head counts under the MMA minimum (16 rows) are padded with masked rows.
+* The per-split length is computed inside the kernel from ``seq_lens`` (rounded
+  up to ``BLOCK_N`` so that a tile never straddles a page when the page is a
+  multiple of the tile), so the launch depends only on Python ints: no host
+  synchronisation and no allocation, safe to capture in a CUDA graph.
+* Stage 1 writes a normalised partial output and its natural-log LSE per split
+  into ``attn_logits[B * Q, N, max_num_kv_splits, Lkv + 1]``; stage 2 merges
+  the splits by LSE.  Splits that receive no tokens write LSE -inf and are
+  skipped by the merge.  With one split, stage 1 writes the final output
+  directly and stage 2 is not launched.
+* FP8 caches carry a per-tensor scale: the scores are scaled by ``k_scale`` and
+  the output once at the end, so the tile is only converted, never multiplied.
+  Where the Triton backend has no conversion for the cache's FP8 flavour
+  (``float8_e4m3fnuz`` on NVIDIA, any FP8 on sm_80) the bytes are decoded with
+  integer arithmetic instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_multi.kernels.launch_config import (
+    CompileSpec,
+    DecodeLaunchConfig,
+    all_decode_configs,
+    decode_config,
+    decode_reduce_config,
+    fp8_bit_decode_needed,
+)
+
+__all__ = ["mla_decode_fwd", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# exponent bias of each FP8 flavour; 0 in the kernel means "not decoded by bits"
+_FP8_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e4m3fnuz: 8}
+_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+_CACHE_DTYPES = (torch.float16, torch.bfloat16) + FP8_DTYPES
+MAX_QUERY_LEN = 8
+SUPPORTED_KV_LORA_RANKS = "powers of two from 16 to 512 (DeepSeek: 512)"
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fp8_bits_to_float(bits, EXPONENT_BIAS: tl.constexpr):
+    """Decode e4m3 bytes (uint8) to float32 by integer arithmetic.
+
+    EXPONENT_BIAS is 7 for float8_e4m3fn and 8 for float8_e4m3fnuz.  NaN codes are
+    not produced by the saturating quantiser and are not special-cased.
+    """
+    b = bits.to(tl.int32)
+    sign = (b >> 7) & 1
+    exponent = (b >> 3) & 15
+    mantissa = b & 7
+    normal_bits = (sign << 31) | ((exponent + (127 - EXPONENT_BIAS)) << 23) | (mantissa << 20)
+    normal = normal_bits.to(tl.float32, bitcast=True)
+    # subnormals: mantissa * 2^(1 - bias - 3)
+    subnormal = mantissa.to(tl.float32) * tl.exp2(-(EXPONENT_BIAS + 2.0))
+    subnormal = tl.where(sign == 1, -subnormal, subnormal)
+    return tl.where(exponent == 0, subnormal, normal)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    Q_nope,
+    Q_pe,
+    KV_cache,
+    Block_table,
+    Seq_lens,
+    K_scale,
+    Attn_logits,
+    Out,
+    Lse,
+    sm_scale,
+    num_heads,
+    num_kv_splits,
+    stride_qn_b,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv_block,
+    stride_kv_token,
+    stride_bt_b,
+    stride_al_row,
+    stride_al_h,
+    stride_al_split,
+    stride_o_b,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_t,
+    stride_lse_h,
+    Q_LEN: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr,
+    FP8_BITS_BIAS: tl.constexpr,
+    DIRECT_OUTPUT: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    split = tl.program_id(1)
+    batch = tl.program_id(2)
+
+    seq_len = tl.load(Seq_lens + batch)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+
+    rows = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_valid = rows < Q_LEN * num_heads
+    token = rows // num_heads
+    head = rows % num_heads
+    # The 512 latent columns are handled as two halves (two accumulators, two
+    # V tiles) so that no single [BLOCK_H, 512] fp32 tensor has to be converted
+    # or stored at once: that conversion was what spilled registers.
+    HALF: tl.constexpr = KV_LORA_RANK // 2
+    offs_lo = tl.arange(0, HALF)
+    offs_hi = HALF + tl.arange(0, HALF)
+    offs_r = tl.arange(0, ROPE_DIM)
+
+    q_nope_ptrs = Q_nope + batch * stride_qn_b + token * stride_qn_t + head * stride_qn_h
+    q_lo = tl.load(q_nope_ptrs[:, None] + offs_lo[None, :], mask=row_valid[:, None], other=0.0)
+    q_hi = tl.load(q_nope_ptrs[:, None] + offs_hi[None, :], mask=row_valid[:, None], other=0.0)
+    q_pe_ptrs = Q_pe + batch * stride_qp_b + token * stride_qp_t + head * stride_qp_h
+    q_pe = tl.load(q_pe_ptrs[:, None] + offs_r[None, :], mask=row_valid[:, None], other=0.0)
+
+    # scores in the log2 domain: exp2 is the native instruction
+    qk_scale = sm_scale * 1.4426950408889634
+    if HAS_K_SCALE:
+        k_scale = tl.load(K_scale).to(tl.float32)
+        qk_scale = qk_scale * k_scale
+    # bottom-right causal limit of each folded query token
+    row_limit = seq_len - Q_LEN + 1 + token
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    block_table_row = Block_table + batch * stride_bt_b
+
+    for start in range(split_start, split_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_valid = pos < split_end
+        if PAGE_SIZE % BLOCK_N == 0:
+            # the tile lies inside one page: one block-table entry
+            page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
+            row_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+        else:
+            pages = tl.load(block_table_row + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
+            row_ptrs = KV_cache + pages * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+        kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
+        kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
+        k_pe = tl.load(row_ptrs[:, None] + KV_LORA_RANK + offs_r[None, :], mask=pos_valid[:, None], other=0.0)
+        if FP8_BITS_BIAS != 0:
+            kv_lo = _fp8_bits_to_float(kv_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+            kv_hi = _fp8_bits_to_float(kv_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+            k_pe = _fp8_bits_to_float(k_pe, FP8_BITS_BIAS).to(q_lo.dtype)
+        else:
+            kv_lo = kv_lo.to(q_lo.dtype)
+            kv_hi = kv_hi.to(q_lo.dtype)
+            k_pe = k_pe.to(q_lo.dtype)
+
+        qk = tl.dot(q_lo, tl.trans(kv_lo))
+        qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
+        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
+        qk = qk * qk_scale
+        if Q_LEN > 1:
+            visible = pos_valid[None, :] & (pos[None, :] < row_limit[:, None])
+        else:
+            visible = pos_valid[None, :] & (rows >= 0)[:, None]
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(kv_lo.dtype)
+        acc_lo = tl.dot(p, kv_lo, acc=acc_lo * alpha[:, None])
+        acc_hi = tl.dot(p, kv_hi, acc=acc_hi * alpha[:, None])
+        m_i = m_new
+
+    has_mass = l_i > 0.0
+    inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
+    if HAS_K_SCALE:
+        inv_l = inv_l * k_scale
+    # natural-log LSE: m is in the log2 domain
+    lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    if DIRECT_OUTPUT:
+        out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
+        out_dtype = Out.dtype.element_ty
+        tl.store(out_ptrs[:, None] + offs_lo[None, :], (acc_lo * inv_l[:, None]).to(out_dtype), mask=row_valid[:, None])
+        tl.store(out_ptrs[:, None] + offs_hi[None, :], (acc_hi * inv_l[:, None]).to(out_dtype), mask=row_valid[:, None])
+        lse_ptrs = Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h
+        tl.store(lse_ptrs, lse, mask=row_valid)
+    else:
+        partial_ptrs = (
+            Attn_logits + (batch * Q_LEN + token) * stride_al_row + head * stride_al_h + split * stride_al_split
+        )
+        tl.store(partial_ptrs[:, None] + offs_lo[None, :], acc_lo * inv_l[:, None], mask=row_valid[:, None])
+        tl.store(partial_ptrs[:, None] + offs_hi[None, :], acc_hi * inv_l[:, None], mask=row_valid[:, None])
+        tl.store(partial_ptrs + KV_LORA_RANK, lse, mask=row_valid)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    Attn_logits,
+    Out,
+    Lse,
+    num_heads,
+    num_kv_splits,
+    stride_al_row,
+    stride_al_h,
+    stride_al_split,
+    stride_o_b,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_t,
+    stride_lse_h,
+    Q_LEN: tl.constexpr,
+    KV_LORA_RANK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Merge the per-split partial outputs of BLOCK_H heads of one query token by LSE."""
+    row = tl.program_id(0)
+    head_block = tl.program_id(1)
+    batch = row // Q_LEN
+    token = row % Q_LEN
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_valid = heads < num_heads
+    offs_c = tl.arange(0, KV_LORA_RANK)
+    base = Attn_logits + row * stride_al_row + heads * stride_al_h
+
+    lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for split in range(0, num_kv_splits):
+        split_lse = tl.load(base + split * stride_al_split + KV_LORA_RANK, mask=head_valid, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, split_lse)
+    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+
+    acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for split in range(0, num_kv_splits):
+        split_lse = tl.load(base + split * stride_al_split + KV_LORA_RANK, mask=head_valid, other=float("-inf"))
+        has_mass = split_lse > float("-inf")
+        weight = tl.where(has_mass, tl.exp(split_lse - lse_use), 0.0)
+        # empty splits left their partial output unwritten: never read it
+        partial = tl.load(
+            (base + split * stride_al_split)[:, None] + offs_c[None, :], mask=has_mass[:, None], other=0.0
+        )
+        acc += weight[:, None] * partial
+        weight_sum += weight
+
+    has_any = weight_sum > 0.0
+    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, weight_sum, 1.0), 0.0)[:, None]
+    lse = tl.where(has_any, lse_use + tl.log(tl.where(has_any, weight_sum, 1.0)), float("-inf"))
+    out_ptrs = Out + batch * stride_o_b + token * stride_o_t + heads * stride_o_h
+    tl.store(out_ptrs[:, None] + offs_c[None, :], out.to(Out.dtype.element_ty), mask=head_valid[:, None])
+    tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + heads * stride_lse_h, lse, mask=head_valid)
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse):
+    if q_nope.dim() not in (3, 4):
+        raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}; accepted: [B, N, Lkv] or [B, Q, N, Lkv]")
+    if q_pe.dim() != q_nope.dim() or q_pe.shape[:-1] != q_nope.shape[:-1]:
+        raise ValueError(
+            f"q_pe has shape {tuple(q_pe.shape)}; accepted: q_nope's leading dims {tuple(q_nope.shape[:-1])} + [R]"
+        )
+    batch, num_heads, kv_lora_rank = q_nope.shape[0], q_nope.shape[-2], q_nope.shape[-1]
+    q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+    rope_dim = q_pe.shape[-1]
+    if not 1 <= q_len <= MAX_QUERY_LEN:
+        raise ValueError(f"q_nope has {q_len} query tokens per request; accepted: 1..{MAX_QUERY_LEN}")
+    if not 1 <= num_heads <= 128:
+        raise ValueError(f"q_nope has {num_heads} heads; accepted: 1..128")
+    if not (_is_power_of_two(kv_lora_rank) and 16 <= kv_lora_rank <= 512):
+        raise ValueError(f"kv_lora_rank={kv_lora_rank}; accepted: {SUPPORTED_KV_LORA_RANKS}")
+    if not (_is_power_of_two(rope_dim) and 16 <= rope_dim <= 128):
+        raise ValueError(f"qk_rope_head_dim={rope_dim}; accepted: powers of two from 16 to 128 (DeepSeek: 64)")
+    if q_nope.dtype not in _QUERY_DTYPES or q_pe.dtype != q_nope.dtype:
+        raise ValueError(
+            f"q_nope/q_pe dtypes {q_nope.dtype}/{q_pe.dtype}; accepted: both float16 or both bfloat16"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != kv_lora_rank + rope_dim:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, "
+            f"{kv_lora_rank + rope_dim}] (kv_lora_rank + qk_rope_head_dim)"
+        )
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}")
+    if kv_cache.stride(-1) != 1 or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("q_nope, q_pe and kv_cache must have a contiguous last dimension")
+    if kv_cache.dtype in FP8_DTYPES:
+        if k_scale is None:
+            raise ValueError(f"k_scale=None with a {kv_cache.dtype} kv_cache; accepted: a float32 tensor of 1 element")
+    if k_scale is not None and (not torch.is_tensor(k_scale) or k_scale.numel() != 1):
+        raise ValueError(f"k_scale={k_scale!r}; accepted: None or a tensor of 1 element")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"block_table has shape {tuple(block_table.shape)} and dtype {block_table.dtype}; "
+            f"accepted: [{batch}, max_blocks] int32"
+        )
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)} and dtype {seq_lens.dtype}; accepted: [{batch}] int32")
+    if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits!r}; accepted: a Python int >= 1")
+    expected_logits = (batch * q_len, num_heads, kv_lora_rank + 1)
+    if (
+        attn_logits.dim() != 4
+        or attn_logits.dtype != torch.float32
+        or (attn_logits.shape[0], attn_logits.shape[1], attn_logits.shape[3]) != expected_logits
+        or attn_logits.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"attn_logits has shape {tuple(attn_logits.shape)} and dtype {attn_logits.dtype}; accepted: float32 "
+            f"[{batch * q_len}, {num_heads}, max_num_kv_splits, {kv_lora_rank + 1}] with a contiguous last dim"
+        )
+    if num_kv_splits > attn_logits.shape[2]:
+        raise ValueError(
+            f"num_kv_splits={num_kv_splits} exceeds the {attn_logits.shape[2]} splits reserved in attn_logits; "
+            f"accepted: 1..{attn_logits.shape[2]}"
+        )
+    if out.shape != q_nope.shape or out.dtype != q_nope.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; accepted: {tuple(q_nope.shape)} {q_nope.dtype}"
+        )
+    if lse.shape != q_nope.shape[:-1] or lse.dtype != torch.float32:
+        raise ValueError(
+            f"lse has shape {tuple(lse.shape)} and dtype {lse.dtype}; accepted: {tuple(q_nope.shape[:-1])} float32"
+        )
+    devices = {t.device for t in (q_nope, q_pe, kv_cache, block_table, seq_lens, attn_logits, out, lse)}
+    if k_scale is not None:
+        devices.add(k_scale.device)
+    if len(devices) != 1:
+        raise ValueError(f"tensors are on devices {sorted(map(str, devices))}; accepted: all on one device")
+    return batch, q_len, num_heads, kv_lora_rank, rope_dim
+
+
+
+
+def mla_decode_fwd(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scale: torch.Tensor | None,
+    num_kv_splits: int,
+    attn_logits: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: DecodeLaunchConfig | None = None,
+    platform: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
+
+    Args:
+        q_nope: [B, N, Lkv] or [B, Q, N, Lkv] float16/bfloat16, the absorbed
+            query (Q <= 8 query tokens per request for speculative decoding;
+            token j of request b sees cache positions < seq_lens[b] - Q + 1 + j).
+        q_pe: [B, (Q,) N, R], the rotary part, same dtype as q_nope.
+        kv_cache: [num_blocks, block_size, Lkv + R] float16/bfloat16 or FP8
+            (float8_e4m3fn / float8_e4m3fnuz) with per-tensor ``k_scale``.
+        block_table: [B, max_blocks] int32.
+        seq_lens: [B] int32 on the device; 0 gives output 0 and LSE -inf.
+        scale: softmax scale (always explicit).
+        k_scale: float32 tensor of 1 element (FP8 dequantisation scale) or None.
+        num_kv_splits: Python int, 1 .. attn_logits.shape[2].
+        attn_logits: float32 workspace [B * Q, N, max_num_kv_splits, Lkv + 1].
+        out: [B, (Q,) N, Lkv] in q's dtype, written.
+        lse: [B, (Q,) N] float32 natural-log LSE, written.
+        config: launch configuration; default ``decode_config(platform, ...)``.
+        platform: the Platform the configuration is chosen for; default the current one.
+
+    Returns:
+        (out, lse), the buffers passed in.
+    """
+    batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse
+    )
+    if platform is None:
+        from mla_multi.platforms import current_platform
+
+        platform = current_platform()
+    if config is None:
+        config = decode_config(platform, num_heads, q_len, kv_cache.dtype)
+
+    cache = kv_cache
+    fp8_bits_bias = 0
+    if kv_cache.dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, kv_cache.dtype):
+        cache = kv_cache.view(torch.uint8)
+        fp8_bits_bias = _FP8_EXPONENT_BIAS[kv_cache.dtype]
+
+    if q_nope.dim() == 3:
+        # a [B, N, D] tensor is [B, 1, N, D] with any token stride
+        qn_strides = (q_nope.stride(0), 0, q_nope.stride(1))
+        qp_strides = (q_pe.stride(0), 0, q_pe.stride(1))
+        o_strides = (out.stride(0), 0, out.stride(1))
+        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    else:
+        qn_strides = (q_nope.stride(0), q_nope.stride(1), q_nope.stride(2))
+        qp_strides = (q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
+
+    if batch == 0:
+        return out, lse
+    rows = q_len * num_heads
+    direct = num_kv_splits == 1
+    grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
+    _mla_decode_split_kernel[grid](
+        q_nope,
+        q_pe,
+        cache,
+        block_table,
+        seq_lens,
+        k_scale if k_scale is not None else seq_lens,
+        attn_logits,
+        out,
+        lse,
+        float(scale),
+        num_heads,
+        num_kv_splits,
+        *qn_strides,
+        *qp_strides,
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        *o_strides,
+        *lse_strides,
+        Q_LEN=q_len,
+        KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=rope_dim,
+        PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        HAS_K_SCALE=k_scale is not None,
+        FP8_BITS_BIAS=fp8_bits_bias,
+        DIRECT_OUTPUT=direct,
+        **config.launch_options(),
+    )
+    if not direct:
+        reduce_config = decode_reduce_config(platform)
+        _mla_decode_reduce_kernel[(batch * q_len, triton.cdiv(num_heads, reduce_config.block_h))](
+            attn_logits,
+            out,
+            lse,
+            num_heads,
+            num_kv_splits,
+            attn_logits.stride(0),
+            attn_logits.stride(1),
+            attn_logits.stride(2),
+            *o_strides,
+            *lse_strides,
+            Q_LEN=q_len,
+            KV_LORA_RANK=kv_lora_rank,
+            BLOCK_H=reduce_config.block_h,
+            **reduce_config.launch_options(),
+        )
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# ahead-of-time compilation (mla_multi.compile_check)
+# ---------------------------------------------------------------------------
+
+_TRITON_DTYPE = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e4m3fnuz: "fp8e4b8",
+    torch.uint8: "u8",
+}
+
+
+def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_k_scale: bool) -> dict[str, str]:
+    q = _TRITON_DTYPE[q_dtype]
+    signature = {
+        "Q_nope": f"*{q}",
+        "Q_pe": f"*{q}",
+        "KV_cache": f"*{_TRITON_DTYPE[cache_dtype]}",
+        "Block_table": "*i32",
+        "Seq_lens": "*i32",
+        "K_scale": "*fp32" if has_k_scale else "*i32",
+        "Attn_logits": "*fp32",
+        "Out": f"*{q}",
+        "Lse": "*fp32",
+        "sm_scale": "fp32",
+        "num_heads": "i32",
+        "num_kv_splits": "i32",
+    }
+    for name in (
+        "stride_qn_b stride_qn_t stride_qn_h stride_qp_b stride_qp_t stride_qp_h stride_kv_block "
+        "stride_kv_token stride_bt_b stride_al_row stride_al_h stride_al_split stride_o_b stride_o_t "
+        "stride_o_h stride_lse_b stride_lse_t stride_lse_h"
+    ).split():
+        signature[name] = "i32"
+    for name in (
+        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE FP8_BITS_BIAS DIRECT_OUTPUT".split()
+    ):
+        signature[name] = "constexpr"
+    return signature
+
+
+# what a DeepSeek launch sees 16-divisible (the attn_logits strides, multiples
+# of Lkv + 1 = 513, are not)
+_SPLIT_DIVISIBLE = tuple(
+    (
+        "Q_nope Q_pe KV_cache Block_table Seq_lens K_scale Attn_logits Out Lse stride_qn_b stride_qn_h "
+        "stride_qp_b stride_qp_h stride_kv_block stride_kv_token stride_o_b stride_o_h stride_qn_t stride_qp_t stride_o_t"
+    ).split()
+)
+
+
+def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
+    signature = {"Attn_logits": "*fp32", "Out": f"*{_TRITON_DTYPE[q_dtype]}", "Lse": "*fp32"}
+    for name in (
+        "num_heads num_kv_splits stride_al_row stride_al_h stride_al_split stride_o_b stride_o_t stride_o_h "
+        "stride_lse_b stride_lse_t stride_lse_h"
+    ).split():
+        signature[name] = "i32"
+    for name in ("Q_LEN", "KV_LORA_RANK", "BLOCK_H"):
+        signature[name] = "constexpr"
+    return signature
+
+
+def compile_specs(platform) -> list[CompileSpec]:
+    """Every (kernel, launch config) this module can launch on `platform`, DeepSeek dims.
+
+    The split kernel is compiled for each configuration that `decode_config`
+    can return on the platform, with a bf16 cache and with the platform's FP8
+    cache (decoded natively or by bits, as the launch would), at page size 64
+    (tile inside a page) and page size 1 (one block-table entry per row), as the
+    split (partial) and the direct (single split) variant.  Register and LDS use
+    do not depend on the head count or the query length beyond BLOCK_H, so
+    those are fixed to values that select each configuration.
+    """
+    specs: list[CompileSpec] = []
+    cache_dtypes: list[torch.dtype] = [torch.bfloat16]
+    if platform.fp8_dtype is not None:
+        cache_dtypes.append(platform.fp8_dtype)
+    elif platform.is_cuda():
+        # sm_80 has no FP8 arithmetic but still reads an FP8 cache by bits
+        cache_dtypes.append(torch.float8_e4m3fn)
+    for cache_dtype in cache_dtypes:
+        for config in all_decode_configs(platform, fp8=cache_dtype in FP8_DTYPES):
+            bits = cache_dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, cache_dtype)
+            launched_dtype = torch.uint8 if bits else cache_dtype
+            for page_size, direct in ((64, False), (1, True)):
+                constexprs = {
+                    "Q_LEN": 1,
+                    "KV_LORA_RANK": 512,
+                    "ROPE_DIM": 64,
+                    "PAGE_SIZE": page_size,
+                    "BLOCK_H": config.block_h,
+                    "BLOCK_N": config.block_n,
+                    "HAS_K_SCALE": cache_dtype in FP8_DTYPES,
+                    "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
+                    "DIRECT_OUTPUT": direct,
+                }
+                kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
+                specs.append(
+                    CompileSpec(
+                        name=f"mla_decode_split[{config.name},kv={kv_name},page={page_size},"
+                        f"{'direct' if direct else 'partial'}]",
+                        fn=_mla_decode_split_kernel,
+                        signature=_split_kernel_signature(torch.bfloat16, launched_dtype, cache_dtype in FP8_DTYPES),
+                        constexprs=constexprs,
+                        options=config.launch_options(),
+                        divisible_by_16=_SPLIT_DIVISIBLE,
+                    )
+                )
+    reduce_config = decode_reduce_config(platform)
+    specs.append(
+        CompileSpec(
+            name=f"mla_decode_reduce[{reduce_config.name}]",
+            fn=_mla_decode_reduce_kernel,
+            signature=_reduce_kernel_signature(torch.bfloat16),
+            constexprs={"Q_LEN": 1, "KV_LORA_RANK": 512, "BLOCK_H": reduce_config.block_h},
+            options=reduce_config.launch_options(),
+            divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
+        )
+    )
+    return specs

@@ -1,0 +1,99 @@
+"""Split-KV heuristics on impersonated devices (pure functions of the platform)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_multi import heuristics
+from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+from mla_multi.kernels.launch_config import decode_config
+from mla_multi.platforms import SPECS
+
+DEVICES = ["MI300X", "MI355X", "RX7900XTX", "A100", "H100"]
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch):
+    monkeypatch.delenv("MLA_MULTI_NUM_KV_SPLITS", raising=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reservation_bounds(device):
+    platform = SPECS[device]
+    assert max_num_kv_splits(1, platform) == 1
+    assert max_num_kv_splits(heuristics.MIN_TOKENS_PER_SPLIT * 3, platform) == 3
+    big = max_num_kv_splits(163840, platform)
+    assert 2 * platform.num_compute_units <= big <= heuristics.MAX_KV_SPLITS_CAP or big == heuristics.MAX_KV_SPLITS_CAP
+    assert big & (big - 1) == 0  # a power of two
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_batch_long_sequence_fills_the_device(device):
+    platform = SPECS[device]
+    reserved = max_num_kv_splits(32768, platform)
+    splits = num_kv_splits(platform, 1, 16, 32768, reserved)
+    config = decode_config(platform, 16, 1, torch.bfloat16)
+    programs = splits * -(-16 // config.block_h)
+    # at least most of the compute units get a program, within the reservation
+    assert programs >= min(reserved, platform.num_compute_units) * 0.9
+    assert splits <= reserved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_batch_needs_no_split(device):
+    platform = SPECS[device]
+    # 128 requests x 128 heads already give several programs per compute unit: at most a
+    # few splits, chosen only to even out the last wave of programs
+    splits = num_kv_splits(platform, 128, 128, 4096, max_num_kv_splits(4096, platform))
+    assert splits <= 3
+    if device == "H100":
+        assert splits == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_requests_never_more_splits(device):
+    platform = SPECS[device]
+    reserved = max_num_kv_splits(8192, platform)
+    chosen = [num_kv_splits(platform, batch, 16, 8192, reserved) for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert chosen == sorted(chosen, reverse=True), chosen
+    assert chosen[0] > chosen[-1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_sequences_are_not_split(device):
+    platform = SPECS[device]
+    assert num_kv_splits(platform, 1, 16, heuristics.MIN_TOKENS_PER_SPLIT, 64) == 1
+    assert num_kv_splits(platform, 1, 16, 0, 64) == 1
+    # never below MIN_TOKENS_PER_SPLIT tokens per split
+    assert num_kv_splits(platform, 1, 16, 1000, 64) <= -(-1000 // heuristics.MIN_TOKENS_PER_SPLIT)
+
+
+def test_choices_per_device_table():
+    """The choices on each device for a few DeepSeek-V3 batches (readable in the test log)."""
+    table = {}
+    for device in DEVICES:
+        platform = SPECS[device]
+        for batch, heads, seq_len in ((1, 16, 32768), (32, 16, 4096), (64, 128, 8192), (128, 128, 4096)):
+            reserved = max_num_kv_splits(seq_len, platform)
+            table[(device, batch, heads, seq_len)] = num_kv_splits(platform, batch, heads, seq_len, reserved)
+    print("\n".join(f"{key}: {value}" for key, value in table.items()))
+    for device in DEVICES:
+        # more compute units -> at least as many splits for the same small batch
+        assert table[(device, 1, 16, 32768)] >= table[(device, 32, 16, 4096)]
+    assert table[("MI300X", 1, 16, 32768)] >= table[("RX7900XTX", 1, 16, 32768)]
+
+
+def test_env_override_is_clamped(monkeypatch):
+    platform = SPECS["H100"]
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "7")
+    assert num_kv_splits(platform, 128, 128, 4096, 64) == 7
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "500")
+    assert num_kv_splits(platform, 1, 16, 32768, 64) == 64
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size"):
+        num_kv_splits(SPECS["H100"], 0, 16, 10, 4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        max_num_kv_splits(0, SPECS["H100"])

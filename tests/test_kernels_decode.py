@@ -1,0 +1,328 @@
+"""The Triton split-KV MLA decode kernel against a float64 reference.
+
+* CPU: the Triton interpreter (TRITON_INTERPRET=1 must be set before triton is
+  imported, so the cases run in one subprocess: this file executed as a script)
+  with float16 queries and float16 / FP8 caches, small dims.
+* GPU (marked ``gpu``): bf16 and FP8, heads 1..128, block sizes 1/16/64,
+  sequence lengths 0..32768 mixed in one batch, and CUDA-graph capture/replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _reference(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale):
+    """float64 reference (the package's REFERENCE backend when present)."""
+    try:
+        from mla_multi.backends.reference import mla_decode_reference
+    except ImportError:  # pragma: no cover - the reference backend ships with the package
+        mla_decode_reference = None
+    if mla_decode_reference is not None:
+        return mla_decode_reference(
+            q_nope.double(), q_pe.double(), kv_cache, block_table, seq_lens, scale, k_scale=k_scale
+        )
+    single = q_nope.dim() == 3
+    qn = q_nope.double().unsqueeze(1) if single else q_nope.double()
+    qp = q_pe.double().unsqueeze(1) if single else q_pe.double()
+    batch, q_len, heads, lora = qn.shape
+    out = torch.zeros(batch, q_len, heads, lora, dtype=torch.float64)
+    lse = torch.full((batch, q_len, heads), float("-inf"), dtype=torch.float64)
+    block = kv_cache.shape[1]
+    out, lse = out.to(qn.device), lse.to(qn.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        pos = torch.arange(length, device=qn.device)
+        rows = kv_cache[block_table[b, pos // block].long(), pos % block].double()
+        if k_scale is not None:
+            rows = rows * float(k_scale.reshape(()))
+        scores = torch.einsum("qhd,sd->qhs", torch.cat([qn[b], qp[b]], -1), rows) * scale
+        limit = length - q_len + 1 + torch.arange(q_len, device=qn.device)
+        scores = scores.masked_fill(~(pos[None, :] < limit[:, None])[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)
+        probs = torch.where(torch.isfinite(row_lse)[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
+        out[b] = torch.einsum("qhs,sd->qhd", probs.nan_to_num(0.0), rows[:, :lora])
+        lse[b] = row_lse
+    return (out.squeeze(1), lse.squeeze(1)) if single else (out, lse)
+
+
+def _make_case(batch, heads, q_len, lora, rope, block_size, seq_lens, cache_dtype, q_dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, -(-max(seq_lens) // block_size)) + 1
+    num_blocks = batch * max_blocks + 2
+    cache = torch.randn(num_blocks, block_size, lora + rope, generator=generator)
+    k_scale = None
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        k_scale = torch.tensor([0.0125], dtype=torch.float32)
+        limit = 448.0 if cache_dtype == torch.float8_e4m3fn else 240.0
+        cache = (cache / k_scale).clamp(-limit, limit).to(cache_dtype)
+    else:
+        cache = cache.to(cache_dtype)
+    # scattered pages: a permutation, so block tables are not the identity
+    block_table = torch.randperm(num_blocks, generator=generator)[: batch * max_blocks].reshape(batch, max_blocks)
+    shape = (batch, heads) if q_len == 1 else (batch, q_len, heads)
+    q_nope = torch.randn(*shape, lora, generator=generator).to(q_dtype)
+    q_pe = torch.randn(*shape, rope, generator=generator).to(q_dtype)
+    tensors = dict(
+        q_nope=q_nope,
+        q_pe=q_pe,
+        kv_cache=cache,
+        block_table=block_table.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        k_scale=k_scale,
+    )
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in tensors.items()}
+
+
+def _run_decode(tensors, scale, num_kv_splits, max_splits=None, **kwargs):
+    from mla_multi.kernels.mla_decode import mla_decode_fwd
+
+    q_nope = tensors["q_nope"]
+    shape = q_nope.shape[:-1]
+    rows = q_nope.shape[0] * (q_nope.shape[1] if q_nope.dim() == 4 else 1)
+    lora = q_nope.shape[-1]
+    device = q_nope.device
+    out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=device)
+    lse = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    attn_logits = torch.full(
+        (rows, shape[-1], max_splits or num_kv_splits, lora + 1), float("nan"), dtype=torch.float32, device=device
+    )
+    mla_decode_fwd(
+        q_nope,
+        tensors["q_pe"],
+        tensors["kv_cache"],
+        tensors["block_table"],
+        tensors["seq_lens"],
+        scale,
+        k_scale=tensors["k_scale"],
+        num_kv_splits=num_kv_splits,
+        attn_logits=attn_logits,
+        out=out,
+        lse=lse,
+        **kwargs,
+    )
+    return out, lse
+
+
+def _errors(tensors, out, lse, scale):
+    # the reference runs where the inputs are (float64 on the GPU is fast enough)
+    ref_out, ref_lse = _reference(
+        tensors["q_nope"],
+        tensors["q_pe"],
+        tensors["kv_cache"],
+        tensors["block_table"],
+        tensors["seq_lens"],
+        scale,
+        tensors["k_scale"],
+    )
+    ref_out, ref_lse = ref_out.cpu().double(), ref_lse.cpu().double()
+    out, lse = out.cpu().double(), lse.cpu().double()
+    finite = torch.isfinite(ref_lse)
+    empty_rows = out[~finite]
+    return {
+        "rel_err": float((out - ref_out).norm() / ref_out.norm().clamp_min(1e-300)),
+        "lse_err": float((lse[finite] - ref_lse[finite]).abs().max()) if finite.any() else 0.0,
+        "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+        "inf_pattern_ok": bool(torch.equal(~finite, lse == float("-inf"))),
+        "empty_rows_zero": bool((empty_rows == 0).all()) if empty_rows.numel() else True,
+    }
+
+
+# (id, batch, heads, q_len, lora, rope, block_size, seq_lens, cache dtype name, splits, platform name or None)
+INTERPRETER_CASES = [
+    ("h1-bs16-splits3", 3, 1, 1, 64, 16, 16, [37, 0, 1], "float16", 3, None),
+    ("h3-bs1-direct", 3, 3, 1, 64, 16, 1, [5, 1, 0], "float16", 1, None),
+    ("h16-bs64-odd", 3, 16, 1, 64, 16, 64, [100, 65, 17], "float16", 2, None),
+    ("h40-two-head-blocks", 2, 40, 1, 64, 16, 16, [33, 50], "float16", 2, None),
+    ("h3-q3-causal", 3, 3, 3, 64, 16, 16, [40, 3, 2], "float16", 2, None),
+    ("h20-q2-folded", 2, 20, 2, 64, 16, 16, [29, 2], "float16", 3, None),
+    ("empty-splits", 1, 2, 1, 64, 16, 16, [20], "float16", 8, None),
+    ("fp8-e4m3fn", 2, 4, 1, 64, 16, 16, [40, 19], "float8_e4m3fn", 4, None),
+    ("fp8-e4m3fnuz", 2, 4, 1, 64, 16, 64, [70, 0], "float8_e4m3fnuz", 2, None),
+    ("fp8-e4m3fnuz-bit-decode", 2, 4, 1, 64, 16, 16, [40, 9], "float8_e4m3fnuz", 2, "H100"),
+    ("fp8-e4m3fn-bit-decode", 2, 3, 1, 64, 16, 16, [23, 31], "float8_e4m3fn", 2, "A100"),
+    ("deepseek-dims", 2, 16, 1, 512, 64, 16, [70, 33], "float16", 2, None),
+]
+
+
+def _interpreter_main() -> None:
+    """Run every interpreter case; print one JSON object per case (this file as a script)."""
+    from mla_multi.platforms import SPECS
+
+    results = {}
+    for case_id, batch, heads, q_len, lora, rope, block_size, seq_lens, dtype_name, splits, platform in INTERPRETER_CASES:
+        tensors = _make_case(
+            batch, heads, q_len, lora, rope, block_size, seq_lens, getattr(torch, dtype_name), torch.float16, "cpu", 7
+        )
+        scale = (lora + rope) ** -0.5
+        kwargs = {"platform": SPECS[platform]} if platform else {}
+        out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, **kwargs)
+        results[case_id] = _errors(tensors, out, lse, scale)
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+@pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES])
+def test_decode_interpreter(interpreter_results, case_id):
+    result = interpreter_results[case_id]
+    assert not result["nan"], result
+    assert result["inf_pattern_ok"], result
+    assert result["empty_rows_zero"], result
+    # float16 output and float16 products: ~1e-3 relative; FP8 values are exact in float16
+    assert result["rel_err"] <= 3e-3, result
+    assert result["lse_err"] <= 2e-3, result
+
+
+def _inputs(**overrides):
+    tensors = _make_case(2, 4, 1, 64, 16, 16, [5, 9], torch.float16, torch.float16, "cpu", 0)
+    tensors.update(overrides)
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "overrides, splits, message",
+    [
+        ({"block_table": torch.zeros(2, 2, dtype=torch.int64)}, 1, "block_table"),
+        ({"seq_lens": torch.zeros(3, dtype=torch.int32)}, 1, "seq_lens"),
+        ({"q_pe": torch.zeros(2, 4, 32, dtype=torch.float16)}, 1, "kv_cache"),
+        ({"kv_cache": torch.zeros(4, 16, 80, dtype=torch.float8_e4m3fn)}, 1, "k_scale"),
+        ({}, 5, "num_kv_splits"),
+    ],
+    ids=["block-table-int64", "seq-lens-shape", "rope-mismatch", "fp8-without-scale", "too-many-splits"],
+)
+def test_bad_input_raises(overrides, splits, message):
+    tensors = _inputs(**overrides)
+    with pytest.raises(ValueError, match=message):
+        _run_decode(tensors, 0.1, splits, max_splits=4)
+
+
+def test_unsupported_lora_rank_is_rejected():
+    tensors = _make_case(1, 2, 1, 48, 16, 16, [4], torch.float16, torch.float16, "cpu", 0)
+    with pytest.raises(ValueError, match="kv_lora_rank=48"):
+        _run_decode(tensors, 0.1, 1)
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _gpu_fp8_dtype():
+    from mla_multi.platforms import current_platform
+
+    return current_platform().fp8_dtype or torch.float8_e4m3fn
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [1, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_gpu(kv, heads, block_size):
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.platforms import current_platform
+
+    seq_lens = [0, 1, 17, 4096, 32768]
+    cache_dtype = torch.bfloat16 if kv == "bf16" else _gpu_fp8_dtype()
+    tensors = _make_case(5, heads, 1, 512, 64, block_size, seq_lens, cache_dtype, torch.bfloat16, "cuda", heads)
+    scale = 576**-0.5
+    platform = current_platform()
+    reserved = max_num_kv_splits(32768, platform)
+    splits = num_kv_splits(platform, 5, heads, 32768, reserved, kv_cache_dtype=cache_dtype)
+    out, lse = _run_decode(tensors, scale, splits, max_splits=reserved)
+    torch.cuda.synchronize()
+    result = _errors(tensors, out, lse, scale)
+    assert not result["nan"], result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+    assert result["rel_err"] <= (1e-2 if kv == "bf16" else 6e-2), result
+    assert result["lse_err"] <= 2e-2, result
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_decode_gpu_multi_token(q_len):
+    tensors = _make_case(3, 16, q_len, 512, 64, 64, [0 + q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", 3)
+    scale = 576**-0.5
+    out, lse = _run_decode(tensors, scale, 4)
+    torch.cuda.synchronize()
+    result = _errors(tensors, out, lse, scale)
+    assert not result["nan"] and result["inf_pattern_ok"], result
+    assert result["rel_err"] <= 1e-2, result
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_decode_cuda_graph_replay_matches_eager():
+    from mla_multi.kernels.mla_decode import mla_decode_fwd
+
+    heads, lora, rope, block_size, max_blocks = 16, 512, 64, 64, 64
+    scale = 576**-0.5
+    num_blocks = 512
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.randn(num_blocks, block_size, lora + rope, device="cuda", generator=generator).to(torch.bfloat16)
+    for batch in (1, 4, 16):
+        splits = 8
+        q_nope = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
+        q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+        block_table = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
+        seq_lens = torch.ones(batch, dtype=torch.int32, device="cuda")
+        out = torch.empty(batch, heads, lora, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
+        attn_logits = torch.empty(batch, heads, splits, lora + 1, dtype=torch.float32, device="cuda")
+
+        def step():
+            mla_decode_fwd(
+                q_nope, q_pe, cache, block_table, seq_lens, scale,
+                k_scale=None, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse,
+            )
+
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for trial in range(3):
+            new_lens = torch.randint(0, max_blocks * block_size, (batch,), device="cuda", dtype=torch.int32)
+            new_lens[0] = trial  # 0, 1, 2: empty and tiny sequences too
+            seq_lens.copy_(new_lens)
+            block_table.copy_(torch.randint(0, num_blocks, (batch, max_blocks), device="cuda", dtype=torch.int32))
+            q_nope.normal_()
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            graph_out, graph_lse = out.clone(), lse.clone()
+            out.fill_(float("nan"))
+            step()
+            torch.cuda.synchronize()
+            assert torch.equal(graph_out, out), f"batch {batch} trial {trial}"
+            assert torch.equal(graph_lse, lse), f"batch {batch} trial {trial}"
+            assert not torch.isnan(graph_out).any()
+
+
+if __name__ == "__main__":
+    _interpreter_main()
