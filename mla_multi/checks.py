@@ -65,6 +65,8 @@ def check_scale(name: str, scale, required: bool) -> None:
     if torch.is_tensor(scale):
         if scale.numel() != 1 or not scale.dtype.is_floating_point:
             raise ValueError(f"{name}={describe(scale)}; accepted: a positive float or a 1-element float32 tensor")
+        if data_checks_enabled() and not float(scale.detach().cpu().reshape(())) > 0:
+            raise ValueError(f"{name}={scale.item()!r}; accepted: a positive scale")
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"{name}={scale!r}; accepted: a positive float or a 1-element float32 tensor")
 
@@ -73,7 +75,15 @@ def data_checks_enabled() -> bool:
     return bool(envs.MLA_MULTI_CHECK_INPUTS)
 
 
-def check_block_table_data(block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+def check_non_negative_data(name: str, values: torch.Tensor) -> None:
+    """With MLA_MULTI_CHECK_INPUTS=1: no negative entry."""
+    if data_checks_enabled() and bool((values.detach().cpu() < 0).any()):
+        raise ValueError(f"{name}={values.tolist()}; accepted: non-negative values")
+
+
+def check_block_table_data(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, name: str = "seq_lens"
+) -> None:
     """With MLA_MULTI_CHECK_INPUTS=1: every block a sequence uses lies in [0, num_blocks), seq_lens fit the table."""
     if not data_checks_enabled():
         return
@@ -81,7 +91,7 @@ def check_block_table_data(block_table: torch.Tensor, seq_lens: torch.Tensor, nu
     table = block_table.detach().cpu()
     capacity = table.shape[1] * block_size
     if bool((lens < 0).any()) or bool((lens > capacity).any()):
-        raise ValueError(f"seq_lens={lens.tolist()}; accepted: values in [0, {capacity}] (max_blocks * block_size)")
+        raise ValueError(f"{name}={lens.tolist()}; accepted: values in [0, {capacity}] (max_blocks * block_size)")
     for row, length in enumerate(lens.tolist()):
         used = table[row, : -(-length // block_size)]
         if used.numel() and (bool((used < 0).any()) or bool((used >= num_blocks).any())):

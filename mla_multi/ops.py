@@ -136,6 +136,10 @@ def mla_prefill(
             values = cu.cpu()
             if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()) or int(values[-1]) > total:
                 raise ValueError(f"{name}={values.tolist()}; accepted: non-decreasing from 0 up to {total}")
+        for name, cu, bound in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
+            longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+            if bound < longest:
+                raise ValueError(f"{name}={bound} is below the longest sequence ({longest}); accepted: >= {longest}")
 
     rope = min(64, qk_head_dim - 1)
     dims = MLADims(num_heads, qk_nope_head_dim=qk_head_dim - rope, qk_rope_head_dim=rope, v_head_dim=v.shape[-1])
@@ -215,7 +219,11 @@ def gather_cache(
     checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
         raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")
-    checks.check_block_table_data(block_table, seq_starts.long() + seq_lens.long(), kv_cache.shape[0], kv_cache.shape[1])
+    checks.check_non_negative_data("seq_starts", seq_starts)
+    checks.check_non_negative_data("seq_lens", seq_lens)
+    checks.check_block_table_data(
+        block_table, seq_starts.long() + seq_lens.long(), kv_cache.shape[0], kv_cache.shape[1], name="seq_starts + seq_lens"
+    )
     if _use_triton(kv_cache) and out_dtype != torch.float64:
         from mla_multi.kernels.cache_ops import gather_cache as gather_kernel
 

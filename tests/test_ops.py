@@ -458,10 +458,6 @@ def test_gather_data_checks(data_checks, mutate, fragment):
     assert str(info.value).startswith(fragment)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gather_cache does not reject negative seq_starts/seq_lens: a negative start reads block_table[i][-1]",
-)
 @pytest.mark.parametrize("argument, value", [("seq_starts", -4), ("seq_lens", -3)])
 def test_gather_negative_starts_or_lengths(data_checks, argument, value):
     args, _ = gather_args()
@@ -663,3 +659,18 @@ def test_forced_unknown_backend_from_environment(monkeypatch):
     out = mm.ops.mla_decode(**args)
     keep = torch.tensor([True, True, False, True])
     assert rel_err(out[keep], decode_expected(args, rows)[0][keep]) < 1e-5
+
+
+@pytest.mark.parametrize("argument", ["max_seqlen_q", "max_seqlen_k"])
+def test_prefill_max_seqlen_below_longest_sequence_is_rejected(data_checks, argument):
+    args = prefill_args()
+    args[argument] -= 1
+    with pytest.raises(ValueError, match=f"{argument}=.* below the longest sequence"):
+        mm.ops.mla_prefill(**args)
+
+
+def test_decode_non_positive_tensor_scale_is_rejected(data_checks):
+    args, _ = decode_args(kv_dtype=torch.float8_e4m3fn)
+    args["k_scale"] = torch.tensor([0.0])
+    with pytest.raises(ValueError, match="k_scale=0.0; accepted: a positive scale"):
+        mm.ops.mla_decode(**args)
