@@ -191,11 +191,17 @@ def _valid_args():
         (dict(max_seqlen_q=-1), "max_seqlen_q"),
         (dict(out=torch.zeros(4, 2, 192, dtype=torch.float16)), "out must be"),
         (dict(lse=torch.zeros(4, 2)), "lse must be"),
+        # Data checks (the suite runs with MLA_MULTI_CHECK_INPUTS=1).
+        (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32), max_seqlen_q=5), "inside \\[0, 4\\]"),
+        (dict(max_seqlen_k=5), "longer than max_seqlen=5"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 2], dtype=torch.int32), cu_seqlens_k=_cu([3, 3])), "non-decreasing"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
-def test_varlen_attention_bad_input(change, match):
+def test_varlen_attention_bad_input(change, match, monkeypatch):
     from mla_multi.kernels.prefill import varlen_attention
+
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "1")
 
     args = _valid_args()
     args.update(change)

@@ -437,6 +437,25 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             )
 
 
+def _check_cu_seqlens_data(name: str, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int) -> None:
+    """With MLA_MULTI_CHECK_INPUTS=1 (reads the data, so it synchronises): boundaries
+    non-decreasing, inside ``[0, num_tokens]``, no sequence longer than ``max_seqlen``;
+    otherwise the kernel would read or write outside its tensors."""
+    from mla_multi.checks import data_checks_enabled
+
+    if not data_checks_enabled():
+        return
+    values = cu_seqlens.detach().to("cpu", torch.int64)
+    lengths = values[1:] - values[:-1]
+    if values.numel() and (int(values[0]) < 0 or int(values[-1]) > num_tokens):
+        raise ValueError(f"{name}={values.tolist()}; accepted: boundaries inside [0, {num_tokens}]")
+    if lengths.numel() and (bool((lengths < 0).any()) or int(lengths.max()) > max_seqlen):
+        raise ValueError(
+            f"{name}={values.tolist()}; accepted: non-decreasing boundaries with no sequence longer than "
+            f"max_seqlen={max_seqlen}"
+        )
+
+
 def _config_for(q: torch.Tensor, head_dim_v: int, causal: bool):
     from mla_multi.kernels.launch_config import prefill_config
     from mla_multi.platforms import current_platform
@@ -489,6 +508,8 @@ def varlen_attention(
         output 0 and LSE -inf.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+    _check_cu_seqlens_data("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    _check_cu_seqlens_data("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     num_tokens, num_heads, head_dim_qk = q.shape
     head_dim_v = v.shape[2]
     if out is None:
