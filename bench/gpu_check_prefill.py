@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="")
     parser.add_argument("--heads", default="16,128")
     parser.add_argument("--shapes", default="1x8192,4x2048,1x16384")
+    parser.add_argument("--extra", action="store_true", help="pass --extra to the benchmark")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--test-timeout", type=float, default=150)
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
     if not args.skip_bench:
         codes["bench"] = _run(
             [sys.executable, "-m", "bench.prefill", "--heads", args.heads, "--shapes", args.shapes,
-             "--configs", args.configs, "--json", os.path.join(args.out, "bench.json")],
+             "--configs", args.configs, "--json", os.path.join(args.out, "bench.json")]
+            + (["--extra"] if args.extra else []),
             os.path.join(args.out, "bench.log"),
             args.bench_timeout,
         )  # fmt: skip
