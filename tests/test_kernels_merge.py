@@ -125,6 +125,7 @@ def _check(result, dtype_name, with_lse):
         assert not result["lse_nan"] and result["lse_err"] <= 1e-5 and result["inf_pattern_ok"], result
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c[0] for c in INTERPRETER_CASES])
 def test_merge_attn_states_interpreter(interpreter_results, case):
     result = interpreter_results[case[0]]

@@ -138,7 +138,6 @@ def _interpreter_main():
 @pytest.fixture(scope="module")
 def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--interpreter"],
         env=env,
@@ -152,6 +151,7 @@ def interpreter_results():
     return json.loads(line[-1][len("RESULTS_JSON ") :])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c[0] for c in INTERPRETER_CASES])
 def test_varlen_attention_interpreter(interpreter_results, case):
     result = interpreter_results[case[0]]

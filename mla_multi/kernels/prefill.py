@@ -24,12 +24,17 @@ Performance notes (what the kernel does and why):
 * the grid is ``(query tiles, heads, batch)`` with an early exit for tiles past
   a sequence's end; for causal attention the query tiles run in reverse order so
   the longest rows (the most keys) are scheduled first and the short ones fill
-  the tail.
+  the tail, while programs running together still share one head's K/V in L2;
+* on Hopper the unmasked K/V tiles can come through the tensor-memory
+  accelerator (``PrefillLaunchConfig.use_tma``); it measured within noise of the
+  pipelined pointer loads on an H200, so pointer loads stay the default.
+
+Launch configurations per platform live in ``launch_config.prefill_config``;
+measured numbers are in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
