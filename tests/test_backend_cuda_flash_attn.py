@@ -379,7 +379,7 @@ def test_implementation_order_and_cudnn_alignment(monkeypatch):
     assert reasons[fa.TORCH_CUDNN_ATTENTION] == ["torch._cudnn_attention_forward: its causal mask is aligned top-left"]
     assert reasons[fa.FLASH_ATTN_3] == ["flash_attn_3 test: flash_attn_varlen_func returns no LSE"]
     usable, _ = fa.prefill_candidates(SPECS["B200"], need_lse=True)
-    assert usable == [fa.TORCH_CUDNN_ATTENTION, fa.TORCH_VARLEN_ATTN, fa.TORCH_FLASH_ATTENTION_FORWARD]
+    assert usable == [fa.TORCH_VARLEN_ATTN, fa.TORCH_FLASH_ATTENTION_FORWARD, fa.TORCH_CUDNN_ATTENTION]
 
 
 def test_rows_without_keys():

@@ -10,16 +10,20 @@ Prefill, in order of preference:
    sm_89 / sm_90): one head dim for q, k and v, so V is zero-padded to 192 and
    the output cut back to 128; `return_attn_probs=True` adds the softmax LSE
    (the attention probabilities are only materialised with dropout).
-3. PyTorch's cuDNN attention (`torch.ops.aten._cudnn_attention_forward`,
-   cuDNN 9+): ragged [T, N, D] inputs with v head dim 128 natively and the
-   LSE as [T, N, 1]. Its causal mask is aligned top-left, which equals
-   bottom-right only when every sequence has as many queries as keys, so it
-   takes causal calls only when the same cu_seqlens tensor is passed for q
-   and k (the new-token prefill); rows without keys are set to 0 / -inf.
-4. PyTorch's own FlashAttention-2 build, through
+3. PyTorch's own FlashAttention-2 build, through
    `torch.nn.attention.varlen.varlen_attn` where torch has it, else
    `torch.ops.aten._flash_attention_forward`; both return the output in q's
    head dim (V padded as for FlashAttention-2) and the LSE as [N, T].
+4. Last, PyTorch's cuDNN attention (`torch.ops.aten._cudnn_attention_forward`,
+   cuDNN 9+): ragged [T, N, D] inputs with v head dim 128 natively and the
+   LSE as [T, N, 1]. It is correct but slow in varlen form: on an H200 with
+   torch 2.11 / cuDNN 9.19 every call cost about 50 ms whatever its size
+   (bench/gpu_check_vendor.py; the dense cuDNN kernel runs the same 8192-token
+   causal problem in 0.6 ms), so it only serves where no flash kernel runs.
+   Its causal mask is aligned top-left, which equals bottom-right only when
+   every sequence has as many queries as keys, so it takes causal calls only
+   when the same cu_seqlens tensor is passed for q and k (the new-token
+   prefill); rows without keys are set to 0 / -inf.
 
 Decode uses FlashAttention-3's MLA path: `flash_attn_with_kvcache` with the
 rope part as q / k (64 wide) and the latent part as `qv` / v (512 wide), the
@@ -118,7 +122,7 @@ FLASH_ATTN_2 = "flash_attn_2"
 TORCH_CUDNN_ATTENTION = "torch._cudnn_attention_forward"
 TORCH_VARLEN_ATTN = "torch.varlen_attn"
 TORCH_FLASH_ATTENTION_FORWARD = "torch._flash_attention_forward"
-PREFILL_IMPLEMENTATIONS = (FLASH_ATTN_3, TORCH_CUDNN_ATTENTION, FLASH_ATTN_2, TORCH_VARLEN_ATTN, TORCH_FLASH_ATTENTION_FORWARD)
+PREFILL_IMPLEMENTATIONS = (FLASH_ATTN_3, FLASH_ATTN_2, TORCH_VARLEN_ATTN, TORCH_FLASH_ATTENTION_FORWARD, TORCH_CUDNN_ATTENTION)
 # cuDNN's ragged (varlen) SDPA needs cuDNN 9.
 MIN_CUDNN_VERSION = 90000
 
