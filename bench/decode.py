@@ -104,7 +104,7 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
     run()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(run, warmup=100, rep=300, return_mode="median")
     kv_bytes = batch * seq_len * (KV_LORA_RANK + ROPE_DIM) * elem
     flops = 2 * batch * heads * seq_len * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
     row = {

@@ -45,13 +45,15 @@ def main() -> int:
             "tests/test_cache_ops_triton.py", "-rf"], "pytest.log", float(os.environ.get("TESTS_TIMEOUT", 140)))
     if mode in ("all", "bench"):
         sh([py, "bench/decode.py", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 110)
-        sh([py, "bench/decode.py", "--no-ceilings", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096"],
-           "bench.txt", 40)
+        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
+            "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
     if mode in ("all", "sweep"):
-        sh([py, "bench/decode.py", "--no-ceilings", "--heads", "128", "--cases", "128x4096,32x4096",
-            "--configs", "h64n32w8s2,h64n64w8s2,h32n32w8s2,h32n64w8s2,h32n32w4s2"], "sweep.txt", 60)
-        sh([py, "bench/decode.py", "--no-ceilings", "--heads", "16", "--cases", "32x4096,128x16384",
-            "--configs", "h16n64w4s2,h16n32w4s2,h16n32w4s3,h16n128w4s2,h16n64w8s2"], "sweep.txt", 60)
+        sh([py, "bench/decode.py", "--heads", "32,64", "--cases", "32x4096,128x4096",
+            "--configs", "h16n64w4s2,h32n32w4s2,h64n64w8s2,h32n32w8s2"], "sweep.txt", 70)
+        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--heads", "16", "--cases", "32x4096,128x16384",
+            "--configs", "h16n64w8s2,h16n32w8s2,h16n64w4s2"], "sweep.txt", 50)
+        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--heads", "128", "--cases", "128x4096",
+            "--configs", "h32n32w8s2,h32n64w8s2,h64n32w8s2"], "sweep.txt", 40)
     return 0
 
 

@@ -153,6 +153,7 @@ INTERPRETER_CASES = [
     ("fp8-e4m3fnuz", 2, 4, 1, 64, 16, 64, [70, 0], "float8_e4m3fnuz", 2, None),
     ("fp8-e4m3fnuz-bit-decode", 2, 4, 1, 64, 16, 16, [40, 9], "float8_e4m3fnuz", 2, "H100"),
     ("fp8-e4m3fn-bit-decode", 2, 3, 1, 64, 16, 16, [23, 31], "float8_e4m3fn", 2, "A100"),
+    ("fp8-e4m3fnuz-amd-tiles", 2, 20, 1, 64, 16, 16, [45, 17], "float8_e4m3fnuz", 2, "MI300X"),
     ("deepseek-dims", 2, 16, 1, 512, 64, 16, [70, 33], "float16", 2, None),
 ]
 

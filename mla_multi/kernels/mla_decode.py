@@ -47,6 +47,7 @@ from mla_multi.kernels.launch_config import (
     decode_config,
     decode_reduce_config,
     fp8_bit_decode_needed,
+    load_k_transposed,
 )
 
 __all__ = ["mla_decode_fwd", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
@@ -119,6 +120,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_K_SCALE: tl.constexpr,
+    LOAD_K_TRANSPOSED: tl.constexpr,
     FP8_BITS_BIAS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
 ):
@@ -185,8 +187,27 @@ def _mla_decode_split_kernel(
             kv_hi = kv_hi.to(q_lo.dtype)
             k_pe = k_pe.to(q_lo.dtype)
 
-        qk = tl.dot(q_lo, tl.trans(kv_lo))
-        qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
+        if LOAD_K_TRANSPOSED:
+            # K^T is loaded a second time (an L2 hit) instead of transposed:
+            # a tile that is converted in registers and also transposed for
+            # the other product would not be pipelined (async copies)
+            if PAGE_SIZE % BLOCK_N == 0:
+                kt_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+            else:
+                kt_ptrs = row_ptrs
+            kt_lo = tl.load(kt_ptrs[None, :] + offs_lo[:, None], mask=pos_valid[None, :], other=0.0)
+            kt_hi = tl.load(kt_ptrs[None, :] + offs_hi[:, None], mask=pos_valid[None, :], other=0.0)
+            if FP8_BITS_BIAS != 0:
+                kt_lo = _fp8_bits_to_float(kt_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+                kt_hi = _fp8_bits_to_float(kt_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+            else:
+                kt_lo = kt_lo.to(q_lo.dtype)
+                kt_hi = kt_hi.to(q_lo.dtype)
+            qk = tl.dot(q_lo, kt_lo)
+            qk = tl.dot(q_hi, kt_hi, acc=qk)
+        else:
+            qk = tl.dot(q_lo, tl.trans(kv_lo))
+            qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
         qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
         qk = qk * qk_scale
         if Q_LEN > 1:
@@ -234,7 +255,6 @@ def _mla_decode_reduce_kernel(
     Attn_logits,
     Out,
     Lse,
-    num_heads,
     num_kv_splits,
     stride_al_row,
     stride_al_h,
@@ -247,43 +267,57 @@ def _mla_decode_reduce_kernel(
     stride_lse_h,
     Q_LEN: tl.constexpr,
     KV_LORA_RANK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
 ):
-    """Merge the per-split partial outputs of BLOCK_H heads of one query token by LSE."""
+    """Merge the per-split partial outputs of one (query token, head) by LSE.
+
+    One program owns BLOCK_DV output columns and walks the splits BLOCK_SPLITS at
+    a time: many independent programs and wide loads keep the merge bound by
+    bandwidth even for one request with hundreds of splits.
+    """
     row = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head = tl.program_id(1)
+    column_block = tl.program_id(2)
     batch = row // Q_LEN
     token = row % Q_LEN
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_valid = heads < num_heads
-    offs_c = tl.arange(0, KV_LORA_RANK)
-    base = Attn_logits + row * stride_al_row + heads * stride_al_h
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = column_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    base = Attn_logits + row * stride_al_row + head * stride_al_h
 
-    lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for split in range(0, num_kv_splits):
-        split_lse = tl.load(base + split * stride_al_split + KV_LORA_RANK, mask=head_valid, other=float("-inf"))
+    lse_max = tl.full([BLOCK_SPLITS], float("-inf"), dtype=tl.float32)
+    for first in range(0, num_kv_splits, BLOCK_SPLITS):
+        splits = first + offs_s
+        split_lse = tl.load(
+            base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
+        )
         lse_max = tl.maximum(lse_max, split_lse)
-    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    top = tl.max(lse_max, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
 
-    acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
-    weight_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for split in range(0, num_kv_splits):
-        split_lse = tl.load(base + split * stride_al_split + KV_LORA_RANK, mask=head_valid, other=float("-inf"))
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK_SPLITS], dtype=tl.float32)
+    for first in range(0, num_kv_splits, BLOCK_SPLITS):
+        splits = first + offs_s
+        split_lse = tl.load(
+            base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
+        )
         has_mass = split_lse > float("-inf")
-        weight = tl.where(has_mass, tl.exp(split_lse - lse_use), 0.0)
+        weight = tl.where(has_mass, tl.exp(split_lse - top), 0.0)
         # empty splits left their partial output unwritten: never read it
         partial = tl.load(
-            (base + split * stride_al_split)[:, None] + offs_c[None, :], mask=has_mass[:, None], other=0.0
+            base + splits[:, None] * stride_al_split + offs_d[None, :], mask=has_mass[:, None], other=0.0
         )
-        acc += weight[:, None] * partial
+        acc += tl.sum(weight[:, None] * partial, 0)
         weight_sum += weight
 
-    has_any = weight_sum > 0.0
-    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, weight_sum, 1.0), 0.0)[:, None]
-    lse = tl.where(has_any, lse_use + tl.log(tl.where(has_any, weight_sum, 1.0)), float("-inf"))
-    out_ptrs = Out + batch * stride_o_b + token * stride_o_t + heads * stride_o_h
-    tl.store(out_ptrs[:, None] + offs_c[None, :], out.to(Out.dtype.element_ty), mask=head_valid[:, None])
-    tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + heads * stride_lse_h, lse, mask=head_valid)
+    total = tl.sum(weight_sum, 0)
+    has_any = total > 0.0
+    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    lse = tl.where(has_any, top + tl.log(tl.where(has_any, total, 1.0)), float("-inf"))
+    out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
+    tl.store(out_ptrs + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -471,17 +505,18 @@ def mla_decode_fwd(
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
         HAS_K_SCALE=k_scale is not None,
+        LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype),
         FP8_BITS_BIAS=fp8_bits_bias,
         DIRECT_OUTPUT=direct,
         **config.launch_options(),
     )
     if not direct:
         reduce_config = decode_reduce_config(platform)
-        _mla_decode_reduce_kernel[(batch * q_len, triton.cdiv(num_heads, reduce_config.block_h))](
+        block_dv = min(reduce_config.block_dv, kv_lora_rank)
+        _mla_decode_reduce_kernel[(batch * q_len, num_heads, kv_lora_rank // block_dv)](
             attn_logits,
             out,
             lse,
-            num_heads,
             num_kv_splits,
             attn_logits.stride(0),
             attn_logits.stride(1),
@@ -490,7 +525,8 @@ def mla_decode_fwd(
             *lse_strides,
             Q_LEN=q_len,
             KV_LORA_RANK=kv_lora_rank,
-            BLOCK_H=reduce_config.block_h,
+            BLOCK_DV=block_dv,
+            BLOCK_SPLITS=reduce_config.block_splits,
             **reduce_config.launch_options(),
         )
     return out, lse
@@ -533,7 +569,7 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
     ).split():
         signature[name] = "i32"
     for name in (
-        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE FP8_BITS_BIAS DIRECT_OUTPUT".split()
+        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_BITS_BIAS DIRECT_OUTPUT".split()
     ):
         signature[name] = "constexpr"
     return signature
@@ -552,11 +588,11 @@ _SPLIT_DIVISIBLE = tuple(
 def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
     signature = {"Attn_logits": "*fp32", "Out": f"*{_TRITON_DTYPE[q_dtype]}", "Lse": "*fp32"}
     for name in (
-        "num_heads num_kv_splits stride_al_row stride_al_h stride_al_split stride_o_b stride_o_t stride_o_h "
+        "num_kv_splits stride_al_row stride_al_h stride_al_split stride_o_b stride_o_t stride_o_h "
         "stride_lse_b stride_lse_t stride_lse_h"
     ).split():
         signature[name] = "i32"
-    for name in ("Q_LEN", "KV_LORA_RANK", "BLOCK_H"):
+    for name in ("Q_LEN", "KV_LORA_RANK", "BLOCK_DV", "BLOCK_SPLITS"):
         signature[name] = "constexpr"
     return signature
 
@@ -592,6 +628,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n,
                     "HAS_K_SCALE": cache_dtype in FP8_DTYPES,
+                    "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype),
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DIRECT_OUTPUT": direct,
                 }
@@ -605,6 +642,12 @@ def compile_specs(platform) -> list[CompileSpec]:
                         constexprs=constexprs,
                         options=config.launch_options(),
                         divisible_by_16=_SPLIT_DIVISIBLE,
+                        allowed_spills=0 if platform.is_rocm() else config.allowed_spill_bytes,
+                        allowed_spills_reason=(
+                            "measured faster than every spill-free shape (launch_config._decode_table)"
+                            if config.allowed_spill_bytes and not platform.is_rocm()
+                            else ""
+                        ),
                     )
                 )
     reduce_config = decode_reduce_config(platform)
@@ -613,7 +656,12 @@ def compile_specs(platform) -> list[CompileSpec]:
             name=f"mla_decode_reduce[{reduce_config.name}]",
             fn=_mla_decode_reduce_kernel,
             signature=_reduce_kernel_signature(torch.bfloat16),
-            constexprs={"Q_LEN": 1, "KV_LORA_RANK": 512, "BLOCK_H": reduce_config.block_h},
+            constexprs={
+                "Q_LEN": 1,
+                "KV_LORA_RANK": 512,
+                "BLOCK_DV": reduce_config.block_dv,
+                "BLOCK_SPLITS": reduce_config.block_splits,
+            },
             options=reduce_config.launch_options(),
             divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
         )
