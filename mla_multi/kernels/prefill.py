@@ -421,8 +421,13 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             "both must be batch + 1"
         )
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if cu_seqlens_q.numel() - 1 > 65535 or q.shape[1] > 65535:
+        # The grid's y and z axes (heads, sequences) are limited to 65535 on CUDA.
+        raise ValueError(
+            f"batch {cu_seqlens_q.numel() - 1} and heads {q.shape[1]}; accepted: at most 65535 of each per call"
+        )
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if out is not None:
         expected = (num_tokens, num_heads, v.shape[2])
