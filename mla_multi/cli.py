@@ -102,7 +102,9 @@ def _print_info(info: dict) -> None:
         print(f"  priority: {' > '.join(data['priority']) or '(none)'}")
         for row in data["backends"] if isinstance(data["backends"], list) else []:
             state = "SELECTED" if row["selected"] else ("available" if row["available"] else "unavailable")
-            print(f"  {row['name']:<16} {state}")
+            declares = row.get("declares") if isinstance(row.get("declares"), dict) else {}
+            uses = declares.get("implementation")
+            print(f"  {row['name']:<16} {state}" + (f"  (uses {uses})" if uses else ""))
             for reason in row["reasons"]:
                 print(f"      - {reason}")
 

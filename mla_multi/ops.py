@@ -93,6 +93,11 @@ def mla_decode(
     out, lse = impl.forward_mqa(
         q_nope, q_pe, kv_cache, block_table, seq_lens.to(torch.int32), k_scale=k_scale, num_kv_splits=num_kv_splits
     )
+    if return_lse and lse is None:
+        raise ValueError(
+            f"return_lse=True, but the decode backend {backend_cls.name} returns no LSE with the installed library; "
+            "accepted: return_lse=False, or a backend that returns it (backend='TRITON')"
+        )
     return (out, lse) if return_lse else out
 
 

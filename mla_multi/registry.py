@@ -42,10 +42,14 @@ PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
 # name -> "module:Class"
 PREFILL_BACKENDS: dict[str, str] = {
+    "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterMLAPrefillBackend",
+    "CUDA_FLASH_ATTN": "mla_multi.backends.cuda_flash_attn:FlashAttnPrefillBackend",
     "TRITON": "mla_multi.backends.triton:TritonPrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferencePrefillBackend",
 }
 DECODE_BACKENDS: dict[str, str] = {
+    "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterMLADecodeBackend",
+    "CUDA_FLASH_ATTN": "mla_multi.backends.cuda_flash_attn:FlashAttnMLADecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
 }
@@ -54,13 +58,17 @@ DECODE_BACKENDS: dict[str, str] = {
 # REFERENCE ends every GPU list as the correct-but-slow last resort; selecting
 # it on a GPU logs a warning.
 PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
+    ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", None): ("TRITON", "REFERENCE"),
-    ("cuda", None): ("TRITON", "REFERENCE"),
+    ("cuda", None): ("TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
+    ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", None): ("TRITON", "REFERENCE"),
-    ("cuda", None): ("TRITON", "REFERENCE"),
+    ("cuda", None): ("TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 
