@@ -60,7 +60,24 @@ def parse_config(text: str):
     return DecodeLaunchConfig(*map(int, match.groups()))
 
 
-def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, splits=None, ceilings=None):
+def kernel_times_us(fn, iterations: int = 20) -> dict[str, float]:
+    """Mean device time per call of each kernel `fn` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us and event.key.startswith("_mla"):
+            times[event.key] = device_us / iterations
+    return times
+
+
+def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, splits=None, ceilings=None,
+               kernel_times=False):
     import triton
 
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
@@ -118,6 +135,9 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
         "tb_s": kv_bytes / (ms * 1e-3) / 1e12,
         "tflop_s": flops / (ms * 1e-3) / 1e12,
     }
+    if kernel_times:
+        row["kernel_us"] = kernel_times_us(run)
+        print(f"  kernels: {row['kernel_us']}", flush=True)
     if ceilings:
         row["hbm_pct"] = 100 * row["tb_s"] / ceilings["hbm_tb_s"]
         row["mma_pct"] = 100 * row["tflop_s"] / ceilings["bf16_tflop_s"]
@@ -144,26 +164,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float8_e4m3fn | float8_e4m3fnuz")
     parser.add_argument("--configs", default="", help="comma list like h16n64w4s2 (default: the package's choice)")
-    parser.add_argument("--splits", type=int, default=None, help="fix num_kv_splits (default: heuristic)")
+    parser.add_argument("--splits", default="", help="comma list of fixed num_kv_splits (default: heuristic)")
+    parser.add_argument("--reduce", default="", help="merge config as BLOCK_DV,BLOCK_SPLITS,WARPS (default: the package's)")
+    parser.add_argument("--kernel-times", action="store_true", help="also print per-kernel device times (profiler)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-ceilings", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/decode.py needs a GPU", file=sys.stderr)
         return 2
+    if args.reduce:
+        from mla_multi.kernels import mla_decode
+        from mla_multi.kernels.launch_config import DecodeReduceLaunchConfig
+
+        block_dv, block_splits, warps = map(int, args.reduce.split(","))
+        forced = DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=warps)
+        mla_decode.decode_reduce_config = lambda platform: forced
     ceilings = None if args.no_ceilings else measure_ceilings()
     if ceilings:
         print(f"device: {torch.cuda.get_device_name()}  HBM copy {ceilings['hbm_tb_s']:.2f} TB/s  "
               f"bf16 matmul {ceilings['bf16_tflop_s']:.0f} TFLOP/s", flush=True)
     cache_dtype = getattr(torch, args.kv_dtype)
     configs = [parse_config(c) for c in args.configs.split(",") if c] or [None]
+    split_choices = [int(s) for s in args.splits.split(",") if s] or [None]
     rows = []
     for heads in [int(h) for h in args.heads.split(",")]:
         for case in args.cases.split(","):
             batch, seq_len = map(int, case.lower().split("x"))
-            for config in configs:
+            for config, splits in [(c, s) for c in configs for s in split_choices]:
                 try:
-                    row = bench_case(batch, seq_len, heads, args.block_size, cache_dtype, config, args.splits, ceilings)
+                    row = bench_case(batch, seq_len, heads, args.block_size, cache_dtype, config, splits, ceilings,
+                                     kernel_times=args.kernel_times)
                 except Exception as error:  # one failing config must not hide the others
                     print(f"N={heads} B={batch} S={seq_len} config={config}: {type(error).__name__}: {error}",
                           flush=True)

@@ -48,12 +48,11 @@ def main() -> int:
         sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
             "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
     if mode in ("all", "sweep"):
-        sh([py, "bench/decode.py", "--heads", "32,64", "--cases", "32x4096,128x4096",
-            "--configs", "h16n64w4s2,h32n32w4s2,h64n64w8s2,h32n32w8s2"], "sweep.txt", 70)
-        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--heads", "16", "--cases", "32x4096,128x16384",
-            "--configs", "h16n64w8s2,h16n32w8s2,h16n64w4s2"], "sweep.txt", 50)
-        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--heads", "128", "--cases", "128x4096",
-            "--configs", "h32n32w8s2,h32n64w8s2,h64n32w8s2"], "sweep.txt", 40)
+        for reduce in ("64,64,8", "128,16,4", "128,64,4"):
+            sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--kernel-times",
+                "--reduce", reduce], "sweep.txt", 40)
+        sh([py, "bench/decode.py", "--heads", "16,128", "--cases", "32x4096,128x4096", "--splits", "1,2",
+            "--kernel-times"], "sweep.txt", 40)
     return 0
 
 

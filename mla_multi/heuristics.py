@@ -19,7 +19,10 @@ stream one cache token (576 values) through the tile loop.
 * stage 2 (only when ``s > 1``): the partial outputs, ``B * rows * s * (Lkv + 1)``
   float32 values, are written once and read once; at the rate the whole device
   streams cache rows this costs ``B * rows * s * (Lkv + 1) * 8 / (slots * (Lkv + R) * elem)``
-  token slots;
+  token slots; plus the merge kernel's launch and its chain of dependent steps
+  (64 splits per step), ``REDUCE_FIXED_TOKENS + ceil(s / 64) * REDUCE_STEP_TOKENS``
+  (a token slot is about 70 ns on an H200 at full occupancy, so these are ~3 µs
+  and ~2 µs);
 
 and ``s`` minimises the sum, ties going to fewer splits.  ``s`` is also capped
 so that a split holds at least ``MIN_TOKENS_PER_SPLIT`` tokens and never exceeds
@@ -49,6 +52,9 @@ __all__ = [
 
 MIN_TOKENS_PER_SPLIT = 128
 PROGRAM_OVERHEAD_TOKENS = 32
+REDUCE_FIXED_TOKENS = 48
+REDUCE_STEP_TOKENS = 32
+REDUCE_SPLITS_PER_STEP = 64
 # Upper bound of the reservation whatever the device: with 128 heads and 256
 # decode requests a split costs 67 MB of float32 workspace.
 MAX_KV_SPLITS_CAP = 256
@@ -143,6 +149,7 @@ def num_kv_splits(
         cost = waves * (chunk + PROGRAM_OVERHEAD_TOKENS)
         if splits > 1:
             cost += splits * partial_bytes_per_split / (slots * row_bytes)
+            cost += REDUCE_FIXED_TOKENS + -(-splits // REDUCE_SPLITS_PER_STEP) * REDUCE_STEP_TOKENS
         if cost < best_cost:
             best_splits, best_cost = splits, cost
     return best_splits

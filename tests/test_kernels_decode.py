@@ -149,6 +149,7 @@ INTERPRETER_CASES = [
     ("h3-q3-causal", 3, 3, 3, 64, 16, 16, [40, 3, 2], "float16", 2, None),
     ("h20-q2-folded", 2, 20, 2, 64, 16, 16, [29, 2], "float16", 3, None),
     ("empty-splits", 1, 2, 1, 64, 16, 16, [20], "float16", 8, None),
+    ("many-splits-two-merge-steps", 2, 2, 1, 64, 16, 16, [1200, 0], "float16", 70, None),
     ("fp8-e4m3fn", 2, 4, 1, 64, 16, 16, [40, 19], "float8_e4m3fn", 4, None),
     ("fp8-e4m3fnuz", 2, 4, 1, 64, 16, 64, [70, 0], "float8_e4m3fnuz", 2, None),
     ("fp8-e4m3fnuz-bit-decode", 2, 4, 1, 64, 16, 16, [40, 9], "float8_e4m3fnuz", 2, "H100"),

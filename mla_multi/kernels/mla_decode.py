@@ -121,6 +121,7 @@ def _mla_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     HAS_K_SCALE: tl.constexpr,
     LOAD_K_TRANSPOSED: tl.constexpr,
+    FP8_COMPUTE_FP16: tl.constexpr,
     FP8_BITS_BIAS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
 ):
@@ -150,6 +151,13 @@ def _mla_decode_split_kernel(
     q_hi = tl.load(q_nope_ptrs[:, None] + offs_hi[None, :], mask=row_valid[:, None], other=0.0)
     q_pe_ptrs = Q_pe + batch * stride_qp_b + token * stride_qp_t + head * stride_qp_h
     q_pe = tl.load(q_pe_ptrs[:, None] + offs_r[None, :], mask=row_valid[:, None], other=0.0)
+    if FP8_COMPUTE_FP16:
+        # FP8 tiles convert to float16 in one instruction per pair (bfloat16
+        # takes a detour through float32); float16 holds e4m3 exactly and the
+        # absorbed query comfortably (|q| < 65504)
+        q_lo = q_lo.to(tl.float16)
+        q_hi = q_hi.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     # scores in the log2 domain: exp2 is the native instruction
     qk_scale = sm_scale * 1.4426950408889634
@@ -272,9 +280,9 @@ def _mla_decode_reduce_kernel(
 ):
     """Merge the per-split partial outputs of one (query token, head) by LSE.
 
-    One program owns BLOCK_DV output columns and walks the splits BLOCK_SPLITS at
-    a time: many independent programs and wide loads keep the merge bound by
-    bandwidth even for one request with hundreds of splits.
+    One program owns BLOCK_DV output columns and reads BLOCK_SPLITS splits per
+    step (all of them in one step up to 64 splits) with a running maximum, so
+    the merge is a few wide independent loads rather than a chain of small ones.
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -285,33 +293,29 @@ def _mla_decode_reduce_kernel(
     offs_d = column_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     base = Attn_logits + row * stride_al_row + head * stride_al_h
 
-    lse_max = tl.full([BLOCK_SPLITS], float("-inf"), dtype=tl.float32)
-    for first in range(0, num_kv_splits, BLOCK_SPLITS):
-        splits = first + offs_s
-        split_lse = tl.load(
-            base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
-        )
-        lse_max = tl.maximum(lse_max, split_lse)
-    top = tl.max(lse_max, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-
+    top = float("-inf")
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    weight_sum = tl.zeros([BLOCK_SPLITS], dtype=tl.float32)
+    weight_sum = 0.0
     for first in range(0, num_kv_splits, BLOCK_SPLITS):
         splits = first + offs_s
         split_lse = tl.load(
             base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
         )
         has_mass = split_lse > float("-inf")
-        weight = tl.where(has_mass, tl.exp(split_lse - top), 0.0)
         # empty splits left their partial output unwritten: never read it
         partial = tl.load(
             base + splits[:, None] * stride_al_split + offs_d[None, :], mask=has_mass[:, None], other=0.0
         )
-        acc += tl.sum(weight[:, None] * partial, 0)
-        weight_sum += weight
+        new_top = tl.maximum(top, tl.max(split_lse, 0))
+        top_use = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(top - top_use)
+        weight = tl.where(has_mass, tl.exp(split_lse - top_use), 0.0)
+        acc = acc * rescale + tl.sum(weight[:, None] * partial, 0)
+        weight_sum = weight_sum * rescale + tl.sum(weight, 0)
+        top = new_top
+    top = tl.where(top == float("-inf"), 0.0, top)
 
-    total = tl.sum(weight_sum, 0)
+    total = weight_sum
     has_any = total > 0.0
     out = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
     lse = tl.where(has_any, top + tl.log(tl.where(has_any, total, 1.0)), float("-inf"))
@@ -506,6 +510,7 @@ def mla_decode_fwd(
         BLOCK_N=config.block_n,
         HAS_K_SCALE=k_scale is not None,
         LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype),
+        FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
         FP8_BITS_BIAS=fp8_bits_bias,
         DIRECT_OUTPUT=direct,
         **config.launch_options(),
@@ -526,7 +531,7 @@ def mla_decode_fwd(
             Q_LEN=q_len,
             KV_LORA_RANK=kv_lora_rank,
             BLOCK_DV=block_dv,
-            BLOCK_SPLITS=reduce_config.block_splits,
+            BLOCK_SPLITS=min(triton.next_power_of_2(num_kv_splits), reduce_config.block_splits),
             **reduce_config.launch_options(),
         )
     return out, lse
@@ -569,7 +574,7 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
     ).split():
         signature[name] = "i32"
     for name in (
-        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_BITS_BIAS DIRECT_OUTPUT".split()
+        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS DIRECT_OUTPUT".split()
     ):
         signature[name] = "constexpr"
     return signature
@@ -629,6 +634,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "BLOCK_N": config.block_n,
                     "HAS_K_SCALE": cache_dtype in FP8_DTYPES,
                     "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype),
+                    "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DIRECT_OUTPUT": direct,
                 }
@@ -651,19 +657,23 @@ def compile_specs(platform) -> list[CompileSpec]:
                     )
                 )
     reduce_config = decode_reduce_config(platform)
-    specs.append(
-        CompileSpec(
-            name=f"mla_decode_reduce[{reduce_config.name}]",
-            fn=_mla_decode_reduce_kernel,
-            signature=_reduce_kernel_signature(torch.bfloat16),
-            constexprs={
-                "Q_LEN": 1,
-                "KV_LORA_RANK": 512,
-                "BLOCK_DV": reduce_config.block_dv,
-                "BLOCK_SPLITS": reduce_config.block_splits,
-            },
-            options=reduce_config.launch_options(),
-            divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
+    block_splits = 1
+    while block_splits <= reduce_config.block_splits:
+        # the launch picks min(next_power_of_two(num_kv_splits), block_splits)
+        specs.append(
+            CompileSpec(
+                name=f"mla_decode_reduce[{reduce_config.name},splits_per_step={block_splits}]",
+                fn=_mla_decode_reduce_kernel,
+                signature=_reduce_kernel_signature(torch.bfloat16),
+                constexprs={
+                    "Q_LEN": 1,
+                    "KV_LORA_RANK": 512,
+                    "BLOCK_DV": reduce_config.block_dv,
+                    "BLOCK_SPLITS": block_splits,
+                },
+                options=reduce_config.launch_options(),
+                divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
+            )
         )
-    )
+        block_splits *= 2
     return specs
