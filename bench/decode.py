@@ -6,8 +6,11 @@ device-to-device copy, bytes read + written over time) and its bf16 matmul
 rate (8192^3), then prints per case the time (median of
 ``triton.testing.do_bench``), the KV read rate (B * S * 576 * elem bytes, the
 floor: every cache row read once) and the FLOP rate (2 * B * N * S * (576 + 512)),
-each also as a percentage of the measured ceiling.  Small cases rotate
-through several caches so that the timed working set is larger than L2.
+each also as a percentage of the measured ceiling.  The time is device time:
+the calls are captured in a CUDA graph and the graph replayed (the eager time,
+host launch path included, is printed beside it).  Small cases rotate through
+several caches (one captured call each) so that the timed working set is
+larger than L2.
 
     PYTHONPATH=. python3 bench/decode.py [--heads 16,128] [--cases 32x4096,...]
         [--configs h16n64w4s2,h32n32w8s2] [--json out.json]
@@ -111,17 +114,30 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     config = config or decode_config(platform, heads, 1, cache_dtype)
     state = {"i": 0}
 
-    def run():
-        table = block_tables[state["i"] % copies]
-        state["i"] += 1
+    def call(table):
         mla_decode_fwd(
             q_nope, q_pe, cache, table, seq_lens, 576**-0.5,
             k_scale=k_scale, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
         )
 
-    run()
+    def run():
+        call(block_tables[state["i"] % copies])
+        state["i"] += 1
+
+    def run_all():
+        for table in block_tables:
+            call(table)
+
+    run_all()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(run, warmup=100, rep=300, return_mode="median")
+    # Device time through a CUDA graph (as a serving engine runs decode): the
+    # Python launch path (input checks, two Triton launches) costs tens of µs
+    # on the host and would otherwise be what an eager loop measures.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    ms = triton.testing.do_bench(graph.replay, warmup=100, rep=300, return_mode="median") / copies
+    eager_ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
     kv_bytes = batch * seq_len * (KV_LORA_RANK + ROPE_DIM) * elem
     flops = 2 * batch * heads * seq_len * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
     row = {
@@ -132,6 +148,7 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
         "config": config.name,
         "splits": splits,
         "us": ms * 1e3,
+        "eager_us": eager_ms * 1e3,
         "tb_s": kv_bytes / (ms * 1e-3) / 1e12,
         "tflop_s": flops / (ms * 1e-3) / 1e12,
     }
@@ -147,12 +164,14 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
 
 def format_rows(rows) -> str:
-    header = f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} {'%MMA':>5}"
+    header = (f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>5} "
+              f"{'TFLOP/s':>8} {'%MMA':>5} {'eager us':>9}")
     lines = [header]
     for r in rows:
         lines.append(
             f"{r['heads']:>4} {r['batch']:>4} {r['seq_len']:>6} {r['kv']:>14} {r['config']:>12} {r['splits']:>6} "
             f"{r['us']:>9.1f} {r['tb_s']:>6.2f} {r.get('hbm_pct', 0):>5.1f} {r['tflop_s']:>8.1f} {r.get('mma_pct', 0):>5.1f}"
+            f" {r['eager_us']:>9.1f}"
         )
     return "\n".join(lines)
 

@@ -44,15 +44,13 @@ def main() -> int:
         sh([py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_kernels_decode.py",
             "tests/test_cache_ops_triton.py", "-rf"], "pytest.log", float(os.environ.get("TESTS_TIMEOUT", 140)))
     if mode in ("all", "bench"):
-        sh([py, "bench/decode.py", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 110)
+        sh([py, "bench/decode.py", "--kernel-times", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 120)
         sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
             "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
     if mode in ("all", "sweep"):
-        for reduce in ("64,64,8", "128,16,4", "128,64,4"):
-            sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--kernel-times",
-                "--reduce", reduce], "sweep.txt", 40)
-        sh([py, "bench/decode.py", "--heads", "16,128", "--cases", "32x4096,128x4096", "--splits", "1,2",
-            "--kernel-times"], "sweep.txt", 40)
+        sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],
+           "sweep.txt", 50)
+        sh([py, "bench/decode.py", "--heads", "32,64", "--cases", "32x4096,128x4096"], "sweep.txt", 40)
     return 0
 
 

@@ -14,7 +14,7 @@ from mla_multi import compile_check  # noqa: E402
 def test_reduce_kernel_compiles_for_gfx942_and_sm90(tmp_path):
     report = tmp_path / "report.json"
     code = compile_check.main(
-        ["--targets", "gfx942,sm_90", "--kernels", "splits_per_step=64]", "--jobs", "1", "--json", str(report)]
+        ["--targets", "gfx942,sm_90", "--kernels", "mla_decode_reduce[dv64s64w4]", "--jobs", "1", "--json", str(report)]
     )
     results = json.loads(report.read_text())
     assert code == 0, results

@@ -30,6 +30,7 @@ __all__ = [
     "decode_config",
     "all_decode_configs",
     "decode_reduce_config",
+    "all_decode_reduce_configs",
     "fp8_bit_decode_needed",
     "load_k_transposed",
     "cache_ops_config",
@@ -268,12 +269,54 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     return seen
 
 
-def decode_reduce_config(platform) -> DecodeReduceLaunchConfig:
-    """Launch options of the split merge: 64 columns, up to 64 splits per step, 8 warps.
+REDUCE_TILE_ELEMENTS = 4096
+REDUCE_MAX_SPLITS_PER_STEP = 64
+REDUCE_MIN_COLUMNS = 64
 
-    The launch uses min(next_power_of_two(num_kv_splits), block_splits) splits per step.
+
+def decode_reduce_config(
+    platform, num_rows: int = 1, num_kv_splits: int = REDUCE_MAX_SPLITS_PER_STEP, kv_lora_rank: int = 512
+) -> DecodeReduceLaunchConfig:
+    """Tile of the split merge for `num_rows` (= B * Q * N) merged rows of `num_kv_splits` splits.
+
+    A program merges `block_splits` splits (all of them up to 64) x `block_dv`
+    columns per step, a tile of at most 4096 float32 values (32 per thread on 4
+    warps).  Columns are split further while there are fewer than four programs
+    per compute unit, so a single request with hundreds of splits still spreads
+    over the device, and kept wide when there are many rows (131072 programs of
+    2 x 64 values each took 213 µs for B=128, N=128 on an H200, where whole rows
+    take a fraction of that).
     """
-    return DecodeReduceLaunchConfig(block_dv=64, block_splits=64, num_warps=8)
+    block_splits = min(_next_power_of_two(max(1, num_kv_splits)), REDUCE_MAX_SPLITS_PER_STEP)
+    block_dv = _widest_reduce_columns(block_splits, kv_lora_rank)
+    wanted_programs = 4 * max(1, platform.num_compute_units)
+    while block_dv > REDUCE_MIN_COLUMNS and num_rows * (kv_lora_rank // block_dv) < wanted_programs:
+        block_dv //= 2
+    return DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=4)
+
+
+def all_decode_reduce_configs(platform, kv_lora_rank: int = 512) -> list[DecodeReduceLaunchConfig]:
+    """Every merge configuration `decode_reduce_config` can return (for the compile check)."""
+    configs = []
+    block_splits = 1
+    while block_splits <= REDUCE_MAX_SPLITS_PER_STEP:
+        block_dv = _widest_reduce_columns(block_splits, kv_lora_rank)
+        while block_dv >= REDUCE_MIN_COLUMNS:
+            configs.append(DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=4))
+            block_dv //= 2
+        block_splits *= 2
+    return configs
+
+
+def _widest_reduce_columns(block_splits: int, kv_lora_rank: int) -> int:
+    # 32+ splits per step: one split row address per split lives in scalar
+    # registers on AMD, which run out (SGPR spills) past 64 columns
+    elements = REDUCE_TILE_ELEMENTS if block_splits < 32 else REDUCE_TILE_ELEMENTS // 2
+    return max(REDUCE_MIN_COLUMNS, min(kv_lora_rank, elements // block_splits))
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << (value - 1).bit_length()
 
 
 def fp8_bit_decode_needed(platform, kv_dtype: torch.dtype) -> bool:

@@ -44,6 +44,7 @@ from mla_multi.kernels.launch_config import (
     CompileSpec,
     DecodeLaunchConfig,
     all_decode_configs,
+    all_decode_reduce_configs,
     decode_config,
     decode_reduce_config,
     fp8_bit_decode_needed,
@@ -282,7 +283,8 @@ def _mla_decode_reduce_kernel(
 
     One program owns BLOCK_DV output columns and reads BLOCK_SPLITS splits per
     step (all of them in one step up to 64 splits) with a running maximum, so
-    the merge is a few wide independent loads rather than a chain of small ones.
+    the merge is a few wide independent loads rather than a chain of small ones
+    (`launch_config.decode_reduce_config` sizes the tile).
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -516,7 +518,7 @@ def mla_decode_fwd(
         **config.launch_options(),
     )
     if not direct:
-        reduce_config = decode_reduce_config(platform)
+        reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
         block_dv = min(reduce_config.block_dv, kv_lora_rank)
         _mla_decode_reduce_kernel[(batch * q_len, num_heads, kv_lora_rank // block_dv)](
             attn_logits,
@@ -531,7 +533,7 @@ def mla_decode_fwd(
             Q_LEN=q_len,
             KV_LORA_RANK=kv_lora_rank,
             BLOCK_DV=block_dv,
-            BLOCK_SPLITS=min(triton.next_power_of_2(num_kv_splits), reduce_config.block_splits),
+            BLOCK_SPLITS=reduce_config.block_splits,
             **reduce_config.launch_options(),
         )
     return out, lse
@@ -656,24 +658,20 @@ def compile_specs(platform) -> list[CompileSpec]:
                         ),
                     )
                 )
-    reduce_config = decode_reduce_config(platform)
-    block_splits = 1
-    while block_splits <= reduce_config.block_splits:
-        # the launch picks min(next_power_of_two(num_kv_splits), block_splits)
+    for reduce_config in all_decode_reduce_configs(platform):
         specs.append(
             CompileSpec(
-                name=f"mla_decode_reduce[{reduce_config.name},splits_per_step={block_splits}]",
+                name=f"mla_decode_reduce[{reduce_config.name}]",
                 fn=_mla_decode_reduce_kernel,
                 signature=_reduce_kernel_signature(torch.bfloat16),
                 constexprs={
                     "Q_LEN": 1,
                     "KV_LORA_RANK": 512,
                     "BLOCK_DV": reduce_config.block_dv,
-                    "BLOCK_SPLITS": block_splits,
+                    "BLOCK_SPLITS": reduce_config.block_splits,
                 },
                 options=reduce_config.launch_options(),
                 divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
             )
         )
-        block_splits *= 2
     return specs
