@@ -35,8 +35,9 @@ def test_small_batch_long_sequence_fills_the_device(device):
     splits = num_kv_splits(platform, 1, 16, 32768, reserved)
     config = decode_config(platform, 16, 1, torch.bfloat16)
     programs = splits * -(-16 // config.block_h)
-    # at least most of the compute units get a program, within the reservation
-    assert programs >= min(reserved, platform.num_compute_units) * 0.9
+    # spread over at least half the compute units (the merge cost stops it short of
+    # all of them on the largest devices), within the reservation
+    assert programs >= min(reserved, platform.num_compute_units) * 0.5
     assert splits <= reserved
 
 

@@ -159,7 +159,7 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     Chosen from the ahead-of-time compile report (registers, spills, shared
     memory / LDS) of each target, then timed where a device was at hand:
 
-    * sm_90 / sm_100 (227 KiB): 16 rows x 64-token tiles, 2 stages (200
+    * sm_90 (227 KiB): 16 rows x 64-token tiles, 2 stages (200
       registers, 94 KiB, no spill; 99% of the HBM copy rate at B=128,
       S=16384 on an H200).  Past 16 rows, 64 rows x 64-token tiles on 8 warps
       (wgmma): 262 TFLOP/s at B=128, S=4096, N=128 on an H200, against 89
@@ -172,6 +172,9 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
       configuration (allowed_spill_bytes) and nothing more.  At 32 heads two
       16-row blocks beat one padded 64-row block (2.54 against 2.01 TB/s at
       B=128, S=4096), at 64 heads the 64-row block wins (1.97 against 1.35).
+    * sm_100 (227 KiB): the 16-row tile for every head count until a B200 has
+      run the 64-row one (Triton lowers it to tcgen05 there and its compiled
+      resource report is implausible).
     * sm_80 (163 KiB): 32-token tiles.
     * gfx942 (64 KiB LDS, 512 VGPRs per lane shared by the waves of a SIMD):
       16-token tiles, one stage; 4 warps at 16 rows, 8 warps at 32 rows and
@@ -189,6 +192,8 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
             # 140 TFLOP/s at N=128 against 78 for the spill-free 32-row tile (H200)
             wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, allowed_spill_bytes=384)
+            if arch != "sm_90":
+                wide = narrow
         else:  # sm_80 decodes FP8 by bits: more registers per tile element
             narrow = DecodeLaunchConfig(16, 32, 8, 2, programs_per_cu=2)
             wide = DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2)
@@ -196,6 +201,10 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     if platform.is_cuda():
         if smem >= 200 * 1024:  # sm_90, sm_100
             narrow = DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2)
+            if arch != "sm_90":
+                # sm_100 lowers the 64-row tile to tcgen05; its compiled resource
+                # report is implausible (4 registers) and no B200 has run it
+                return {"16": narrow, "32": narrow, "64": narrow}
             wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, allowed_spill_bytes=384)
             return {"16": narrow, "32": narrow, "64": wide}
         return {  # sm_80 class
@@ -219,7 +228,7 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
         # gfx942 / gfx90a: 64 KiB LDS
         if fp8:
             return {
-                "16": DecodeLaunchConfig(16, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+                "16": DecodeLaunchConfig(16, 16, 4, 2, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
                 "32": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
                 "64": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
             }
