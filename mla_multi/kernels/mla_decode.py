@@ -25,11 +25,18 @@ Design (why it is shaped this way):
   the splits by LSE.  Splits that receive no tokens write LSE -inf and are
   skipped by the merge.  With one split, stage 1 writes the final output
   directly and stage 2 is not launched.
+* The 512 latent columns are two halves (two accumulators, two V tiles): no
+  [BLOCK_H, 512] float32 tensor is ever converted or stored at once, which
+  is what spilled registers with a single accumulator.
 * FP8 caches carry a per-tensor scale: the scores are scaled by ``k_scale`` and
-  the output once at the end, so the tile is only converted, never multiplied.
-  Where the Triton backend has no conversion for the cache's FP8 flavour
-  (``float8_e4m3fnuz`` on NVIDIA, any FP8 on sm_80) the bytes are decoded with
-  integer arithmetic instead.
+  the output once at the end, so the tile is only converted (to float16,
+  one instruction per pair), never multiplied.  Where the Triton backend has
+  no conversion for the cache's FP8 flavour (``float8_e4m3fnuz`` on NVIDIA,
+  any FP8 on sm_80) the bytes are decoded with integer arithmetic instead.
+  On NVIDIA K^T of an FP8 tile is loaded separately (see `load_k_transposed`).
+* Launch configurations (`launch_config.decode_config`) come from the
+  compile check's register/spill/LDS report and H200 timings
+  (bench/RESULTS.md).
 """
 
 from __future__ import annotations
