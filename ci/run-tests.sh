@@ -25,6 +25,6 @@ cd "$(dirname "$0")/.."
 export MLA_MULTI_CI_PLATFORM="$platform"
 markers=()
 if [ "$platform" = cpu ]; then markers=(-m "not gpu"); fi
-"$python" -m pytest "${markers[@]}" -p no:cacheprovider
+"$python" -m pytest "${markers[@]}"
 # The Triton kernels are compiled ahead of time for AMD and NVIDIA targets on every runner.
 "$python" -m mla_multi compile-check
