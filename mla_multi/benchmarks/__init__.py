@@ -1,0 +1,1 @@
+"""GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py)."""

@@ -1,0 +1,226 @@
+"""Decode benchmark of the Triton split-KV MLA kernel, against the device's own ceilings.
+
+DeepSeek-V3 shapes (kv_lora_rank 512, rope 64), block size 64, bf16 cache by
+default.  In the same run it measures the device's HBM rate (a large
+device-to-device copy, bytes read + written over time) and its bf16 matmul
+rate (8192^3), then prints per case the time (median of
+``triton.testing.do_bench``), the KV read rate (B * S * 576 * elem bytes, the
+floor: every cache row read once) and the FLOP rate (2 * B * N * S * (576 + 512)),
+each also as a percentage of the measured ceiling.  The time is device time:
+the calls are captured in a CUDA graph and the graph replayed (the eager time,
+host launch path included, is printed beside it).  Small cases rotate through
+several caches (one captured call each) so that the timed working set is
+larger than L2.
+
+    mla-multi bench decode (or PYTHONPATH=. python3 bench/decode.py) [--heads 16,128] [--cases 32x4096,...]
+        [--configs h16n64w4s2,h32n32w8s2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+DEFAULT_CASES = "1x32768,32x4096,64x8192,128x4096,128x16384"
+KV_LORA_RANK, ROPE_DIM = 512, 64
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def measure_ceilings() -> dict[str, float]:
+    """HBM rate (TB/s, bytes read + written by a 4 GiB copy) and bf16 matmul rate (TFLOP/s)."""
+    import triton
+
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    hbm = 2 * src.numel() / (copy_ms * 1e-3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    mma = 2 * 8192**3 / (mm_ms * 1e-3) / 1e12
+    return {"hbm_tb_s": hbm, "bf16_tflop_s": mma}
+
+
+def parse_config(text: str):
+    """'h16n64w4s2' -> DecodeLaunchConfig(block_h=16, block_n=64, num_warps=4, num_stages=2)."""
+    import re
+
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
+
+    match = re.fullmatch(r"h(\d+)n(\d+)w(\d+)s(\d+)", text)
+    if not match:
+        raise ValueError(f"config {text!r}; accepted: like h16n64w4s2 (BLOCK_H, BLOCK_N, warps, stages)")
+    return DecodeLaunchConfig(*map(int, match.groups()))
+
+
+def kernel_times_us(fn, iterations: int = 20) -> dict[str, float]:
+    """Mean device time per call of each kernel `fn` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us and event.key.startswith("_mla"):
+            times[event.key] = device_us / iterations
+    return times
+
+
+def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, splits=None, ceilings=None,
+               kernel_times=False):
+    import triton
+
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.kernels.launch_config import decode_config
+    from mla_multi.kernels.mla_decode import mla_decode_fwd
+    from mla_multi.platforms import current_platform
+
+    platform = current_platform()
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    blocks_per_seq = -(-seq_len // block_size)
+    cache_bytes = batch * blocks_per_seq * block_size * (KV_LORA_RANK + ROPE_DIM) * elem
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+    num_blocks = batch * blocks_per_seq * copies
+    cache = torch.randn(num_blocks, block_size, KV_LORA_RANK + ROPE_DIM, device="cuda").to(cache_dtype)
+    k_scale = torch.tensor([0.05], device="cuda") if elem == 1 else None
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    block_tables = [
+        perm[i * batch * blocks_per_seq : (i + 1) * batch * blocks_per_seq].reshape(batch, blocks_per_seq)
+        for i in range(copies)
+    ]
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    q_nope = torch.randn(batch, heads, KV_LORA_RANK, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch, heads, ROPE_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(batch, heads, device="cuda", dtype=torch.float32)
+    reserved = max_num_kv_splits(seq_len, platform)
+    if splits is None:
+        splits = num_kv_splits(platform, batch, heads, seq_len, reserved, kv_cache_dtype=cache_dtype)
+    reserved = max(reserved, splits)
+    attn_logits = torch.empty(batch, heads, reserved, KV_LORA_RANK + 1, device="cuda", dtype=torch.float32)
+    config = config or decode_config(platform, heads, 1, cache_dtype)
+    state = {"i": 0}
+
+    def call(table):
+        mla_decode_fwd(
+            q_nope, q_pe, cache, table, seq_lens, 576**-0.5,
+            k_scale=k_scale, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
+        )
+
+    def run():
+        call(block_tables[state["i"] % copies])
+        state["i"] += 1
+
+    def run_all():
+        for table in block_tables:
+            call(table)
+
+    run_all()
+    torch.cuda.synchronize()
+    # Device time through a CUDA graph (as a serving engine runs decode): the
+    # Python launch path (input checks, two Triton launches) costs tens of µs
+    # on the host and would otherwise be what an eager loop measures.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    ms = triton.testing.do_bench(graph.replay, warmup=100, rep=300, return_mode="median") / copies
+    eager_ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+    kv_bytes = batch * seq_len * (KV_LORA_RANK + ROPE_DIM) * elem
+    flops = 2 * batch * heads * seq_len * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
+    row = {
+        "heads": heads,
+        "batch": batch,
+        "seq_len": seq_len,
+        "kv": str(cache_dtype).replace("torch.", ""),
+        "config": config.name,
+        "splits": splits,
+        "us": ms * 1e3,
+        "eager_us": eager_ms * 1e3,
+        "tb_s": kv_bytes / (ms * 1e-3) / 1e12,
+        "tflop_s": flops / (ms * 1e-3) / 1e12,
+    }
+    if kernel_times:
+        row["kernel_us"] = kernel_times_us(run)
+        print(f"  kernels: {row['kernel_us']}", flush=True)
+    if ceilings:
+        row["hbm_pct"] = 100 * row["tb_s"] / ceilings["hbm_tb_s"]
+        row["mma_pct"] = 100 * row["tflop_s"] / ceilings["bf16_tflop_s"]
+    del cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def format_rows(rows) -> str:
+    header = (f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>5} "
+              f"{'TFLOP/s':>8} {'%MMA':>5} {'eager us':>9}")
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['heads']:>4} {r['batch']:>4} {r['seq_len']:>6} {r['kv']:>14} {r['config']:>12} {r['splits']:>6} "
+            f"{r['us']:>9.1f} {r['tb_s']:>6.2f} {r.get('hbm_pct', 0):>5.1f} {r['tflop_s']:>8.1f} {r.get('mma_pct', 0):>5.1f}"
+            f" {r['eager_us']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", default="16,128")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="comma list of BxS")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float8_e4m3fn | float8_e4m3fnuz")
+    parser.add_argument("--configs", default="", help="comma list like h16n64w4s2 (default: the package's choice)")
+    parser.add_argument("--splits", default="", help="comma list of fixed num_kv_splits (default: heuristic)")
+    parser.add_argument("--reduce", default="", help="merge config as BLOCK_DV,BLOCK_SPLITS,WARPS (default: the package's)")
+    parser.add_argument("--kernel-times", action="store_true", help="also print per-kernel device times (profiler)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--no-ceilings", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the decode benchmark needs a GPU", file=sys.stderr)
+        return 2
+    if args.reduce:
+        from mla_multi.kernels import mla_decode
+        from mla_multi.kernels.launch_config import DecodeReduceLaunchConfig
+
+        block_dv, block_splits, warps = map(int, args.reduce.split(","))
+        forced = DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=warps)
+        mla_decode.decode_reduce_config = lambda platform: forced
+    ceilings = None if args.no_ceilings else measure_ceilings()
+    if ceilings:
+        print(f"device: {torch.cuda.get_device_name()}  HBM copy {ceilings['hbm_tb_s']:.2f} TB/s  "
+              f"bf16 matmul {ceilings['bf16_tflop_s']:.0f} TFLOP/s", flush=True)
+    cache_dtype = getattr(torch, args.kv_dtype)
+    configs = [parse_config(c) for c in args.configs.split(",") if c] or [None]
+    split_choices = [int(s) for s in args.splits.split(",") if s] or [None]
+    rows = []
+    for heads in [int(h) for h in args.heads.split(",")]:
+        for case in args.cases.split(","):
+            batch, seq_len = map(int, case.lower().split("x"))
+            for config, splits in [(c, s) for c in configs for s in split_choices]:
+                try:
+                    row = bench_case(batch, seq_len, heads, args.block_size, cache_dtype, config, splits, ceilings,
+                                     kernel_times=args.kernel_times)
+                except Exception as error:  # one failing config must not hide the others
+                    print(f"N={heads} B={batch} S={seq_len} config={config}: {type(error).__name__}: {error}",
+                          flush=True)
+                    continue
+                rows.append(row)
+                print(format_rows([row]).splitlines()[1], flush=True)
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": torch.cuda.get_device_name(), "ceilings": ceilings, "rows": rows}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
