@@ -171,7 +171,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     lse_dtypes = (torch.float32, torch.float64)
     checks.check_tensor("prefix_lse", prefix_lse, ndim=2, dtypes=lse_dtypes, shape=(heads, tokens), device=device)
     checks.check_tensor("suffix_lse", suffix_lse, ndim=2, dtypes=(prefix_lse.dtype,), shape=(heads, tokens), device=device)
-    if _use_triton(prefix_output) and prefix_output.dtype != torch.float64:
+    if _use_triton(prefix_output) and prefix_lse.dtype == torch.float32:
         from mla_multi.kernels.merge import merge_attn_states as merge_kernel
 
         return merge_kernel(prefix_output, prefix_lse, suffix_output, suffix_lse)

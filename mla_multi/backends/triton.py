@@ -47,7 +47,8 @@ class TritonPrefillImpl(MLAPrefillImpl):
         from mla_multi.kernels.prefill import varlen_attention
 
         out, lse = varlen_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
+            return_lse=return_softmax_lse,
         )
         return (out, lse) if return_softmax_lse else out
 

@@ -1,0 +1,276 @@
+"""Prefill attention benchmark: the Triton varlen kernel against PyTorch's own kernels.
+
+MLA prefill shapes (qk head dim 192, v head dim 128, bf16, causal), measured in one
+run with ``triton.testing.do_bench`` (median):
+
+* ``triton``: ``mla_multi.kernels.prefill.varlen_attention`` on packed tokens
+  (``[B*S, N, D]`` with ``cu_seqlens``), output and LSE;
+* ``cudnn``: ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on
+  the batched ``[B, N, S, D]`` view of the same tensors (192/128 natively when cuDNN
+  takes it, else V padded to 192);
+* ``flash``: ``SDPBackend.FLASH_ATTENTION`` (FlashAttention-2 inside PyTorch) with V
+  zero-padded to 192 (it needs one head dim); the padding is done outside the timing.
+
+FLOPs = 2 * N * (causal pairs) * (192 + 128), causal pairs = S * (S + 1) / 2 per
+sequence. Usage::
+
+    mla-multi bench prefill [--heads 16,128] [--shapes 1x8192,4x2048,1x16384]
+        [--configs m128n64w8s3,m128n64w8s3tma] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import torch
+
+HEAD_DIM_QK = 192
+HEAD_DIM_V = 128
+
+
+def parse_config(text: str):
+    """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only)."""
+    from mla_multi.kernels.launch_config import PrefillLaunchConfig
+
+    match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?", text)
+    if match is None:
+        raise ValueError(f"config {text!r}; accepted: m<block_m>n<block_n>w<warps>s<stages>[tma], e.g. m128n64w8s3")
+    block_m, block_n, warps, stages = (int(x) for x in match.groups()[:4])
+    return PrefillLaunchConfig(block_m, block_n, warps, stages, use_tma=match.group(5) is not None)
+
+
+def prefill_flops(num_heads: int, batch: int, seqlen: int, causal: bool = True) -> float:
+    pairs = seqlen * (seqlen + 1) / 2 if causal else seqlen * seqlen
+    return 2.0 * num_heads * batch * pairs * (HEAD_DIM_QK + HEAD_DIM_V)
+
+
+def _bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _torch_sdpa(backend_name: str, q4, k4, v4, scale: float, causal: bool = True):
+    """A closure running SDPA with one backend, or (None, reason)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, scale=scale)
+
+    try:
+        out = run()
+        torch.cuda.synchronize()
+    except Exception as error:  # backend refuses the shape
+        return None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return run, out, None
+
+
+def bench_case(
+    num_heads: int, batch: int, seqlen: int, configs, results: list, check: bool = True, causal: bool = True
+) -> None:
+    from mla_multi.kernels.prefill import varlen_attention
+
+    device = "cuda"
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    total = batch * seqlen
+    q = torch.randn(total, num_heads, HEAD_DIM_QK, device=device, dtype=dtype)
+    k = torch.randn(total, num_heads, HEAD_DIM_QK, device=device, dtype=dtype)
+    v = torch.randn(total, num_heads, HEAD_DIM_V, device=device, dtype=dtype)
+    cu = torch.arange(0, total + 1, seqlen, device=device, dtype=torch.int32)
+    scale = HEAD_DIM_QK**-0.5
+    flops = prefill_flops(num_heads, batch, seqlen, causal)
+    row = {
+        "num_heads": num_heads, "batch": batch, "seqlen": seqlen, "causal": causal,
+        "tflops": {}, "ms": {}, "notes": [],
+    }  # fmt: skip
+
+    # Batched views [B, N, S, D] of the packed tensors for PyTorch.
+    def as4(t):
+        return t.view(batch, seqlen, num_heads, t.shape[-1]).transpose(1, 2)
+
+    q4, k4, v4 = as4(q), as4(k), as4(v)
+    cudnn_run, cudnn_out, reason = _torch_sdpa("CUDNN_ATTENTION", q4, k4, v4, scale, causal)
+    v_pad = torch.nn.functional.pad(v, (0, HEAD_DIM_QK - HEAD_DIM_V))
+    if cudnn_run is None:
+        row["notes"].append(f"cudnn 192/128 refused ({reason}); V padded to 192")
+        cudnn_run, cudnn_out, reason = _torch_sdpa("CUDNN_ATTENTION", q4, k4, as4(v_pad), scale, causal)
+    if cudnn_run is not None:
+        ms = _bench(cudnn_run)
+        row["ms"]["cudnn"] = ms
+        row["tflops"]["cudnn"] = flops / ms / 1e9
+    else:
+        row["notes"].append(f"cudnn unavailable: {reason}")
+    flash_run, flash_out, reason = _torch_sdpa("FLASH_ATTENTION", q4, k4, as4(v_pad), scale, causal)
+    if flash_run is not None:
+        ms = _bench(flash_run)
+        row["ms"]["flash"] = ms
+        row["tflops"]["flash"] = flops / ms / 1e9
+    else:
+        row["notes"].append(f"flash unavailable: {reason}")
+    reference = cudnn_out if cudnn_out is not None else flash_out
+    del flash_out, cudnn_out
+
+    out = torch.empty(total, num_heads, HEAD_DIM_V, device=device, dtype=dtype)
+    lse = torch.empty(num_heads, total, device=device, dtype=torch.float32)
+    for config in configs:
+        name = "triton" if config is None else f"triton[{config.name}]"
+
+        def run(config=config):
+            return varlen_attention(
+                q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse, config=config
+            )
+
+        try:
+            out.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+        except Exception as error:
+            row["notes"].append(f"{name} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            continue
+        if check and reference is not None:
+            ref = reference[..., :HEAD_DIM_V].transpose(1, 2).reshape(total, num_heads, HEAD_DIM_V).float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            row.setdefault("rel_err_vs_torch", {})[name] = err
+            if not err < 2e-2:
+                row["notes"].append(f"{name}: rel err {err:.3g} vs PyTorch output")
+        ms = _bench(run)
+        row["ms"][name] = ms
+        row["tflops"][name] = flops / ms / 1e9
+    results.append(row)
+    del q, k, v, v_pad, q4, k4, v4, reference
+    torch.cuda.empty_cache()
+
+
+def bench_varlen_mixed(num_heads: int, lengths: list[int]) -> dict:
+    """Ours on one ragged causal batch (no batched PyTorch equivalent): TFLOP/s."""
+    from mla_multi.kernels.prefill import varlen_attention
+
+    device, dtype = "cuda", torch.bfloat16
+    total = sum(lengths)
+    q = torch.randn(total, num_heads, HEAD_DIM_QK, device=device, dtype=dtype)
+    k = torch.randn(total, num_heads, HEAD_DIM_QK, device=device, dtype=dtype)
+    v = torch.randn(total, num_heads, HEAD_DIM_V, device=device, dtype=dtype)
+    cu = torch.tensor([0] + lengths, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    flops = 2.0 * num_heads * pairs * (HEAD_DIM_QK + HEAD_DIM_V)
+
+    def run():
+        return varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), HEAD_DIM_QK**-0.5, causal=True)
+
+    ms = _bench(run)
+    return {"num_heads": num_heads, "lengths": lengths, "ms": ms, "tflops": flops / ms / 1e9}
+
+
+def bench_merge(num_tokens: int, num_heads: int, head_dim: int) -> dict:
+    """merge_attn_states bandwidth (bf16 outputs, float32 LSE) beside the PyTorch formula."""
+    from mla_multi.backends.reference import merge_attn_states_reference
+    from mla_multi.kernels.merge import merge_attn_states
+
+    device, dtype = "cuda", torch.bfloat16
+    p_out = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=dtype)
+    s_out = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=dtype)
+    p_lse = torch.randn(num_heads, num_tokens, device=device)
+    s_lse = torch.randn(num_heads, num_tokens, device=device)
+    out = torch.empty_like(p_out)
+    out_lse = torch.empty_like(p_lse)
+    moved = 3 * p_out.numel() * p_out.element_size() + 3 * p_lse.numel() * 4
+    ms = _bench(lambda: merge_attn_states(p_out, p_lse, s_out, s_lse, output=out, output_lse=out_lse))
+    ms_torch = _bench(lambda: merge_attn_states_reference(p_out, p_lse, s_out, s_lse))
+    return {
+        "shape": [num_tokens, num_heads, head_dim], "ms": ms, "gb_per_s": moved / ms / 1e6,
+        "ms_torch": ms_torch, "gb_per_s_torch": moved / ms_torch / 1e6,
+    }  # fmt: skip
+
+
+def format_table(results: list) -> str:
+    lines = []
+    for row in results:
+        tf = row["tflops"]
+        ours = {k: v for k, v in tf.items() if k.startswith("triton")}
+        best_name = max(ours, key=ours.get) if ours else None
+        best = ours.get(best_name, float("nan")) if best_name else float("nan")
+        cudnn = tf.get("cudnn", float("nan"))
+        flash = tf.get("flash", float("nan"))
+        shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
+        lines.append(
+            f"| {row['num_heads']:>3} | {shape} | {best:7.1f} ({best_name}) | "
+            f"{cudnn:7.1f} | {flash:7.1f} | {best / cudnn:5.2f} | {best / flash:5.2f} |"
+        )
+        for name, value in sorted(ours.items()):
+            if name != best_name:
+                lines.append(f"|     |              | {value:7.1f} ({name}) | | | {value / cudnn:5.2f} | {value / flash:5.2f} |")
+    header = (
+        "| N | B x S | ours TFLOP/s (config) | cuDNN | flash (V pad) | ours/cuDNN | ours/flash |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    return header + "\n" + "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", default="16,128")
+    parser.add_argument("--shapes", default="1x8192,4x2048,1x16384", help="BxS list")
+    parser.add_argument(
+        "--configs", default="", help="comma list of m<M>n<N>w<W>s<S>[tma]; empty = the platform's default"
+    )
+    parser.add_argument("--json", default=None, help="write the raw results here")
+    parser.add_argument("--no-check", action="store_true", help="skip the comparison with PyTorch's output")
+    parser.add_argument(
+        "--extra",
+        action="store_true",
+        help="also: non-causal 128 x 8192 (a context chunk), a ragged causal batch, merge_attn_states bandwidth",
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("prefill benchmark: no GPU visible to torch", file=sys.stderr)
+        return 1
+    configs = [None] + [parse_config(c) for c in args.configs.split(",") if c]
+    heads = [int(h) for h in args.heads.split(",")]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    results: list = []
+    for num_heads in heads:
+        for batch, seqlen in shapes:
+            bench_case(num_heads, batch, seqlen, configs, results, check=not args.no_check)
+            row = results[-1]
+            print(
+                f"N={num_heads} B={batch} S={seqlen}: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in row["tflops"].items())
+                + (f" | errs {row.get('rel_err_vs_torch')}" if row.get("rel_err_vs_torch") else "")
+                + (f" | notes {row['notes']}" if row["notes"] else ""),
+                flush=True,
+            )
+    extras = {}
+    if args.extra:
+        bench_case(128, 1, 8192, configs[:1], results, check=not args.no_check, causal=False)
+        row = results[-1]
+        print("non-causal N=128 S=8192: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tflops"].items()), flush=True)
+        extras["varlen"] = bench_varlen_mixed(128, [8192, 4096, 2048, 1024, 512, 300, 128, 77, 17, 1])
+        print(f"ragged causal batch N=128: {extras['varlen']['tflops']:.1f} TFLOP/s", flush=True)
+        extras["merge"] = bench_merge(16384, 128, 128)
+        print(
+            f"merge_attn_states 16384 x 128 x 128 bf16: {extras['merge']['gb_per_s']:.0f} GB/s "
+            f"(PyTorch formula {extras['merge']['gb_per_s_torch']:.0f} GB/s)",
+            flush=True,
+        )
+    device = torch.cuda.get_device_name()
+    import triton
+
+    print(f"\ndevice: {device}, torch {torch.__version__}, triton {triton.__version__}")
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(
+                {"device": device, "torch": torch.__version__, "results": results, "extras": extras}, handle, indent=1
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
