@@ -156,6 +156,9 @@ INTERPRETER_CASES = [
     ("fp8-e4m3fn-bit-decode", 2, 3, 1, 64, 16, 16, [23, 31], "float8_e4m3fn", 2, "A100"),
     ("fp8-e4m3fnuz-amd-tiles", 2, 20, 1, 64, 16, 16, [45, 17], "float8_e4m3fnuz", 2, "MI300X"),
     ("deepseek-dims", 2, 16, 1, 512, 64, 16, [70, 33], "float16", 2, None),
+    ("h2-bs32", 2, 2, 1, 64, 16, 32, [70, 5], "float16", 2, None),
+    ("h2-bs128", 2, 2, 1, 64, 16, 128, [200, 129], "float16", 2, None),
+    ("h2-q8-bs256-spec-decode", 1, 2, 8, 64, 16, 256, [300], "float16", 2, None),
 ]
 
 
