@@ -67,6 +67,14 @@ class DecodeSelectorConfig:
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def prefill_lse_heads_tokens(lse: torch.Tensor, num_heads: int, num_tokens: int, source: str) -> torch.Tensor:
+    """A library's prefill LSE as [N, T] float32, +inf (an empty row in some kernels) turned into -inf."""
+    lse = lse.float()
+    if lse.shape != (num_heads, num_tokens):
+        raise RuntimeError(f"{source} returned an LSE of shape {tuple(lse.shape)}; expected ({num_heads}, {num_tokens})")
+    return torch.where(lse == float("inf"), torch.full((), float("-inf"), device=lse.device), lse)
 _KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32", "float64")
 
 

@@ -53,6 +53,7 @@ from mla_multi.backends.base import (
     MLAPrefillImpl,
     PrefillSelectorConfig,
     dtype_name,
+    prefill_lse_heads_tokens,
 )
 from mla_multi.platforms import Platform, current_platform
 
@@ -300,14 +301,6 @@ def _pad_last(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
 
 
-def _lse_heads_tokens(lse: torch.Tensor, num_heads: int, num_tokens: int) -> torch.Tensor:
-    """[N, T] float32; +inf (rows without keys in FlashAttention-2) becomes -inf."""
-    lse = lse.float()
-    if lse.shape != (num_heads, num_tokens):
-        raise RuntimeError(f"the LSE has shape {tuple(lse.shape)}; expected ({num_heads}, {num_tokens})")
-    return torch.where(lse == float("inf"), torch.full((), float("-inf"), device=lse.device), lse)
-
-
 def _run_flash_attn_3(probe, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, need_lse):
     from flash_attn_interface import flash_attn_varlen_func
 
@@ -433,7 +426,7 @@ class FlashAttnPrefillImpl(MLAPrefillImpl):
         )
         if not return_softmax_lse:
             return out
-        return out, _lse_heads_tokens(lse, q.shape[1], q.shape[0])
+        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "flash attention")
 
 
 class FlashAttnPrefillBackend(MLAPrefillBackend):

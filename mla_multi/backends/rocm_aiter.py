@@ -52,6 +52,7 @@ from mla_multi.backends.base import (
     MLAPrefillImpl,
     PrefillSelectorConfig,
     dtype_name,
+    prefill_lse_heads_tokens,
 )
 from mla_multi.platforms import Platform
 
@@ -513,16 +514,6 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 # --------------------------------------------------------------------------- prefill
 
 
-def _lse_heads_tokens(lse: torch.Tensor, num_heads: int, num_tokens: int) -> torch.Tensor:
-    """The LSE as [N, T] float32 with +inf (an empty row in some kernels) turned into -inf."""
-    lse = lse.float()
-    if lse.shape != (num_heads, num_tokens):
-        raise RuntimeError(
-            f"aiter returned an LSE of shape {tuple(lse.shape)}; expected ({num_heads}, {num_tokens})"
-        )
-    return torch.where(lse == float("inf"), torch.full((), float("-inf"), device=lse.device), lse)
-
-
 class AiterMLAPrefillImpl(MLAPrefillImpl):
     """Varlen prefill through `aiter.flash_attn_varlen_func` (qk 192, v 128, no padding)."""
 
@@ -562,7 +553,7 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         if not return_softmax_lse:
             return result[0] if isinstance(result, (tuple, list)) else result
         out, lse = result[0], result[1]
-        return out, _lse_heads_tokens(lse, q.shape[1], q.shape[0])
+        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "aiter")
 
 
 class AiterMLAPrefillBackend(MLAPrefillBackend):
