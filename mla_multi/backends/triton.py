@@ -42,19 +42,9 @@ def _gpu_platform_reasons(platform: Platform) -> list[str]:
     return []
 
 
-class TritonPrefillImpl(MLAPrefillImpl):
-    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
-        from mla_multi.kernels.prefill import varlen_attention
+class _TritonRequirements:
+    """What both Triton backends need: an importable Triton and a GPU of sm_80+ or ROCm."""
 
-        out, lse = varlen_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
-            return_lse=return_softmax_lse,
-        )
-        return (out, lse) if return_softmax_lse else out
-
-
-class TritonPrefillBackend(MLAPrefillBackend):
-    name: ClassVar[str] = "TRITON"
     vendors = frozenset({"cuda", "rocm"})
     supported_dtypes = (torch.float16, torch.bfloat16)
 
@@ -66,6 +56,21 @@ class TritonPrefillBackend(MLAPrefillBackend):
     @classmethod
     def platform_reasons(cls, platform: Platform) -> list[str]:
         return super().platform_reasons(platform) or _gpu_platform_reasons(platform)
+
+
+class TritonPrefillImpl(MLAPrefillImpl):
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
+        from mla_multi.kernels.prefill import varlen_attention
+
+        out, lse = varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
+            return_lse=return_softmax_lse,
+        )
+        return (out, lse) if return_softmax_lse else out
+
+
+class TritonPrefillBackend(_TritonRequirements, MLAPrefillBackend):
+    name: ClassVar[str] = "TRITON"
 
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
@@ -142,24 +147,13 @@ class TritonDecodeImpl(MLADecodeImpl):
         )
 
 
-class TritonDecodeBackend(MLADecodeBackend):
+class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
     name: ClassVar[str] = "TRITON"
-    vendors = frozenset({"cuda", "rocm"})
-    supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = (torch.float16, torch.bfloat16) + FP8_DTYPES
     supported_block_sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     max_num_heads = 128
     max_query_len = 8
     supports_cuda_graphs = True
-
-    @classmethod
-    def availability_reasons(cls) -> list[str]:
-        error = _triton_import_error()
-        return [error] if error else []
-
-    @classmethod
-    def platform_reasons(cls, platform: Platform) -> list[str]:
-        return super().platform_reasons(platform) or _gpu_platform_reasons(platform)
 
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
