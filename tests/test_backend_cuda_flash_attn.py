@@ -14,13 +14,13 @@ import ast
 import dataclasses
 import os
 import pathlib
-import subprocess
 import sys
 import tarfile
 import types
 
 import pytest
 import torch
+from published import published_distribution
 
 from mla_multi.backends import cuda_flash_attn as fa
 from mla_multi.backends.base import DecodeSelectorConfig, PrefillSelectorConfig
@@ -39,29 +39,13 @@ ADAPTER_SOURCE = pathlib.Path(fa.__file__)
 @pytest.fixture(scope="session")
 def flash_attn_sdist(pytestconfig) -> pathlib.Path:
     """flash-attn's published source distribution: MLA_MULTI_FLASH_ATTN_SDIST, or downloaded once into the pytest cache."""
-    given = os.environ.get("MLA_MULTI_FLASH_ATTN_SDIST")
-    if given:
-        path = pathlib.Path(given)
-        assert path.is_file(), f"MLA_MULTI_FLASH_ATTN_SDIST={given!r} is not a file"
-        return path
-    cache = pytestconfig.cache.mkdir("published-flash-attn")
-    version = FLASH_ATTN_PUBLISHED.partition("==")[2]
-    found = sorted(cache.glob(f"flash_attn-{version}*.tar.gz" if version else "flash_attn-*.tar.gz"))
-    if not found:
-        # pip prepares an sdist's metadata even to download it: flash-attn's
-        # setup.py imports torch (hence no build isolation) and skips its CUDA
-        # build with this variable.
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--no-build-isolation", "-d", str(cache), FLASH_ATTN_PUBLISHED]
-        environment = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
-        assert done.returncode == 0, (
-            f"could not download {FLASH_ATTN_PUBLISHED} ({' '.join(command)}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}\n"
-            "Set MLA_MULTI_FLASH_ATTN_SDIST to a downloaded flash-attn source distribution to run offline."
-        )
-        found = sorted(cache.glob("flash_attn-*.tar.gz"))
-    assert found, f"no flash-attn source distribution in {cache}"
-    return found[-1]
+    # pip prepares an sdist's metadata even to download it: flash-attn's
+    # setup.py imports torch (hence no build isolation) and skips its CUDA
+    # build with this variable.
+    return published_distribution(
+        pytestconfig, FLASH_ATTN_PUBLISHED, "flash_attn", ".tar.gz", "MLA_MULTI_FLASH_ATTN_SDIST",
+        ("--no-binary", ":all:", "--no-build-isolation"), {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"},
+    )
 
 
 def _published_function(sdist: pathlib.Path, source: str, function: str) -> ast.FunctionDef:

@@ -13,12 +13,12 @@ import ast
 import inspect
 import os
 import pathlib
-import subprocess
 import sys
 import zipfile
 
 import pytest
 import torch
+from published import published_distribution
 
 from mla_multi.backends import rocm_aiter
 from mla_multi.backends.base import DecodeSelectorConfig, PrefillSelectorConfig
@@ -39,24 +39,9 @@ ADAPTER_SOURCE = pathlib.Path(rocm_aiter.__file__)
 @pytest.fixture(scope="session")
 def aiter_wheel(pytestconfig) -> pathlib.Path:
     """The published amd-aiter wheel: MLA_MULTI_AITER_WHEEL, or downloaded once into the pytest cache."""
-    given = os.environ.get("MLA_MULTI_AITER_WHEEL")
-    if given:
-        path = pathlib.Path(given)
-        assert path.is_file(), f"MLA_MULTI_AITER_WHEEL={given!r} is not a file"
-        return path
-    cache = pytestconfig.cache.mkdir("published-amd-aiter")
-    version = AITER_PUBLISHED.partition("==")[2]
-    wheels = sorted(cache.glob(f"amd_aiter-{version}*.whl" if version else "amd_aiter-*.whl"))
-    if not wheels:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(cache), AITER_PUBLISHED]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (
-            f"could not download {AITER_PUBLISHED} ({' '.join(command)}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}\n"
-            "Set MLA_MULTI_AITER_WHEEL to a downloaded amd-aiter wheel to run offline."
-        )
-        wheels = sorted(cache.glob("amd_aiter-*.whl"))
-    assert wheels, f"no amd-aiter wheel in {cache}"
-    return wheels[-1]
+    return published_distribution(
+        pytestconfig, AITER_PUBLISHED, "amd_aiter", ".whl", "MLA_MULTI_AITER_WHEEL", ("--only-binary", ":all:")
+    )
 
 
 def _published_function(wheel: pathlib.Path, source: str, function: str) -> ast.FunctionDef:
