@@ -4,6 +4,7 @@ The contract tests read a library's published source with `ast` and never
 import it; an environment variable may point at a local copy for offline runs.
 """
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -31,3 +32,44 @@ def published_distribution(pytestconfig, requirement: str, file_prefix: str, suf
         found = sorted(cache.glob(f"{file_prefix}-*{suffix}"))
     assert found, f"no {file_prefix} distribution in {cache}"
     return found[-1]
+
+
+def published_parameters(node: ast.FunctionDef) -> tuple[list[str], set[str]]:
+    """(keyword-passable parameter names in declaration order, names that have no default)."""
+    args = node.args
+    positional = args.posonlyargs + args.args
+    defaults_from = len(positional) - len(args.defaults)
+    names = [a.arg for a in args.args + args.kwonlyargs]
+    required = {a.arg for i, a in enumerate(positional) if i < defaults_from}
+    required |= {a.arg for a, default in zip(args.kwonlyargs, args.kw_defaults) if default is None}
+    return names, required
+
+
+def adapter_keywords(adapter_source: pathlib.Path, function_name: str, callee: str) -> set[str]:
+    """Keyword names the adapter passes to `callee` inside `function_name`, read from its source.
+
+    Counts literal keywords of the call and the keys the function puts into a
+    `keywords` dict that the call unpacks with `**keywords`.
+    """
+    tree = ast.parse(adapter_source.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function_name]
+    assert functions, f"{adapter_source.name} has no {function_name}()"
+    names: set[str] = set()
+    calls = 0
+    for node in ast.walk(functions[0]):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == callee:
+                calls += 1
+                names |= {k.arg for k in node.keywords if k.arg is not None}
+            # keywords = dict(a=..., b=...) and keywords.update(c=...)
+            if isinstance(func, ast.Name) and func.id == "dict":
+                names |= {k.arg for k in node.keywords if k.arg is not None}
+            if isinstance(func, ast.Attribute) and func.attr == "update" and getattr(func.value, "id", None) == "keywords":
+                names |= {k.arg for k in node.keywords if k.arg is not None}
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "keywords" and isinstance(node.ctx, ast.Store):
+            if isinstance(node.slice, ast.Constant):
+                names.add(node.slice.value)
+    assert calls == 1, f"{function_name}() calls {callee}() {calls} times; the contract test expects one call"
+    return names

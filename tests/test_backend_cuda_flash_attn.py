@@ -20,7 +20,7 @@ import types
 
 import pytest
 import torch
-from published import published_distribution
+from published import adapter_keywords, published_distribution, published_parameters
 
 from mla_multi.backends import cuda_flash_attn as fa
 from mla_multi.backends.base import DecodeSelectorConfig, PrefillSelectorConfig
@@ -58,38 +58,9 @@ def _published_function(sdist: pathlib.Path, source: str, function: str) -> ast.
     return found[-1]
 
 
-def _parameters(node: ast.FunctionDef) -> tuple[list[str], set[str]]:
-    args = node.args
-    positional = args.posonlyargs + args.args
-    defaults_from = len(positional) - len(args.defaults)
-    names = [a.arg for a in args.args + args.kwonlyargs]
-    required = {a.arg for i, a in enumerate(positional) if i < defaults_from}
-    return names, required
-
-
-def _adapter_keywords(function_name: str, callee: str) -> set[str]:
-    """Literal keywords of the call to `callee` in `function_name` plus keys put into its `keywords` dict."""
-    tree = ast.parse(ADAPTER_SOURCE.read_text())
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function_name]
-    assert functions, f"{ADAPTER_SOURCE.name} has no {function_name}()"
-    names: set[str] = set()
-    calls = 0
-    for node in ast.walk(functions[0]):
-        if isinstance(node, ast.Call):
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if called == callee:
-                calls += 1
-                names |= {k.arg for k in node.keywords if k.arg is not None}
-        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "keywords" and isinstance(node.ctx, ast.Store):
-            names.add(node.slice.value)
-    assert calls == 1, f"{function_name}() calls {callee}() {calls} times"
-    return names
-
-
 @pytest.mark.parametrize("call", fa.FLASH_ATTN_CALLS, ids=lambda c: f"{c.module}.{c.function}")
 def test_adapter_calls_match_published_flash_attn(flash_attn_sdist, call):
-    names, required = _parameters(_published_function(flash_attn_sdist, call.source, call.function))
+    names, required = published_parameters(_published_function(flash_attn_sdist, call.source, call.function))
     unknown = [k for k in call.keywords if k not in names]
     assert not unknown, f"{flash_attn_sdist.name}: {call.function}() has no parameters {unknown}; it has {names}"
     missing = sorted(required - set(call.keywords))
@@ -101,12 +72,12 @@ def test_adapter_calls_match_published_flash_attn(flash_attn_sdist, call):
     [("_run_flash_attn_3", fa.FA3_VARLEN), ("_run_flash_attn_2", fa.FA2_VARLEN), ("forward_mqa", fa.FA3_KVCACHE)],
 )
 def test_adapter_source_passes_exactly_the_declared_keywords(runner, call):
-    assert _adapter_keywords(runner, call.function) == set(call.keywords) | set(call.optional_keywords)
+    assert adapter_keywords(ADAPTER_SOURCE, runner, call.function) == set(call.keywords) | set(call.optional_keywords)
 
 
 def test_published_fa3_varlen_returns_no_lse_in_this_release(flash_attn_sdist):
     """2.8.3's FA3 varlen function has no return_attn_probs: LSE calls must go elsewhere."""
-    names, _ = _parameters(_published_function(flash_attn_sdist, fa.FA3_VARLEN.source, fa.FA3_VARLEN.function))
+    names, _ = published_parameters(_published_function(flash_attn_sdist, fa.FA3_VARLEN.source, fa.FA3_VARLEN.function))
     assert "return_attn_probs" not in names and "qv" in names
 
 
@@ -208,7 +179,7 @@ def test_stand_ins_have_the_published_signatures(flash_attn_sdist):
 
     for call, stand_in in ((fa.FA2_VARLEN, fa2_flash_attn_varlen_func), (fa.FA3_VARLEN, fa3_flash_attn_varlen_func),
                            (fa.FA3_KVCACHE, fa3_flash_attn_with_kvcache)):
-        names, _ = _parameters(_published_function(flash_attn_sdist, call.source, call.function))
+        names, _ = published_parameters(_published_function(flash_attn_sdist, call.source, call.function))
         assert list(inspect.signature(stand_in).parameters) == names
 
 

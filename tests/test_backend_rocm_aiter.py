@@ -18,7 +18,7 @@ import zipfile
 
 import pytest
 import torch
-from published import published_distribution
+from published import adapter_keywords, published_distribution, published_parameters
 
 from mla_multi.backends import rocm_aiter
 from mla_multi.backends.base import DecodeSelectorConfig, PrefillSelectorConfig
@@ -52,51 +52,10 @@ def _published_function(wheel: pathlib.Path, source: str, function: str) -> ast.
     return found[-1]
 
 
-def _parameters(node: ast.FunctionDef) -> tuple[set[str], set[str]]:
-    """(keyword-passable parameter names, names that have no default)."""
-    args = node.args
-    positional = args.posonlyargs + args.args
-    defaults_from = len(positional) - len(args.defaults)
-    names = {a.arg for a in args.args + args.kwonlyargs}
-    required = {a.arg for i, a in enumerate(positional) if i < defaults_from}
-    required |= {a.arg for a, default in zip(args.kwonlyargs, args.kw_defaults) if default is None}
-    return names, required
-
-
-def _adapter_keywords(function_name: str, callee: str) -> set[str]:
-    """Keyword names the adapter passes to `callee` inside `function_name`, read from its source.
-
-    Counts literal keywords of the call and the keys the function puts into a
-    `keywords` dict that the call unpacks with `**keywords`.
-    """
-    tree = ast.parse(ADAPTER_SOURCE.read_text())
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function_name]
-    assert functions, f"{ADAPTER_SOURCE.name} has no {function_name}()"
-    names: set[str] = set()
-    calls = 0
-    for node in ast.walk(functions[0]):
-        if isinstance(node, ast.Call):
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if called == callee:
-                calls += 1
-                names |= {k.arg for k in node.keywords if k.arg is not None}
-            # keywords = dict(a=..., b=...) and keywords.update(c=...)
-            if isinstance(func, ast.Name) and func.id == "dict":
-                names |= {k.arg for k in node.keywords if k.arg is not None}
-            if isinstance(func, ast.Attribute) and func.attr == "update" and getattr(func.value, "id", None) == "keywords":
-                names |= {k.arg for k in node.keywords if k.arg is not None}
-        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "keywords" and isinstance(node.ctx, ast.Store):
-            if isinstance(node.slice, ast.Constant):
-                names.add(node.slice.value)
-    assert calls == 1, f"{function_name}() calls {callee}() {calls} times; the contract test expects one call"
-    return names
-
-
 @pytest.mark.parametrize("call", rocm_aiter.AITER_CALLS, ids=lambda c: c.function)
 def test_adapter_calls_match_published_aiter(aiter_wheel, call):
     node = _published_function(aiter_wheel, call.source, call.function)
-    names, required = _parameters(node)
+    names, required = published_parameters(node)
     unknown = [k for k in call.keywords if k not in names]
     assert not unknown, f"{aiter_wheel.name}: {call.function}() has no parameters {unknown}; it has {sorted(names)}"
     missing = sorted(required - set(call.keywords))
@@ -104,19 +63,19 @@ def test_adapter_calls_match_published_aiter(aiter_wheel, call):
 
 
 def test_adapter_source_passes_exactly_the_declared_keywords():
-    decode = _adapter_keywords("forward_mqa", "mla_decode_fwd")
+    decode = adapter_keywords(ADAPTER_SOURCE, "forward_mqa", "mla_decode_fwd")
     assert decode == set(rocm_aiter.MLA_DECODE_FWD.keywords) | set(rocm_aiter.MLA_DECODE_FWD.optional_keywords)
-    prefill = _adapter_keywords("forward_varlen", "flash_attn_varlen_func")
+    prefill = adapter_keywords(ADAPTER_SOURCE, "forward_varlen", "flash_attn_varlen_func")
     assert prefill == set(rocm_aiter.FLASH_ATTN_VARLEN_FUNC.keywords)
 
 
 def test_published_aiter_offers_fp8_scales_and_no_decode_lse(aiter_wheel):
     """What this release offers decides the capability checks: q_scale/kv_scale yes, return_lse no."""
-    names, _ = _parameters(_published_function(aiter_wheel, "aiter/mla.py", "mla_decode_fwd"))
-    assert {"q_scale", "kv_scale"} <= names
+    names, _ = published_parameters(_published_function(aiter_wheel, "aiter/mla.py", "mla_decode_fwd"))
+    assert {"q_scale", "kv_scale"} <= set(names)
     assert "return_lse" not in names
     optional = set(rocm_aiter.MLA_DECODE_FWD.optional_keywords)
-    assert optional - names == {"return_lse"}
+    assert optional - set(names) == {"return_lse"}
 
 
 def test_fake_aiter_has_the_published_signatures(aiter_wheel, fake_aiter):
