@@ -9,18 +9,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from interpreter import print_results, run_interpreter_script
 
 
 def _reference(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale):
@@ -175,18 +167,12 @@ def _interpreter_main() -> None:
         kwargs = {"platform": SPECS[platform]} if platform else {}
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, **kwargs)
         results[case_id] = _errors(tensors, out, lse, scale)
-    print("RESULTS " + json.dumps(results))
+    print_results(results)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return run_interpreter_script(__file__)
 
 
 @pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES])

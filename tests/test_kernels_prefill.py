@@ -10,16 +10,13 @@ Three layers:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import zlib
 
 import pytest
 import torch
+from interpreter import print_results, run_interpreter_script
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (case id, dtype, causal, query lengths, key lengths, q heads, kv heads, head_dim_qk, head_dim_v, tile)
 # tile None = the default config of the (CPU) platform; a platform name = that device's config;
@@ -132,23 +129,12 @@ def _run_interpreter_case(case):
 
 def _interpreter_main():
     results = {case[0]: _run_interpreter_case(case) for case in INTERPRETER_CASES}
-    print("RESULTS_JSON " + json.dumps(results))
+    print_results(results)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--interpreter"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO_ROOT,
-    )
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON ")]
-    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(line[-1][len("RESULTS_JSON ") :])
+    return run_interpreter_script(__file__, "--interpreter")
 
 
 @pytest.mark.interpreter
