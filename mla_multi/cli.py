@@ -210,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench and compile-check hand their own options to their modules untouched
+    # (argparse's REMAINDER would stop at the first "--option").
+    if argv[:1] == ["compile-check"]:
+        return cmd_compile_check(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill"):
+        return cmd_bench(argparse.Namespace(phase=argv[1], rest=argv[2:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,61 @@
+"""The CLI: info (text, JSON, impersonated), demo, and option pass-through of compile-check and bench."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mla_multi import cli
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mla_multi", *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_info_json_on_impersonated_mi300x_lists_every_backend_with_reasons():
+    info = cli.collect_info("MI300X")
+    assert info["platform"]["arch"] == "gfx942" and info["impersonated"]
+    decode = info["phases"]["decode"]
+    assert decode["priority"][0] == "ROCM_AITER"
+    names = {row["name"] for row in decode["backends"]}
+    assert {"ROCM_AITER", "TRITON", "CUDA_FLASH_ATTN", "REFERENCE"} <= names
+    selected = [row["name"] for row in decode["backends"] if row["selected"]]
+    assert selected == [decode["selected"]]
+    for row in decode["backends"]:
+        assert row["available"] == (not row["reasons"])
+
+
+def test_info_text_and_json_commands():
+    text = run_cli("info", "--as", "H100")
+    assert text.returncode == 0, text.stderr
+    assert "platform (impersonated): H100" in text.stdout and "decode: selected" in text.stdout
+    as_json = run_cli("info", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert set(json.loads(as_json.stdout)["phases"]) == {"prefill", "decode"}
+
+
+def test_info_unknown_spec_is_an_error():
+    with pytest.raises(ValueError, match="unknown platform spec 'MI999'"):
+        cli.collect_info("MI999")
+
+
+def test_compile_check_options_reach_the_checker(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("mla_multi.compile_check.main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.main(["compile-check", "--targets", "gfx942,gfx950", "--kernels", "merge"]) == 0
+    assert seen["argv"] == ["--targets", "gfx942,gfx950", "--kernels", "merge"]
+
+
+def test_bench_options_reach_the_benchmark(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("mla_multi.benchmarks.decode.main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.main(["bench", "decode", "--heads", "16", "--cases", "1x4096"]) == 0
+    assert seen["argv"] == ["--heads", "16", "--cases", "1x4096"]
+
+
+def test_demo_on_the_cpu_checks_against_naive_mla():
+    done = run_cli("demo", "--num-heads", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "backends: prefill=REFERENCE decode=REFERENCE" in done.stdout
+    assert "OK" in done.stdout.splitlines()[-1]
