@@ -1,9 +1,9 @@
 """GPU check of the decode kernel, the cache ops and the decode benchmark, in one script.
 
-    PYTHONPATH=. python3 bench/gpu_check_decode.py [all|tests|bench|sweep]
+    PYTHONPATH=. python3 bench/gpu_check_decode.py [all|tests|bench|candidates|sweep]
 
 Writes its logs under $OUT (or ./gpu_check_out): env.txt, pytest.log, bench.txt / bench.json,
-sweep.txt / sweep.json.
+candidates.txt, sweep.txt / sweep.json.
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ def main() -> int:
         sh([py, "bench/decode.py", "--kernel-times", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 120)
         sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
             "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
+    if mode in ("all", "candidates"):
+        # the sm_90 64-row configurations (they keep spilled registers) against
+        # the best spill-free ones
+        sh([py, "bench/decode.py", "--heads", "64,128", "--cases", "32x4096,128x4096",
+            "--configs", "h64n64w8s2,h64n32w8s2,h16n64w4s2"],
+           "candidates.txt", 150)
+        sh([py, "bench/decode.py", "--heads", "128", "--cases", "128x4096", "--kv-dtype", "float8_e4m3fn",
+            "--configs", "h64n32w8s2,h32n32w8s2,h16n64w8s2"],
+           "candidates.txt", 100)
     if mode in ("all", "sweep"):
         sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],
            "sweep.txt", 50)

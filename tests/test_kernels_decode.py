@@ -55,6 +55,15 @@ def _make_case(batch, heads, q_len, lora, rope, block_size, seq_lens, cache_dtyp
     max_blocks = max(1, -(-max(seq_lens) // block_size)) + 1
     num_blocks = batch * max_blocks + 2
     cache = torch.randn(num_blocks, block_size, lora + rope, generator=generator)
+    # scattered pages: a permutation, so block tables are not the identity
+    block_table = torch.randperm(num_blocks, generator=generator)[: batch * max_blocks].reshape(batch, max_blocks)
+    # every cache row no request may read is NaN: rows past a sequence in its
+    # last page, its spare pages and the pages of no request
+    readable = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for b, length in enumerate(seq_lens):
+        pos = torch.arange(length)
+        readable[block_table[b, pos // block_size], pos % block_size] = True
+    cache[~readable] = float("nan")
     k_scale = None
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         k_scale = torch.tensor([0.0125], dtype=torch.float32)
@@ -62,8 +71,6 @@ def _make_case(batch, heads, q_len, lora, rope, block_size, seq_lens, cache_dtyp
         cache = (cache / k_scale).clamp(-limit, limit).to(cache_dtype)
     else:
         cache = cache.to(cache_dtype)
-    # scattered pages: a permutation, so block tables are not the identity
-    block_table = torch.randperm(num_blocks, generator=generator)[: batch * max_blocks].reshape(batch, max_blocks)
     shape = (batch, heads) if q_len == 1 else (batch, q_len, heads)
     q_nope = torch.randn(*shape, lora, generator=generator).to(q_dtype)
     q_pe = torch.randn(*shape, rope, generator=generator).to(q_dtype)
@@ -79,7 +86,7 @@ def _make_case(batch, heads, q_len, lora, rope, block_size, seq_lens, cache_dtyp
 
 
 def _run_decode(tensors, scale, num_kv_splits, max_splits=None, **kwargs):
-    from mla_multi.kernels.mla_decode import mla_decode_fwd
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
 
     q_nope = tensors["q_nope"]
     shape = q_nope.shape[:-1]
@@ -89,7 +96,10 @@ def _run_decode(tensors, scale, num_kv_splits, max_splits=None, **kwargs):
     out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=device)
     lse = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
     attn_logits = torch.full(
-        (rows, shape[-1], max_splits or num_kv_splits, lora + 1), float("nan"), dtype=torch.float32, device=device
+        (rows, shape[-1], max_splits or num_kv_splits, attn_logits_width(lora)),
+        float("nan"),
+        dtype=torch.float32,
+        device=device,
     )
     mla_decode_fwd(
         q_nope,
@@ -207,6 +217,32 @@ def test_bad_input_raises(overrides, splits, message):
     tensors = _inputs(**overrides)
     with pytest.raises(ValueError, match=message):
         _run_decode(tensors, 0.1, splits, max_splits=4)
+
+
+def test_attn_logits_rows_are_aligned_and_narrow_rows_rejected():
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+
+    # the partial output, its LSE, padding to 16 float32 values
+    assert [attn_logits_width(rank) for rank in (16, 64, 512)] == [32, 80, 528]
+    tensors = _inputs()
+    q_nope = tensors["q_nope"]
+    narrow = torch.zeros(2, 4, 1, 64, dtype=torch.float32)  # Lkv columns, no room for the LSE
+    with pytest.raises(ValueError, match=r"attn_logits has shape \(2, 4, 1, 64\).*>= 65.*attn_logits_width\(64\) = 80"):
+        mla_decode_fwd(
+            q_nope, tensors["q_pe"], tensors["kv_cache"], tensors["block_table"], tensors["seq_lens"], 0.1,
+            k_scale=None, num_kv_splits=1, attn_logits=narrow, out=torch.empty_like(q_nope),
+            lse=torch.empty(q_nope.shape[:-1], dtype=torch.float32),
+        )
+
+
+def test_triton_backend_reserves_aligned_partial_rows():
+    from mla_multi.backends.triton import TritonDecodeImpl
+    from mla_multi.kernels.mla_decode import attn_logits_width
+
+    impl = TritonDecodeImpl.__new__(TritonDecodeImpl)
+    impl.num_heads, impl.kv_lora_rank = 16, 512
+    logits_spec = impl._workspace_specs(8, 4, (8, 16, 512), torch.bfloat16)[0]
+    assert logits_spec == ((8, 16, 4, attn_logits_width(512)), torch.float32)
 
 
 def test_unsupported_lora_rank_is_rejected():

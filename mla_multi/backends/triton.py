@@ -94,9 +94,11 @@ class TritonDecodeImpl(MLADecodeImpl):
         self.max_model_len: int | None = None
 
     def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
+        from mla_multi.kernels.mla_decode import attn_logits_width
+
         lse_shape = tuple(out_shape[:-1])
         return (
-            ((num_rows, self.num_heads, num_splits, self.kv_lora_rank + 1), torch.float32),
+            ((num_rows, self.num_heads, num_splits, attn_logits_width(self.kv_lora_rank)), torch.float32),
             (tuple(out_shape), out_dtype),
             (lse_shape, torch.float32),
         )

@@ -80,7 +80,7 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.kernels.launch_config import decode_config
-    from mla_multi.kernels.mla_decode import mla_decode_fwd
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
     from mla_multi.platforms import current_platform
 
     platform = current_platform()
@@ -105,7 +105,8 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     if splits is None:
         splits = num_kv_splits(platform, batch, heads, seq_len, reserved, kv_cache_dtype=cache_dtype)
     reserved = max(reserved, splits)
-    attn_logits = torch.empty(batch, heads, reserved, KV_LORA_RANK + 1, device="cuda", dtype=torch.float32)
+    attn_logits = torch.empty(batch, heads, reserved, attn_logits_width(KV_LORA_RANK), device="cuda",
+                              dtype=torch.float32)
     config = config or decode_config(platform, heads, 1, cache_dtype)
     state = {"i": 0}
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
         block_dv, block_splits, warps = map(int, args.reduce.split(","))
         forced = DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=warps)
-        mla_decode.decode_reduce_config = lambda platform: forced
+        mla_decode.decode_reduce_config = lambda *args, **kwargs: forced
     ceilings = None if args.no_ceilings else measure_ceilings()
     if ceilings:
         print(f"device: {torch.cuda.get_device_name()}  HBM copy {ceilings['hbm_tb_s']:.2f} TB/s  "

@@ -159,19 +159,19 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     Chosen from the ahead-of-time compile report (registers, spills, shared
     memory / LDS) of each target, then timed where a device was at hand:
 
-    * sm_90 (227 KiB): 16 rows x 64-token tiles, 2 stages (200
+    * sm_90 (227 KiB): 16 rows x 64-token tiles, 2 stages (191
       registers, 94 KiB, no spill; 99% of the HBM copy rate at B=128,
-      S=16384 on an H200).  Past 16 rows, 64 rows x 64-token tiles on 8 warps
-      (wgmma): 262 TFLOP/s at B=128, S=4096, N=128 on an H200, against 89
-      for the best spill-free shape (32 rows, 8 warps) and 168 for 32 rows on
-      4 warps.  It keeps 264-384 bytes of stack: Triton assigns the QK
-      product, whose result feeds the PV product, to all 8 warps along the
-      64 rows, so both warpgroups compute it, and the per-row tile addresses
-      of the pipelined copies no longer fit; the reloads are of loop-invariant
-      addresses and hit L1.  The compile check accepts that much for this
-      configuration (allowed_spill_bytes) and nothing more.  At 32 heads two
-      16-row blocks beat one padded 64-row block (2.54 against 2.01 TB/s at
-      B=128, S=4096), at 64 heads the 64-row block wins (1.97 against 1.35).
+      S=16384 on an H200).  Past 32 rows, 64 rows x 64-token tiles on 8 warps
+      (wgmma): 260 TFLOP/s at B=128, S=4096, N=128 on an H200, against 181
+      for the best spill-free 64-row shape (64 x 32) and 175 for the 16-row
+      tile.  It keeps 168-264 bytes of stack: the 64 x 512 float32 output
+      takes 128 registers, and the shared-memory descriptors of the 36 wgmma
+      k-steps over the loop-invariant query tile are hoisted out of the tile
+      loop; the reloads hit L1.  The compile check accepts at most 272 bytes
+      for this configuration (allowed_spill_bytes) and nothing more.  At 32
+      heads two 16-row blocks beat one padded 64-row block (2.54 against 2.01
+      TB/s at B=128, S=4096), at 64 heads the 64-row block wins (1.97 against
+      1.39).  bench/RESULTS.md has the measurements.
     * sm_100 (227 KiB): the 16-row tile for every head count until a B200 has
       run the 64-row one (Triton lowers it to tcgen05 there and its compiled
       resource report is implausible).
@@ -190,8 +190,9 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     if platform.is_cuda() and fp8:
         if smem >= 200 * 1024:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
-            # 140 TFLOP/s at N=128 against 78 for the spill-free 32-row tile (H200)
-            wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, allowed_spill_bytes=384)
+            # 143 TFLOP/s at N=128 against 82 for the spill-free 16- and 32-row
+            # tiles (H200); 192-216 bytes of stack, as the bf16 64-row tile
+            wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, allowed_spill_bytes=224)
             if arch != "sm_90":
                 wide = narrow
         else:  # sm_80 decodes FP8 by bits: more registers per tile element
@@ -205,7 +206,7 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
                 # sm_100 lowers the 64-row tile to tcgen05; its compiled resource
                 # report is implausible (4 registers) and no B200 has run it
                 return {"16": narrow, "32": narrow, "64": narrow}
-            wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, allowed_spill_bytes=384)
+            wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, allowed_spill_bytes=272)
             return {"16": narrow, "32": narrow, "64": wide}
         return {  # sm_80 class
             "16": DecodeLaunchConfig(16, 32, 4, 2, programs_per_cu=2),

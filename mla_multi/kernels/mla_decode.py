@@ -21,7 +21,8 @@ Design (why it is shaped this way):
   multiple of the tile), so the launch depends only on Python ints: no host
   synchronisation and no allocation, safe to capture in a CUDA graph.
 * Stage 1 writes a normalised partial output and its natural-log LSE per split
-  into ``attn_logits[B * Q, N, max_num_kv_splits, Lkv + 1]``; stage 2 merges
+  into ``attn_logits[B * Q, N, max_num_kv_splits, W]`` (columns 0..Lkv-1 and
+  Lkv; W = `attn_logits_width(Lkv)` pads the rows to 64 bytes); stage 2 merges
   the splits by LSE.  Splits that receive no tokens write LSE -inf and are
   skipped by the merge.  With one split, stage 1 writes the final output
   directly and stage 2 is not launched.
@@ -58,7 +59,7 @@ from mla_multi.kernels.launch_config import (
     load_k_transposed,
 )
 
-__all__ = ["mla_decode_fwd", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
+__all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # exponent bias of each FP8 flavour; 0 in the kernel means "not decoded by bits"
@@ -68,6 +69,19 @@ _CACHE_DTYPES = (torch.float16, torch.bfloat16) + FP8_DTYPES
 MAX_QUERY_LEN = 8
 SUPPORTED_KV_LORA_RANKS = "powers of two from 16 to 512 (DeepSeek: 512)"
 _LOG2E = 1.4426950408889634
+# float32 values per partial row: a multiple of 16, so every partial row starts
+# 64-byte aligned and the partial stores are vectorised
+_ATTN_LOGITS_ALIGN = 16
+
+
+def attn_logits_width(kv_lora_rank: int) -> int:
+    """Last dim of the ``attn_logits`` workspace: the partial output (Lkv), its LSE
+    (column Lkv) and padding to a multiple of 16 float32 values (528 for Lkv 512).
+
+    Aligned rows let the compiler vectorise the partial stores (4 values per
+    store instead of 1, a quarter of the address registers in the epilogue).
+    """
+    return -(-(kv_lora_rank + 1) // _ATTN_LOGITS_ALIGN) * _ATTN_LOGITS_ALIGN
 
 
 @triton.jit
@@ -144,8 +158,13 @@ def _mla_decode_split_kernel(
 
     rows = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     row_valid = rows < Q_LEN * num_heads
-    token = rows // num_heads
-    head = rows % num_heads
+    if Q_LEN == 1:
+        # one query token: the row is the head (no division to keep alive)
+        token = rows * 0
+        head = rows
+    else:
+        token = rows // num_heads
+        head = rows % num_heads
     # The 512 latent columns are handled as two halves (two accumulators, two
     # V tiles) so that no single [BLOCK_H, 512] fp32 tensor has to be converted
     # or stored at once: that conversion was what spilled registers.
@@ -249,6 +268,18 @@ def _mla_decode_split_kernel(
         inv_l = inv_l * k_scale
     # natural-log LSE: m is in the log2 domain
     lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    # The output rows are derived again from a loop result (l_i >= 0, so the
+    # term is 0): otherwise the compiler keeps the query loads' per-row
+    # offsets alive across the loop, in registers the tile loop needs.
+    rows = head_block * BLOCK_H + tl.arange(0, BLOCK_H) + (l_i < 0.0).to(tl.int32)
+    row_valid = rows < Q_LEN * num_heads
+    if Q_LEN == 1:
+        token = rows * 0
+        head = rows
+    else:
+        token = rows // num_heads
+        head = rows % num_heads
 
     if DIRECT_OUTPUT:
         out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
@@ -382,16 +413,17 @@ def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv
         raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)} and dtype {seq_lens.dtype}; accepted: [{batch}] int32")
     if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits!r}; accepted: a Python int >= 1")
-    expected_logits = (batch * q_len, num_heads, kv_lora_rank + 1)
     if (
         attn_logits.dim() != 4
         or attn_logits.dtype != torch.float32
-        or (attn_logits.shape[0], attn_logits.shape[1], attn_logits.shape[3]) != expected_logits
+        or (attn_logits.shape[0], attn_logits.shape[1]) != (batch * q_len, num_heads)
+        or attn_logits.shape[3] < kv_lora_rank + 1
         or attn_logits.stride(-1) != 1
     ):
         raise ValueError(
             f"attn_logits has shape {tuple(attn_logits.shape)} and dtype {attn_logits.dtype}; accepted: float32 "
-            f"[{batch * q_len}, {num_heads}, max_num_kv_splits, {kv_lora_rank + 1}] with a contiguous last dim"
+            f"[{batch * q_len}, {num_heads}, max_num_kv_splits, >= {kv_lora_rank + 1}] with a contiguous last dim "
+            f"(attn_logits_width({kv_lora_rank}) = {attn_logits_width(kv_lora_rank)} keeps the rows aligned)"
         )
     if num_kv_splits > attn_logits.shape[2]:
         raise ValueError(
@@ -446,7 +478,8 @@ def mla_decode_fwd(
         scale: softmax scale (always explicit).
         k_scale: float32 tensor of 1 element (FP8 dequantisation scale) or None.
         num_kv_splits: Python int, 1 .. attn_logits.shape[2].
-        attn_logits: float32 workspace [B * Q, N, max_num_kv_splits, Lkv + 1].
+        attn_logits: float32 workspace [B * Q, N, max_num_kv_splits, W], W >= Lkv + 1
+            (`attn_logits_width(Lkv)`: the partial output, its LSE, padding).
         out: [B, (Q,) N, Lkv] in q's dtype, written.
         lse: [B, (Q,) N] float32 natural-log LSE, written.
         config: launch configuration; default ``decode_config(platform, ...)``.
@@ -589,11 +622,12 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
     return signature
 
 
-# what a DeepSeek launch sees 16-divisible (the attn_logits strides, multiples
-# of Lkv + 1 = 513, are not)
+# what a DeepSeek launch sees 16-divisible (the attn_logits strides too: its
+# rows are `attn_logits_width` = 528 wide)
 _SPLIT_DIVISIBLE = tuple(
     (
         "Q_nope Q_pe KV_cache Block_table Seq_lens K_scale Attn_logits Out Lse stride_qn_b stride_qn_h "
+        "stride_al_row stride_al_h stride_al_split "
         "stride_qp_b stride_qp_h stride_kv_block stride_kv_token stride_o_b stride_o_h stride_qn_t stride_qp_t stride_o_t"
     ).split()
 )
