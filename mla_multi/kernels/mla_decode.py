@@ -104,6 +104,15 @@ def _fp8_bits_to_float(bits, EXPONENT_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
+    """(query token, head) of each folded row (row = token * num_heads + head)."""
+    if Q_LEN == 1:
+        # one query token: the row is the head (no division to keep alive)
+        return rows * 0, rows
+    return rows // num_heads, rows % num_heads
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     Q_nope,
     Q_pe,
@@ -158,13 +167,7 @@ def _mla_decode_split_kernel(
 
     rows = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     row_valid = rows < Q_LEN * num_heads
-    if Q_LEN == 1:
-        # one query token: the row is the head (no division to keep alive)
-        token = rows * 0
-        head = rows
-    else:
-        token = rows // num_heads
-        head = rows % num_heads
+    token, head = _token_and_head(rows, num_heads, Q_LEN)
     # The 512 latent columns are handled as two halves (two accumulators, two
     # V tiles) so that no single [BLOCK_H, 512] fp32 tensor has to be converted
     # or stored at once: that conversion was what spilled registers.
@@ -274,12 +277,7 @@ def _mla_decode_split_kernel(
     # offsets alive across the loop, in registers the tile loop needs.
     rows = head_block * BLOCK_H + tl.arange(0, BLOCK_H) + (l_i < 0.0).to(tl.int32)
     row_valid = rows < Q_LEN * num_heads
-    if Q_LEN == 1:
-        token = rows * 0
-        head = rows
-    else:
-        token = rows // num_heads
-        head = rows % num_heads
+    token, head = _token_and_head(rows, num_heads, Q_LEN)
 
     if DIRECT_OUTPUT:
         out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
