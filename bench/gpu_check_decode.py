@@ -1,9 +1,9 @@
 """GPU check of the decode kernel, the cache ops and the decode benchmark, in one script.
 
-    PYTHONPATH=. python3 bench/gpu_check_decode.py [all|tests|bench|candidates|sweep|merge]
+    PYTHONPATH=. python3 bench/gpu_check_decode.py [all|tests|bench|candidates|sweep]
 
 Writes its logs under $OUT (or ./gpu_check_out): env.txt, pytest.log, bench.txt / bench.json,
-candidates.txt, sweep.txt / sweep.json, merge.txt.
+candidates.txt, sweep.txt / sweep.json.
 """
 
 from __future__ import annotations
@@ -60,12 +60,6 @@ def main() -> int:
         sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],
            "sweep.txt", 50)
         sh([py, "bench/decode.py", "--heads", "32,64", "--cases", "32x4096,128x4096"], "sweep.txt", 40)
-    if mode in ("all", "merge"):
-        # the split merge inside the split kernel against the second kernel
-        sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,64x8192", "--merge", "fused,kernel",
-            "--splits", "4,8,16", "--no-ceilings"], "merge.txt", 90)
-        sh([py, "bench/decode.py", "--heads", "16,128", "--cases", "1x32768,32x4096,128x4096", "--merge", "fused,kernel",
-            "--no-ceilings"], "merge.txt", 90)
     return 0
 
 

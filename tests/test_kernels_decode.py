@@ -164,33 +164,6 @@ INTERPRETER_CASES = [
 ]
 
 
-# cases also run with the splits merged inside the split kernel (split_counters)
-FUSED_MERGE_CASES = (
-    "h1-bs16-splits3", "h40-two-head-blocks", "h20-q2-folded", "empty-splits", "many-splits-two-merge-steps",
-    "fp8-e4m3fn", "fp8-e4m3fnuz-amd-tiles", "deepseek-dims", "h2-q8-bs256-spec-decode",
-)
-
-
-def _counters_for(tensors, config=None, platform=None):
-    """Zeroed split counters for a case, plus a poisoned tail the kernel must leave alone."""
-    from mla_multi.kernels.launch_config import decode_config
-    from mla_multi.kernels.mla_decode import split_counters_size
-    from mla_multi.platforms import current_platform
-
-    q_nope = tensors["q_nope"]
-    q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
-    config = config or decode_config(platform or current_platform(), q_nope.shape[-2], q_len, tensors["kv_cache"].dtype)
-    needed = split_counters_size(q_nope.shape[0], q_len, q_nope.shape[-2], config)
-    counters = torch.zeros(needed + 3, dtype=torch.int32, device=q_nope.device)
-    counters[needed:] = -7
-    return counters, needed
-
-
-def _counters_state(counters, needed):
-    """True when a call left every counter 0 and the tail untouched."""
-    return bool((counters[:needed] == 0).all() and (counters[needed:] == -7).all())
-
-
 def _interpreter_main() -> None:
     """Run every interpreter case; print one JSON object per case (this file as a script)."""
     from mla_multi.platforms import SPECS
@@ -204,13 +177,6 @@ def _interpreter_main() -> None:
         kwargs = {"platform": SPECS[platform]} if platform else {}
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, **kwargs)
         results[case_id] = _errors(tensors, out, lse, scale)
-        if case_id in FUSED_MERGE_CASES:
-            counters, needed = _counters_for(tensors, platform=kwargs.get("platform"))
-            for call in range(2):  # the second call reuses the counters the first left at 0
-                out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, split_counters=counters, **kwargs)
-                result = _errors(tensors, out, lse, scale)
-                result["counters_reset"] = _counters_state(counters, needed)
-                results[f"{case_id}-fused-{call}"] = result
     print_results(results)
 
 
@@ -219,14 +185,9 @@ def interpreter_results():
     return run_interpreter_script(__file__)
 
 
-@pytest.mark.parametrize(
-    "case_id",
-    [case[0] for case in INTERPRETER_CASES]
-    + [f"{case_id}-fused-{call}" for case_id in FUSED_MERGE_CASES for call in range(2)],
-)
+@pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES])
 def test_decode_interpreter(interpreter_results, case_id):
     result = interpreter_results[case_id]
-    assert result.get("counters_reset", True), result
     assert not result["nan"], result
     assert result["inf_pattern_ok"], result
     assert result["empty_rows_zero"], result
@@ -274,20 +235,6 @@ def test_attn_logits_rows_are_aligned_and_narrow_rows_rejected():
         )
 
 
-@pytest.mark.parametrize(
-    "counters, message",
-    [
-        (torch.zeros(1, dtype=torch.int32), r"split_counters has shape \(1,\).*at least 2 elements"),
-        (torch.zeros(4, dtype=torch.int64), r"dtype torch.int64.*1-D int32"),
-        (torch.zeros(2, 2, dtype=torch.int32), r"shape \(2, 2\)"),
-    ],
-)
-def test_bad_split_counters_raise(counters, message):
-    # 2 requests x 1 head block of 4 heads
-    with pytest.raises(ValueError, match=message):
-        _run_decode(_inputs(), 0.1, 2, max_splits=4, split_counters=counters)
-
-
 def test_triton_backend_reserves_aligned_partial_rows():
     from mla_multi.backends.triton import TritonDecodeImpl
     from mla_multi.kernels.mla_decode import attn_logits_width
@@ -296,20 +243,6 @@ def test_triton_backend_reserves_aligned_partial_rows():
     impl.num_heads, impl.kv_lora_rank = 16, 512
     logits_spec = impl._workspace_specs(8, 4, (8, 16, 512), torch.bfloat16)[0]
     assert logits_spec == ((8, 16, 4, attn_logits_width(512)), torch.float32)
-
-
-def test_triton_backend_reserves_zeroed_split_counters():
-    from mla_multi.backends.triton import TritonDecodeImpl
-    from mla_multi.workspace import WorkspaceManager
-
-    impl = TritonDecodeImpl(40, 0.1, 512, 64, torch.bfloat16, 64)
-    impl.reserve_workspace(WorkspaceManager("cpu"), max_num_seqs=6, max_model_len=4096, max_query_len=2)
-    # one per (request, query token, block of 16 heads): enough for any tile of >= 16 rows
-    counters = impl._split_counters
-    assert counters is not None and counters.dtype == torch.int32
-    assert counters.numel() == 6 * 2 * 3 and not counters.any()
-    assert impl._counters(12, counters.device) is counters
-    assert impl._counters(13, counters.device).numel() == 13 * 3  # grown (eagerly) for a larger batch
 
 
 def test_unsupported_lora_rank_is_rejected():
@@ -336,8 +269,7 @@ def _gpu_fp8_dtype():
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [1, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("merge", ["fused", "second-kernel"])
-def test_decode_gpu(merge, kv, heads, block_size):
+def test_decode_gpu(kv, heads, block_size):
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.platforms import current_platform
 
@@ -348,15 +280,9 @@ def test_decode_gpu(merge, kv, heads, block_size):
     platform = current_platform()
     reserved = max_num_kv_splits(32768, platform)
     splits = num_kv_splits(platform, 5, heads, 32768, reserved, kv_cache_dtype=cache_dtype)
-    kwargs = {}
-    if merge == "fused":
-        counters, needed = _counters_for(tensors)
-        kwargs["split_counters"] = counters
-    out, lse = _run_decode(tensors, scale, splits, max_splits=reserved, **kwargs)
+    out, lse = _run_decode(tensors, scale, splits, max_splits=reserved)
     torch.cuda.synchronize()
     result = _errors(tensors, out, lse, scale)
-    if merge == "fused":
-        assert _counters_state(counters.cpu(), needed), counters
     assert not result["nan"], result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
     assert result["rel_err"] <= (1e-2 if kv == "bf16" else 6e-2), result
@@ -369,70 +295,16 @@ def test_decode_gpu(merge, kv, heads, block_size):
 def test_decode_gpu_multi_token(q_len):
     tensors = _make_case(3, 16, q_len, 512, 64, 64, [0 + q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", 3)
     scale = 576**-0.5
-    counters, needed = _counters_for(tensors)
-    for kwargs in ({}, {"split_counters": counters}):
-        out, lse = _run_decode(tensors, scale, 4, **kwargs)
-        torch.cuda.synchronize()
-        result = _errors(tensors, out, lse, scale)
-        assert not result["nan"] and result["inf_pattern_ok"], (kwargs.keys(), result)
-        assert result["rel_err"] <= 1e-2, (kwargs.keys(), result)
-    assert _counters_state(counters.cpu(), needed), counters
+    out, lse = _run_decode(tensors, scale, 4)
+    torch.cuda.synchronize()
+    result = _errors(tensors, out, lse, scale)
+    assert not result["nan"] and result["inf_pattern_ok"], result
+    assert result["rel_err"] <= 1e-2, result
 
 
 @pytest.mark.gpu
 @requires_gpu
-def test_backend_decode_graphs_through_locked_workspace():
-    """The TRITON backend as a serving engine drives it: reserve, lock, capture per batch size, replay."""
-    from mla_multi.backends.triton import TritonDecodeImpl
-    from mla_multi.workspace import WorkspaceManager
-
-    heads, lora, rope, block_size, max_blocks, num_blocks = 128, 512, 64, 64, 64, 1024
-    impl = TritonDecodeImpl(heads, 576**-0.5, lora, rope, torch.bfloat16, block_size)
-    workspace = WorkspaceManager("cuda")
-    impl.reserve_workspace(workspace, max_num_seqs=16, max_model_len=max_blocks * block_size)
-    workspace.lock()
-    counters = impl._split_counters
-    cache = torch.randn(num_blocks, block_size, lora + rope, device="cuda").to(torch.bfloat16)
-    for batch in (1, 5, 16):
-        q_nope = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
-        q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
-        block_table = torch.randint(0, num_blocks, (batch, max_blocks), device="cuda", dtype=torch.int32)
-        seq_lens = torch.full((batch,), 4096, dtype=torch.int32, device="cuda")
-        static = {}
-
-        def step():
-            static["out"], static["lse"] = impl.forward_mqa(
-                q_nope, q_pe, cache, block_table, seq_lens, workspace_manager=workspace,
-                max_seq_len=max_blocks * block_size,
-            )
-
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for trial in range(3):
-            seq_lens.copy_(torch.randint(0, max_blocks * block_size, (batch,), device="cuda", dtype=torch.int32))
-            seq_lens[0] = trial
-            block_table.random_(0, num_blocks)
-            q_nope.normal_()
-            static["out"].fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            graph_out, graph_lse = static["out"].clone(), static["lse"].clone()
-            step()
-            torch.cuda.synchronize()
-            assert torch.equal(graph_out, static["out"]) and torch.equal(graph_lse, static["lse"]), (batch, trial)
-            ref_out, ref_lse = _reference(q_nope, q_pe, cache, block_table, seq_lens, impl.scale, None)
-            rel = (graph_out.double() - ref_out.double()).norm() / ref_out.double().norm()
-            assert rel <= 1e-2, (batch, trial, float(rel))
-        assert impl._split_counters is counters and not counters.any()
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("merge", ["fused", "second-kernel"])
-def test_decode_cuda_graph_replay_matches_eager(merge):
+def test_decode_cuda_graph_replay_matches_eager():
     from mla_multi.kernels.mla_decode import mla_decode_fwd
 
     heads, lora, rope, block_size, max_blocks = 16, 512, 64, 64, 64
@@ -449,13 +321,11 @@ def test_decode_cuda_graph_replay_matches_eager(merge):
         out = torch.empty(batch, heads, lora, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
         attn_logits = torch.empty(batch, heads, splits, lora + 1, dtype=torch.float32, device="cuda")
-        counters = torch.zeros(batch, dtype=torch.int32, device="cuda") if merge == "fused" else None
 
         def step():
             mla_decode_fwd(
                 q_nope, q_pe, cache, block_table, seq_lens, scale,
                 k_scale=None, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse,
-                split_counters=counters,
             )
 
         step()  # compile outside the capture
@@ -479,8 +349,6 @@ def test_decode_cuda_graph_replay_matches_eager(merge):
             assert torch.equal(graph_out, out), f"batch {batch} trial {trial}"
             assert torch.equal(graph_lse, lse), f"batch {batch} trial {trial}"
             assert not torch.isnan(graph_out).any()
-            if counters is not None:
-                assert not counters.any(), counters
 
 
 if __name__ == "__main__":

@@ -92,24 +92,6 @@ class TritonDecodeImpl(MLADecodeImpl):
         self.platform = current_platform()
         self.max_num_kv_splits: int | None = None
         self.max_model_len: int | None = None
-        # one zero-filled int32 counter per (request, head block), owned here
-        # (the workspace's contents are undefined): the fused split merge
-        self._split_counters: torch.Tensor | None = None
-
-    def _counters(self, num_rows: int, device: torch.device) -> torch.Tensor | None:
-        """Counters for `num_rows` (request, query token) rows; grown outside graph capture only.
-
-        None while a CUDA graph is being captured with too few reserved: the
-        splits are then merged by the second kernel instead.
-        """
-        needed = num_rows * -(-self.num_heads // 16)  # head blocks have >= 16 rows
-        counters = self._split_counters
-        if counters is not None and counters.numel() >= needed and counters.device == device:
-            return counters
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        self._split_counters = torch.zeros(needed, dtype=torch.int32, device=device)
-        return self._split_counters
 
     def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
         from mla_multi.kernels.mla_decode import attn_logits_width
@@ -132,7 +114,6 @@ class TritonDecodeImpl(MLADecodeImpl):
         workspace_manager.reserve(
             *self._workspace_specs(max_num_seqs * max_query_len, self.max_num_kv_splits, out_shape, torch.float32)
         )
-        self._counters(max_num_seqs * max_query_len, workspace_manager.device)
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None):
@@ -165,7 +146,6 @@ class TritonDecodeImpl(MLADecodeImpl):
         return mla_decode_fwd(
             q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
             num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
-            split_counters=self._counters(batch * q_len, q_nope.device),
         )
 
 

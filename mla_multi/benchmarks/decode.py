@@ -13,7 +13,7 @@ several caches (one captured call each) so that the timed working set is
 larger than L2.
 
     mla-multi bench decode (or PYTHONPATH=. python3 bench/decode.py) [--heads 16,128] [--cases 32x4096,...]
-        [--configs h16n64w4s2,h32n32w8s2] [--merge fused,kernel] [--json out.json]
+        [--configs h16n64w4s2,h32n32w8s2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -75,12 +75,12 @@ def kernel_times_us(fn, iterations: int = 20) -> dict[str, float]:
 
 
 def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, splits=None, ceilings=None,
-               kernel_times=False, merge="fused"):
+               kernel_times=False):
     import triton
 
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.kernels.launch_config import decode_config
-    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd, split_counters_size
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
     from mla_multi.platforms import current_platform
 
     platform = current_platform()
@@ -108,16 +108,12 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     attn_logits = torch.empty(batch, heads, reserved, attn_logits_width(KV_LORA_RANK), device="cuda",
                               dtype=torch.float32)
     config = config or decode_config(platform, heads, 1, cache_dtype)
-    counters = None
-    if merge == "fused":
-        counters = torch.zeros(split_counters_size(batch, 1, heads, config), dtype=torch.int32, device="cuda")
     state = {"i": 0}
 
     def call(table):
         mla_decode_fwd(
             q_nope, q_pe, cache, table, seq_lens, 576**-0.5,
             k_scale=k_scale, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
-            split_counters=counters,
         )
 
     def run():
@@ -147,7 +143,6 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
         "kv": str(cache_dtype).replace("torch.", ""),
         "config": config.name,
         "splits": splits,
-        "merge": merge if splits > 1 else "-",
         "us": ms * 1e3,
         "eager_us": eager_ms * 1e3,
         "tb_s": kv_bytes / (ms * 1e-3) / 1e12,
@@ -165,13 +160,12 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
 
 def format_rows(rows) -> str:
-    header = (f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'merge':>6} {'us':>9} {'TB/s':>6} "
-              f"{'%HBM':>5} {'TFLOP/s':>8} {'%MMA':>5} {'eager us':>9}")
+    header = (f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>5} "
+              f"{'TFLOP/s':>8} {'%MMA':>5} {'eager us':>9}")
     lines = [header]
     for r in rows:
         lines.append(
             f"{r['heads']:>4} {r['batch']:>4} {r['seq_len']:>6} {r['kv']:>14} {r['config']:>12} {r['splits']:>6} "
-            f"{r['merge']:>6} "
             f"{r['us']:>9.1f} {r['tb_s']:>6.2f} {r.get('hbm_pct', 0):>5.1f} {r['tflop_s']:>8.1f} {r.get('mma_pct', 0):>5.1f}"
             f" {r['eager_us']:>9.1f}"
         )
@@ -187,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="", help="comma list like h16n64w4s2 (default: the package's choice)")
     parser.add_argument("--splits", default="", help="comma list of fixed num_kv_splits (default: heuristic)")
     parser.add_argument("--reduce", default="", help="merge config as BLOCK_DV,BLOCK_SPLITS,WARPS (default: the package's)")
-    parser.add_argument("--merge", default="fused",
-                        help="comma list of fused (the split kernel merges, as the TRITON backend runs it) | "
-                             "kernel (a second kernel merges)")
     parser.add_argument("--kernel-times", action="store_true", help="also print per-kernel device times (profiler)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-ceilings", action="store_true")
@@ -211,17 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     cache_dtype = getattr(torch, args.kv_dtype)
     configs = [parse_config(c) for c in args.configs.split(",") if c] or [None]
     split_choices = [int(s) for s in args.splits.split(",") if s] or [None]
-    merges = [m for m in args.merge.split(",") if m]
-    if not merges or any(m not in ("fused", "kernel") for m in merges):
-        parser.error(f"--merge {args.merge!r}; accepted: a comma list of fused, kernel")
     rows = []
     for heads in [int(h) for h in args.heads.split(",")]:
         for case in args.cases.split(","):
             batch, seq_len = map(int, case.lower().split("x"))
-            for config, splits, merge in [(c, s, m) for c in configs for s in split_choices for m in merges]:
+            for config, splits in [(c, s) for c in configs for s in split_choices]:
                 try:
                     row = bench_case(batch, seq_len, heads, args.block_size, cache_dtype, config, splits, ceilings,
-                                     kernel_times=args.kernel_times, merge=merge)
+                                     kernel_times=args.kernel_times)
                 except Exception as error:  # one failing config must not hide the others
                     print(f"N={heads} B={batch} S={seq_len} config={config}: {type(error).__name__}: {error}",
                           flush=True)

@@ -59,7 +59,7 @@ from mla_multi.kernels.launch_config import (
     load_k_transposed,
 )
 
-__all__ = ["mla_decode_fwd", "attn_logits_width", "split_counters_size", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
+__all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # exponent bias of each FP8 flavour; 0 in the kernel means "not decoded by bits"
@@ -113,51 +113,6 @@ def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
 
 
 @triton.jit
-def _merge_split_rows(
-    partial_rows, out_ptrs, lse_ptrs, row_valid, num_kv_splits, stride_al_split,
-    KV_LORA_RANK: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
-):
-    """Merge the per-split partial outputs of BLOCK_H rows by LSE (the fused stage 2).
-
-    partial_rows: [BLOCK_H] pointers to split 0 of each row's partials
-    (output columns 0..Lkv-1, natural-log LSE at column Lkv; -inf for a split
-    that saw no token).  One pass over the LSEs gives each row's maximum and
-    weight sum, then the output is accumulated MERGE_COLUMNS columns at a time
-    (a [BLOCK_H, MERGE_COLUMNS] float32 tile).  Loads bypass L1 (".cg"): the
-    partials were written by other programs.
-    """
-    top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for split in range(num_kv_splits):
-        split_lse = tl.load(
-            partial_rows + split * stride_al_split + KV_LORA_RANK, mask=row_valid, other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        new_top = tl.maximum(top, split_lse)
-        top_use = tl.where(new_top == float("-inf"), 0.0, new_top)
-        total = total * tl.exp(top - top_use) + tl.where(split_lse > float("-inf"), tl.exp(split_lse - top_use), 0.0)
-        top = new_top
-    top = tl.where(top == float("-inf"), 0.0, top)
-    has_any = total > 0.0
-    inv_total = tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
-    tl.store(lse_ptrs, tl.where(has_any, top + tl.log(tl.where(has_any, total, 1.0)), float("-inf")), mask=row_valid)
-    for first in tl.static_range(0, KV_LORA_RANK, MERGE_COLUMNS):
-        offs_d = first + tl.arange(0, MERGE_COLUMNS)
-        acc = tl.zeros([BLOCK_H, MERGE_COLUMNS], dtype=tl.float32)
-        for split in range(num_kv_splits):
-            split_rows = partial_rows + split * stride_al_split
-            split_lse = tl.load(split_rows + KV_LORA_RANK, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            has_mass = split_lse > float("-inf")
-            # an empty split left its partial output unwritten: never read it
-            partial = tl.load(
-                split_rows[:, None] + offs_d[None, :], mask=has_mass[:, None], other=0.0, cache_modifier=".cg"
-            )
-            weight = tl.where(has_mass, tl.exp(split_lse - top) * inv_total, 0.0)
-            acc += weight[:, None] * partial
-        tl.store(out_ptrs[:, None] + offs_d[None, :], acc.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
-
-
-@triton.jit
 def _mla_decode_split_kernel(
     Q_nope,
     Q_pe,
@@ -168,7 +123,6 @@ def _mla_decode_split_kernel(
     Attn_logits,
     Out,
     Lse,
-    Split_counters,
     sm_scale,
     num_heads,
     num_kv_splits,
@@ -201,7 +155,6 @@ def _mla_decode_split_kernel(
     FP8_COMPUTE_FP16: tl.constexpr,
     FP8_BITS_BIAS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -219,8 +172,6 @@ def _mla_decode_split_kernel(
     # V tiles) so that no single [BLOCK_H, 512] fp32 tensor has to be converted
     # or stored at once: that conversion was what spilled registers.
     HALF: tl.constexpr = KV_LORA_RANK // 2
-    # columns per step of the fused merge: a [BLOCK_H, MERGE_COLUMNS] tile of 4096 values
-    MERGE_COLUMNS: tl.constexpr = KV_LORA_RANK if KV_LORA_RANK * BLOCK_H <= 4096 else 4096 // BLOCK_H
     offs_lo = tl.arange(0, HALF)
     offs_hi = HALF + tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE_DIM)
@@ -342,23 +293,6 @@ def _mla_decode_split_kernel(
         tl.store(partial_ptrs[:, None] + offs_lo[None, :], acc_lo * inv_l[:, None], mask=row_valid[:, None])
         tl.store(partial_ptrs[:, None] + offs_hi[None, :], acc_hi * inv_l[:, None], mask=row_valid[:, None])
         tl.store(partial_ptrs + KV_LORA_RANK, lse, mask=row_valid)
-        if FUSED_MERGE:
-            # The last split of this (request, head block) to finish merges
-            # them all: every thread's partial stores are ordered before the
-            # release of the counter (barrier), and the merging program's loads
-            # after its acquire.  It puts the counter back to 0 for the next call.
-            tl.debug_barrier()
-            counter = Split_counters + batch * tl.num_programs(0) + head_block
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished == num_kv_splits - 1:
-                tl.store(counter, 0)
-                out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
-                lse_ptrs = Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h
-                partial_rows = Attn_logits + (batch * Q_LEN + token) * stride_al_row + head * stride_al_h
-                _merge_split_rows(
-                    partial_rows, out_ptrs, lse_ptrs, row_valid, num_kv_splits, stride_al_split,
-                    KV_LORA_RANK, BLOCK_H, MERGE_COLUMNS,
-                )
 
 
 @triton.jit
@@ -512,26 +446,6 @@ def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv
 
 
 
-def split_counters_size(batch: int, q_len: int, num_heads: int, config: DecodeLaunchConfig) -> int:
-    """Elements of the `split_counters` tensor that `mla_decode_fwd` needs: one per (request, head block)."""
-    return batch * -(-(q_len * num_heads) // config.block_h)
-
-
-def _check_split_counters(split_counters: torch.Tensor, needed: int, device: torch.device) -> None:
-    if (
-        split_counters.dtype != torch.int32
-        or split_counters.dim() != 1
-        or split_counters.numel() < needed
-        or not split_counters.is_contiguous()
-        or split_counters.device != device
-    ):
-        raise ValueError(
-            f"split_counters has shape {tuple(split_counters.shape)}, dtype {split_counters.dtype} on "
-            f"{split_counters.device}; accepted: a contiguous 1-D int32 tensor of at least {needed} elements "
-            f"(split_counters_size) on {device}, zero-filled"
-        )
-
-
 def mla_decode_fwd(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -547,7 +461,6 @@ def mla_decode_fwd(
     lse: torch.Tensor,
     config: DecodeLaunchConfig | None = None,
     platform: Any = None,
-    split_counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -569,13 +482,6 @@ def mla_decode_fwd(
         lse: [B, (Q,) N] float32 natural-log LSE, written.
         config: launch configuration; default ``decode_config(platform, ...)``.
         platform: the Platform the configuration is chosen for; default the current one.
-        split_counters: int32 tensor of at least `split_counters_size(B, Q, N, config)`
-            elements, all 0 before the first call (every call leaves them 0
-            again), or None.  With it the splits are merged inside the split
-            kernel by the last program of each (request, head block) to finish
-            (one launch instead of two); without it a second kernel merges them.
-            Calls that share one counter tensor must run one after another
-            (one stream, as the layers of a model do).
 
     Returns:
         (out, lse), the buffers passed in.
@@ -612,11 +518,7 @@ def mla_decode_fwd(
         return out, lse
     rows = q_len * num_heads
     direct = num_kv_splits == 1
-    head_blocks = triton.cdiv(rows, config.block_h)
-    fused = not direct and split_counters is not None
-    if split_counters is not None:
-        _check_split_counters(split_counters, batch * head_blocks, q_nope.device)
-    grid = (head_blocks, num_kv_splits, batch)
+    grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
     _mla_decode_split_kernel[grid](
         q_nope,
         q_pe,
@@ -627,7 +529,6 @@ def mla_decode_fwd(
         attn_logits,
         out,
         lse,
-        split_counters if fused else seq_lens,
         float(scale),
         num_heads,
         num_kv_splits,
@@ -652,10 +553,9 @@ def mla_decode_fwd(
         FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
         FP8_BITS_BIAS=fp8_bits_bias,
         DIRECT_OUTPUT=direct,
-        FUSED_MERGE=fused,
         **config.launch_options(),
     )
-    if not direct and not fused:
+    if not direct:
         reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
         block_dv = min(reduce_config.block_dv, kv_lora_rank)
         _mla_decode_reduce_kernel[(batch * q_len, num_heads, kv_lora_rank // block_dv)](
@@ -703,7 +603,6 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
         "Attn_logits": "*fp32",
         "Out": f"*{q}",
         "Lse": "*fp32",
-        "Split_counters": "*i32",
         "sm_scale": "fp32",
         "num_heads": "i32",
         "num_kv_splits": "i32",
@@ -715,8 +614,7 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
     ).split():
         signature[name] = "i32"
     for name in (
-        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS "
-        "DIRECT_OUTPUT FUSED_MERGE".split()
+        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS DIRECT_OUTPUT".split()
     ):
         signature[name] = "constexpr"
     return signature
@@ -726,7 +624,7 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
 # rows are `attn_logits_width` = 528 wide)
 _SPLIT_DIVISIBLE = tuple(
     (
-        "Q_nope Q_pe KV_cache Block_table Seq_lens K_scale Attn_logits Out Lse Split_counters stride_qn_b stride_qn_h "
+        "Q_nope Q_pe KV_cache Block_table Seq_lens K_scale Attn_logits Out Lse stride_qn_b stride_qn_h "
         "stride_al_row stride_al_h stride_al_split "
         "stride_qp_b stride_qp_h stride_kv_block stride_kv_token stride_o_b stride_o_h stride_qn_t stride_qp_t stride_o_t"
     ).split()
@@ -767,9 +665,7 @@ def compile_specs(platform) -> list[CompileSpec]:
         for config in all_decode_configs(platform, fp8=cache_dtype in FP8_DTYPES):
             bits = cache_dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, cache_dtype)
             launched_dtype = torch.uint8 if bits else cache_dtype
-            # page 64: the tile inside one page, merged by the second kernel or
-            # in the split kernel; page 1: a block-table entry per row, one split
-            for page_size, direct, fused in ((64, False, False), (64, False, True), (1, True, False)):
+            for page_size, direct in ((64, False), (1, True)):
                 constexprs = {
                     "Q_LEN": 1,
                     "KV_LORA_RANK": 512,
@@ -782,13 +678,12 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DIRECT_OUTPUT": direct,
-                    "FUSED_MERGE": fused,
                 }
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 specs.append(
                     CompileSpec(
                         name=f"mla_decode_split[{config.name},kv={kv_name},page={page_size},"
-                        f"{'direct' if direct else 'fused' if fused else 'partial'}]",
+                        f"{'direct' if direct else 'partial'}]",
                         fn=_mla_decode_split_kernel,
                         signature=_split_kernel_signature(torch.bfloat16, launched_dtype, cache_dtype in FP8_DTYPES),
                         constexprs=constexprs,
