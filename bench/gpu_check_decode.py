@@ -42,19 +42,23 @@ def main() -> int:
        "env.txt", 60)
     if mode in ("all", "tests"):
         sh([py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_kernels_decode.py",
-            "tests/test_cache_ops_triton.py", "-rf"], "pytest.log", float(os.environ.get("TESTS_TIMEOUT", 140)))
+            "tests/test_cache_ops_triton.py", "tests/test_attention.py", "-rf"], "pytest.log",
+           float(os.environ.get("TESTS_TIMEOUT", 200)))
+        # the compile check with the device's own Triton
+        sh([py, "-m", "mla_multi.compile_check", "--targets", "sm_90", "--kernels", "mla_decode"], "compile_sm90.txt",
+           200)
     if mode in ("all", "bench"):
         sh([py, "bench/decode.py", "--kernel-times", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 120)
         sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
             "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
     if mode in ("all", "candidates"):
-        # the sm_90 64-row configurations (they keep spilled registers) against
-        # the best spill-free ones
+        # the sm_90 64-row configurations with and without loop-invariant code
+        # motion (with it they spill), against the 16-row tile
         sh([py, "bench/decode.py", "--heads", "64,128", "--cases", "32x4096,128x4096",
-            "--configs", "h64n64w8s2,h64n32w8s2,h16n64w4s2"],
+            "--configs", "h64n64w8s2nolicm,h64n64w8s2,h16n64w4s2"],
            "candidates.txt", 150)
         sh([py, "bench/decode.py", "--heads", "128", "--cases", "128x4096", "--kv-dtype", "float8_e4m3fn",
-            "--configs", "h64n32w8s2,h32n32w8s2,h16n64w8s2"],
+            "--configs", "h64n32w8s2nolicm,h64n32w8s2,h16n64w8s2"],
            "candidates.txt", 100)
     if mode in ("all", "sweep"):
         sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],

@@ -166,6 +166,7 @@ INTERPRETER_CASES = [
 
 def _interpreter_main() -> None:
     """Run every interpreter case; print one JSON object per case (this file as a script)."""
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
     from mla_multi.platforms import SPECS
 
     results = {}
@@ -177,6 +178,12 @@ def _interpreter_main() -> None:
         kwargs = {"platform": SPECS[platform]} if platform else {}
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, **kwargs)
         results[case_id] = _errors(tensors, out, lse, scale)
+    # the tile loop without loop-invariant code motion (the sm_90 64-row tiles' loop)
+    tensors = _make_case(2, 40, 1, 64, 16, 16, [45, 70], torch.float16, torch.float16, "cpu", 11)
+    config = DecodeLaunchConfig(64, 16, 4, 1, disable_licm=True)
+    for case_id, splits in (("no-licm-loop-direct", 1), ("no-licm-loop-splits", 3)):
+        out, lse = _run_decode(tensors, 80**-0.5, splits, max_splits=4, config=config)
+        results[case_id] = _errors(tensors, out, lse, 80**-0.5)
     print_results(results)
 
 
@@ -185,7 +192,7 @@ def interpreter_results():
     return run_interpreter_script(__file__)
 
 
-@pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES])
+@pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES] + ["no-licm-loop-direct", "no-licm-loop-splits"])
 def test_decode_interpreter(interpreter_results, case_id):
     result = interpreter_results[case_id]
     assert not result["nan"], result

@@ -66,6 +66,16 @@ class CompileSpec:
 
 
 @functools.lru_cache(maxsize=1)
+def tl_range_disables_licm() -> bool:
+    """Whether the installed Triton's ``tl.range`` takes ``disable_licm`` (3.5 and later)."""
+    import inspect
+
+    import triton.language as tl
+
+    return "disable_licm" in inspect.signature(tl.range.__init__).parameters
+
+
+@functools.lru_cache(maxsize=1)
 def hip_option_names() -> frozenset[str]:
     """Fields of the installed Triton's ``HIPOptions`` (empty if the HIP backend is absent)."""
     try:
@@ -99,6 +109,9 @@ class DecodeLaunchConfig:
         waves_per_eu, matrix_instr_nonkdim, kpack: AMD options (None elsewhere).
         allowed_spill_bytes: NVIDIA stack bytes the compile check accepts (see
             `_decode_table` for the one configuration that has them and why).
+        disable_licm: keep the tile loop's invariants inside it (``tl.range(...,
+            disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
+            keeps the sm_90 64-row tiles free of spills (`_decode_table`).
     """
 
     block_h: int
@@ -110,10 +123,13 @@ class DecodeLaunchConfig:
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
     allowed_spill_bytes: int = 0
+    disable_licm: bool = False
 
     @property
     def name(self) -> str:
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        if self.disable_licm:
+            text += "nolicm"
         if self.waves_per_eu is not None:
             text += f"wpe{self.waves_per_eu}"
         if self.matrix_instr_nonkdim is not None:
@@ -192,7 +208,7 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
             # 143 TFLOP/s at N=128 against 82 for the spill-free 16- and 32-row
             # tiles (H200); 192-216 bytes of stack, as the bf16 64-row tile
-            wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, allowed_spill_bytes=224)
+            wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, disable_licm=True)
             if arch != "sm_90":
                 wide = narrow
         else:  # sm_80 decodes FP8 by bits: more registers per tile element
@@ -206,7 +222,7 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
                 # sm_100 lowers the 64-row tile to tcgen05; its compiled resource
                 # report is implausible (4 registers) and no B200 has run it
                 return {"16": narrow, "32": narrow, "64": narrow}
-            wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, allowed_spill_bytes=272)
+            wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, disable_licm=True)
             return {"16": narrow, "32": narrow, "64": wide}
         return {  # sm_80 class
             "16": DecodeLaunchConfig(16, 32, 4, 2, programs_per_cu=2),

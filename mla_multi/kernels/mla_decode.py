@@ -57,6 +57,7 @@ from mla_multi.kernels.launch_config import (
     decode_reduce_config,
     fp8_bit_decode_needed,
     load_k_transposed,
+    tl_range_disables_licm,
 )
 
 __all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
@@ -113,6 +114,76 @@ def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
 
 
 @triton.jit
+def _decode_tile(
+    start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi,
+    KV_cache, block_table_row, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
+    Q_LEN: tl.constexpr, KV_LORA_RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr,
+):
+    """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_valid = pos < split_end
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies inside one page: one block-table entry
+        page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
+        row_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+    else:
+        pages = tl.load(block_table_row + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        row_ptrs = KV_cache + pages * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+    kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
+    kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
+    k_pe = tl.load(row_ptrs[:, None] + KV_LORA_RANK + offs_r[None, :], mask=pos_valid[:, None], other=0.0)
+    if FP8_BITS_BIAS != 0:
+        kv_lo = _fp8_bits_to_float(kv_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+        kv_hi = _fp8_bits_to_float(kv_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+        k_pe = _fp8_bits_to_float(k_pe, FP8_BITS_BIAS).to(q_lo.dtype)
+    else:
+        kv_lo = kv_lo.to(q_lo.dtype)
+        kv_hi = kv_hi.to(q_lo.dtype)
+        k_pe = k_pe.to(q_lo.dtype)
+
+    if LOAD_K_TRANSPOSED:
+        # K^T is loaded a second time (an L2 hit) instead of transposed:
+        # a tile that is converted in registers and also transposed for
+        # the other product would not be pipelined (async copies)
+        if PAGE_SIZE % BLOCK_N == 0:
+            kt_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+        else:
+            kt_ptrs = row_ptrs
+        kt_lo = tl.load(kt_ptrs[None, :] + offs_lo[:, None], mask=pos_valid[None, :], other=0.0)
+        kt_hi = tl.load(kt_ptrs[None, :] + offs_hi[:, None], mask=pos_valid[None, :], other=0.0)
+        if FP8_BITS_BIAS != 0:
+            kt_lo = _fp8_bits_to_float(kt_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+            kt_hi = _fp8_bits_to_float(kt_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+        else:
+            kt_lo = kt_lo.to(q_lo.dtype)
+            kt_hi = kt_hi.to(q_lo.dtype)
+        qk = tl.dot(q_lo, kt_lo)
+        qk = tl.dot(q_hi, kt_hi, acc=qk)
+    else:
+        qk = tl.dot(q_lo, tl.trans(kv_lo))
+        qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
+    qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
+    qk = qk * qk_scale
+    if Q_LEN > 1:
+        visible = pos_valid[None, :] & (pos[None, :] < row_limit[:, None])
+    else:
+        visible = pos_valid[None, :] & (rows >= 0)[:, None]
+    qk = tl.where(visible, qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(kv_lo.dtype)
+    acc_lo = tl.dot(p, kv_lo, acc=acc_lo * alpha[:, None])
+    acc_hi = tl.dot(p, kv_hi, acc=acc_hi * alpha[:, None])
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     Q_nope,
     Q_pe,
@@ -155,6 +226,7 @@ def _mla_decode_split_kernel(
     FP8_COMPUTE_FP16: tl.constexpr,
     FP8_BITS_BIAS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
+    DISABLE_LICM: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -203,67 +275,24 @@ def _mla_decode_split_kernel(
     acc_hi = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     block_table_row = Block_table + batch * stride_bt_b
 
-    for start in range(split_start, split_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_valid = pos < split_end
-        if PAGE_SIZE % BLOCK_N == 0:
-            # the tile lies inside one page: one block-table entry
-            page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
-            row_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
-        else:
-            pages = tl.load(block_table_row + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
-            row_ptrs = KV_cache + pages * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
-        kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
-        kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
-        k_pe = tl.load(row_ptrs[:, None] + KV_LORA_RANK + offs_r[None, :], mask=pos_valid[:, None], other=0.0)
-        if FP8_BITS_BIAS != 0:
-            kv_lo = _fp8_bits_to_float(kv_lo, FP8_BITS_BIAS).to(q_lo.dtype)
-            kv_hi = _fp8_bits_to_float(kv_hi, FP8_BITS_BIAS).to(q_lo.dtype)
-            k_pe = _fp8_bits_to_float(k_pe, FP8_BITS_BIAS).to(q_lo.dtype)
-        else:
-            kv_lo = kv_lo.to(q_lo.dtype)
-            kv_hi = kv_hi.to(q_lo.dtype)
-            k_pe = k_pe.to(q_lo.dtype)
-
-        if LOAD_K_TRANSPOSED:
-            # K^T is loaded a second time (an L2 hit) instead of transposed:
-            # a tile that is converted in registers and also transposed for
-            # the other product would not be pipelined (async copies)
-            if PAGE_SIZE % BLOCK_N == 0:
-                kt_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
-            else:
-                kt_ptrs = row_ptrs
-            kt_lo = tl.load(kt_ptrs[None, :] + offs_lo[:, None], mask=pos_valid[None, :], other=0.0)
-            kt_hi = tl.load(kt_ptrs[None, :] + offs_hi[:, None], mask=pos_valid[None, :], other=0.0)
-            if FP8_BITS_BIAS != 0:
-                kt_lo = _fp8_bits_to_float(kt_lo, FP8_BITS_BIAS).to(q_lo.dtype)
-                kt_hi = _fp8_bits_to_float(kt_hi, FP8_BITS_BIAS).to(q_lo.dtype)
-            else:
-                kt_lo = kt_lo.to(q_lo.dtype)
-                kt_hi = kt_hi.to(q_lo.dtype)
-            qk = tl.dot(q_lo, kt_lo)
-            qk = tl.dot(q_hi, kt_hi, acc=qk)
-        else:
-            qk = tl.dot(q_lo, tl.trans(kv_lo))
-            qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
-        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
-        qk = qk * qk_scale
-        if Q_LEN > 1:
-            visible = pos_valid[None, :] & (pos[None, :] < row_limit[:, None])
-        else:
-            visible = pos_valid[None, :] & (rows >= 0)[:, None]
-        qk = tl.where(visible, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(kv_lo.dtype)
-        acc_lo = tl.dot(p, kv_lo, acc=acc_lo * alpha[:, None])
-        acc_hi = tl.dot(p, kv_hi, acc=acc_hi * alpha[:, None])
-        m_i = m_new
+    if DISABLE_LICM:
+        # Nothing hoisted out of the tile loop: with a 64-row tile on sm_90 the
+        # shared-memory descriptors of the query tile's 36 wgmma k-steps would
+        # otherwise be computed before the loop and held (spilled) across it;
+        # recomputed, each is an add beside its wgmma.
+        for start in tl.range(split_start, split_end, BLOCK_N, disable_licm=True):
+            m_i, l_i, acc_lo, acc_hi = _decode_tile(
+                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, KV_cache, block_table_row,
+                stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
+                Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+            )
+    else:
+        for start in range(split_start, split_end, BLOCK_N):
+            m_i, l_i, acc_lo, acc_hi = _decode_tile(
+                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, KV_cache, block_table_row,
+                stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
+                Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+            )
 
     has_mass = l_i > 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
@@ -553,6 +582,7 @@ def mla_decode_fwd(
         FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
         FP8_BITS_BIAS=fp8_bits_bias,
         DIRECT_OUTPUT=direct,
+        DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
         **config.launch_options(),
     )
     if not direct:
@@ -614,7 +644,8 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
     ).split():
         signature[name] = "i32"
     for name in (
-        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS DIRECT_OUTPUT".split()
+        "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS "
+        "DIRECT_OUTPUT DISABLE_LICM".split()
     ):
         signature[name] = "constexpr"
     return signature
@@ -678,6 +709,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DIRECT_OUTPUT": direct,
+                    "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
                 }
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 specs.append(
