@@ -311,6 +311,56 @@ def test_decode_gpu_multi_token(q_len):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_backend_decode_graphs_through_locked_workspace():
+    """The TRITON backend as a serving engine drives it: reserve, lock, capture per batch size, replay."""
+    from mla_multi.backends.triton import TritonDecodeImpl
+    from mla_multi.workspace import WorkspaceManager
+
+    heads, lora, rope, block_size, max_blocks, num_blocks = 128, 512, 64, 64, 64, 1024
+    impl = TritonDecodeImpl(heads, 576**-0.5, lora, rope, torch.bfloat16, block_size)
+    workspace = WorkspaceManager("cuda")
+    impl.reserve_workspace(workspace, max_num_seqs=16, max_model_len=max_blocks * block_size)
+    workspace.lock()
+    cache = torch.randn(num_blocks, block_size, lora + rope, device="cuda").to(torch.bfloat16)
+    for batch in (1, 5, 16):
+        q_nope = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
+        q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+        block_table = torch.randint(0, num_blocks, (batch, max_blocks), device="cuda", dtype=torch.int32)
+        seq_lens = torch.full((batch,), 4096, dtype=torch.int32, device="cuda")
+        static = {}
+
+        def step():
+            static["out"], static["lse"] = impl.forward_mqa(
+                q_nope, q_pe, cache, block_table, seq_lens, workspace_manager=workspace,
+                max_seq_len=max_blocks * block_size,
+            )
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for trial in range(3):
+            seq_lens.copy_(torch.randint(1, max_blocks * block_size, (batch,), device="cuda", dtype=torch.int32))
+            seq_lens[-1] = trial  # 0, 1, 2: empty and tiny sequences too
+            block_table.random_(0, num_blocks)
+            q_nope.normal_()
+            static["out"].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            graph_out, graph_lse = static["out"].clone(), static["lse"].clone()
+            step()
+            torch.cuda.synchronize()
+            assert torch.equal(graph_out, static["out"]) and torch.equal(graph_lse, static["lse"]), (batch, trial)
+            ref_out, ref_lse = _reference(q_nope, q_pe, cache, block_table, seq_lens, impl.scale, None)
+            rel = (graph_out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
+            assert not torch.isnan(graph_out).any() and (rel <= 1e-2 or batch == 1 and trial == 0), (batch, trial, rel)
+            if batch == 1 and trial == 0:
+                assert not graph_out.any() and (graph_lse == float("-inf")).all()
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_decode_cuda_graph_replay_matches_eager():
     from mla_multi.kernels.mla_decode import mla_decode_fwd
 
