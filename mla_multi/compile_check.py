@@ -17,9 +17,7 @@ AMD; the stack frame in bytes on NVIDIA, where Triton kernels keep nothing but
 spilled registers) and shared memory / LDS.
 
 It fails (exit status 1) on a compile error, on any spill for gfx942, gfx950
-or sm_90 beyond what a spec explicitly allows (``CompileSpec.allowed_spills``,
-granted to one measured NVIDIA configuration and never on AMD), and on shared
-memory over the target's per-block limit.
+or sm_90, and on shared memory over the target's per-block limit.
 
 Usage: ``python -m mla_multi.compile_check --targets gfx942,sm_90 --kernels mla_decode``
 (the CLI's ``mla-multi compile-check`` calls `main`).
@@ -94,7 +92,6 @@ class CompileResult:
     spill_unit: str = ""
     shared_bytes: int | None = None
     shared_limit: int | None = None
-    allowed_spills: int = 0
     error: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -158,14 +155,18 @@ def _nvidia_counts(cubin: bytes) -> dict[str, int | None]:
 
 def compile_one(module_name: str, index: int, target_name: str) -> CompileResult:
     """Compile spec `index` of `module_name` for `target_name` (runs in a worker process)."""
+    module = importlib.import_module(module_name)
+    spec: CompileSpec = module.compile_specs(_platform(TARGETS[target_name]))[index]
+    return compile_spec(spec, target_name, module_name)
+
+
+def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> CompileResult:
+    """Compile one spec for `target_name` and judge it (compile error, spills, shared memory)."""
     import triton
     from triton.compiler import ASTSource
 
     target = TARGETS[target_name]
-    platform = _platform(target)
-    module = importlib.import_module(module_name)
-    spec: CompileSpec = module.compile_specs(platform)[index]
-    limit = platform.max_shared_memory_per_block
+    limit = _platform(target).max_shared_memory_per_block
     result = CompileResult(
         kernel=spec.name,
         module=module_name,
@@ -173,7 +174,6 @@ def compile_one(module_name: str, index: int, target_name: str) -> CompileResult
         ok=False,
         seconds=0.0,
         shared_limit=limit,
-        allowed_spills=spec.allowed_spills,
     )
     start = time.perf_counter()
     try:
@@ -193,9 +193,8 @@ def compile_one(module_name: str, index: int, target_name: str) -> CompileResult
         result.error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     result.seconds = time.perf_counter() - start
     if result.ok:
-        if result.spills and target.spills_fatal and result.spills > spec.allowed_spills:
-            allowance = f" (allowed: {spec.allowed_spills})" if spec.allowed_spills else ""
-            result.problems.append(f"{result.spills} spilled {result.spill_unit}{allowance}")
+        if result.spills and target.spills_fatal:
+            result.problems.append(f"{result.spills} spilled {result.spill_unit}")
         if result.shared_bytes is not None and result.shared_bytes > limit:
             result.problems.append(f"shared memory {result.shared_bytes} B over the {limit} B limit")
     else:
@@ -243,8 +242,6 @@ def _format(results: list[CompileResult]) -> str:
             return "-" if value is None else str(value)
 
         status = "ok" if r.passed else "FAIL: " + "; ".join(r.problems) + (f" ({r.error})" if r.error else "")
-        if r.passed and r.spills and r.allowed_spills:
-            status += f" (spills within the {r.allowed_spills} allowed)"
         lines.append(
             f"{r.target:7} {r.kernel[:70]:70} {show(r.registers):>5} {show(r.sgprs):>5} {show(r.agprs):>5} "
             f"{show(r.spills):>7} {show(r.shared_bytes):>8} {show(r.shared_limit):>7} {r.seconds:5.1f}  {status}"

@@ -50,3 +50,25 @@ def test_unknown_target_is_an_error(capsys):
 
 def test_no_match_fails():
     assert compile_check.main(["--targets", "sm_90", "--kernels", "no-such-kernel"]) == 1
+
+
+def test_sm90_wide_decode_tile_spills_with_loop_invariant_code_motion():
+    """The check fails a spilling sm_90 instance: the 64-row decode tile with its tile loop's
+    invariants hoisted keeps stack; as configured (no hoisting) it has none."""
+    import dataclasses
+
+    from mla_multi.kernels.launch_config import tl_range_disables_licm
+    from mla_multi.kernels.mla_decode import compile_specs
+    from mla_multi.platforms import SPECS
+
+    if not tl_range_disables_licm():
+        pytest.skip("this Triton's tl.range has no disable_licm (3.5+)")
+    spec = next(s for s in compile_specs(SPECS["H100"]) if s.name == "mla_decode_split[h64n64w8s2nolicm,kv=bf16,page=64,partial]")
+    assert spec.constexprs["DISABLE_LICM"] is True
+    configured = compile_check.compile_spec(spec, "sm_90")
+    assert configured.passed and configured.spills == 0, configured
+    hoisted = compile_check.compile_spec(
+        dataclasses.replace(spec, constexprs={**spec.constexprs, "DISABLE_LICM": False}), "sm_90"
+    )
+    assert hoisted.ok and hoisted.spills > 0 and not hoisted.passed, hoisted
+    assert hoisted.problems == [f"{hoisted.spills} spilled stack bytes"]

@@ -50,9 +50,6 @@ class CompileSpec:
         divisible_by_16: arguments (pointers, strides) that a real launch sees
             16-divisible; the JIT specialises them and so must the compile check,
             or loads lose their vector width and their pipelining.
-        allowed_spills: spills (NVIDIA: stack bytes) the compile check accepts
-            for this instance, with `allowed_spills_reason` saying why (a
-            configuration measured faster than every spill-free one).
     """
 
     name: str
@@ -61,8 +58,6 @@ class CompileSpec:
     constexprs: dict[str, Any]
     options: dict[str, Any]
     divisible_by_16: tuple[str, ...] = ()
-    allowed_spills: int = 0
-    allowed_spills_reason: str = ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,8 +102,6 @@ class DecodeLaunchConfig:
         programs_per_cu: programs that run at once on one SM / CU with this
             configuration (register and shared-memory bound), used by the split heuristic.
         waves_per_eu, matrix_instr_nonkdim, kpack: AMD options (None elsewhere).
-        allowed_spill_bytes: NVIDIA stack bytes the compile check accepts (see
-            `_decode_table` for the one configuration that has them and why).
         disable_licm: keep the tile loop's invariants inside it (``tl.range(...,
             disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
             keeps the sm_90 64-row tiles free of spills (`_decode_table`).
@@ -122,7 +115,6 @@ class DecodeLaunchConfig:
     waves_per_eu: int | None = None
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
-    allowed_spill_bytes: int = 0
     disable_licm: bool = False
 
     @property
@@ -178,13 +170,12 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     * sm_90 (227 KiB): 16 rows x 64-token tiles, 2 stages (191
       registers, 94 KiB, no spill; 99% of the HBM copy rate at B=128,
       S=16384 on an H200).  Past 32 rows, 64 rows x 64-token tiles on 8 warps
-      (wgmma): 260 TFLOP/s at B=128, S=4096, N=128 on an H200, against 181
-      for the best spill-free 64-row shape (64 x 32) and 175 for the 16-row
-      tile.  It keeps 168-264 bytes of stack: the 64 x 512 float32 output
-      takes 128 registers, and the shared-memory descriptors of the 36 wgmma
-      k-steps over the loop-invariant query tile are hoisted out of the tile
-      loop; the reloads hit L1.  The compile check accepts at most 272 bytes
-      for this configuration (allowed_spill_bytes) and nothing more.  At 32
+      (wgmma), 221 KiB, no spill: 257 TFLOP/s at B=128, S=4096, N=128 on an
+      H200, against 175 for the 16-row tile.  The 64 x 512 float32 output
+      takes 128 of the 255 registers; the tile loop runs without loop-invariant
+      code motion (`disable_licm`), which would otherwise compute the
+      shared-memory descriptors of the query tile's 36 wgmma k-steps before the
+      loop and hold them across it (168-264 bytes of stack, 262 TFLOP/s).  At 32
       heads two 16-row blocks beat one padded 64-row block (2.54 against 2.01
       TB/s at B=128, S=4096), at 64 heads the 64-row block wins (1.97 against
       1.39).  bench/RESULTS.md has the measurements.
@@ -206,8 +197,8 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     if platform.is_cuda() and fp8:
         if smem >= 200 * 1024:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
-            # 143 TFLOP/s at N=128 against 82 for the spill-free 16- and 32-row
-            # tiles (H200); 192-216 bytes of stack, as the bf16 64-row tile
+            # 139 TFLOP/s at N=128 against 81 for the 16-row tile (H200); no
+            # spill without loop-invariant code motion, as the bf16 64-row tile
             wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, disable_licm=True)
             if arch != "sm_90":
                 wide = narrow

@@ -721,12 +721,6 @@ def compile_specs(platform) -> list[CompileSpec]:
                         constexprs=constexprs,
                         options=config.launch_options(),
                         divisible_by_16=_SPLIT_DIVISIBLE,
-                        allowed_spills=0 if platform.is_rocm() else config.allowed_spill_bytes,
-                        allowed_spills_reason=(
-                            "measured faster than every spill-free shape (launch_config._decode_table)"
-                            if config.allowed_spill_bytes and not platform.is_rocm()
-                            else ""
-                        ),
                     )
                 )
     for reduce_config in all_decode_reduce_configs(platform):
