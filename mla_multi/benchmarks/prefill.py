@@ -53,6 +53,16 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _time_into(row: dict, name: str, run, reason: str, flops: float) -> None:
+    """Time `run` into row["ms"][name] / row["tflops"][name], or note why it is missing."""
+    if run is None:
+        row["notes"].append(f"{name} unavailable: {reason}")
+        return
+    ms = _bench(run)
+    row["ms"][name] = ms
+    row["tflops"][name] = flops / ms / 1e9
+
+
 def _torch_sdpa(backend_name: str, q4, k4, v4, scale: float, causal: bool = True):
     """A closure running SDPA with one backend, or (None, reason)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,19 +111,9 @@ def bench_case(
     if cudnn_run is None:
         row["notes"].append(f"cudnn 192/128 refused ({reason}); V padded to 192")
         cudnn_run, cudnn_out, reason = _torch_sdpa("CUDNN_ATTENTION", q4, k4, as4(v_pad), scale, causal)
-    if cudnn_run is not None:
-        ms = _bench(cudnn_run)
-        row["ms"]["cudnn"] = ms
-        row["tflops"]["cudnn"] = flops / ms / 1e9
-    else:
-        row["notes"].append(f"cudnn unavailable: {reason}")
+    _time_into(row, "cudnn", cudnn_run, reason, flops)
     flash_run, flash_out, reason = _torch_sdpa("FLASH_ATTENTION", q4, k4, as4(v_pad), scale, causal)
-    if flash_run is not None:
-        ms = _bench(flash_run)
-        row["ms"]["flash"] = ms
-        row["tflops"]["flash"] = flops / ms / 1e9
-    else:
-        row["notes"].append(f"flash unavailable: {reason}")
+    _time_into(row, "flash", flash_run, reason, flops)
     reference = cudnn_out if cudnn_out is not None else flash_out
     del flash_out, cudnn_out
 

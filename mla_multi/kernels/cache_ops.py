@@ -162,6 +162,14 @@ def _split_row_width(kv_cache: torch.Tensor, kv_lora_rank: int | None) -> tuple[
     return kv_lora_rank, rope_dim
 
 
+def _launch_view(kv_cache: torch.Tensor):
+    """(is FP8, the cache as the kernels read it (FP8 as bytes), the launch configuration)."""
+    from mla_multi.platforms import current_platform
+
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    return fp8, kv_cache.view(torch.uint8) if fp8 else kv_cache, cache_ops_config(current_platform())
+
+
 def _check_scale(kv_cache: torch.Tensor, scale) -> None:
     if kv_cache.dtype in FP8_DTYPES:
         if scale is None or not torch.is_tensor(scale) or scale.numel() != 1:
@@ -213,11 +221,7 @@ def concat_and_cache_mla(
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
         return
-    fp8 = kv_cache.dtype in FP8_DTYPES
-    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    from mla_multi.platforms import current_platform
-
-    config = cache_ops_config(current_platform())
+    fp8, cache, config = _launch_view(kv_cache)
     _concat_and_cache_mla_kernel[(num_tokens,)](
         kv_c,
         k_pe,
@@ -297,11 +301,7 @@ def gather_cache(
     total = out.shape[0]
     if total == 0 or batch == 0:
         return out
-    fp8 = kv_cache.dtype in FP8_DTYPES
-    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
-    from mla_multi.platforms import current_platform
-
-    config = cache_ops_config(current_platform())
+    fp8, cache, config = _launch_view(kv_cache)
     _gather_cache_kernel[(total,)](
         cache,
         block_table,

@@ -91,8 +91,35 @@ def _amd_options(**options: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+class _MatrixTileLaunch:
+    """Name suffix and launch options shared by the attention tile configurations
+    (fields num_warps, num_stages, waves_per_eu, matrix_instr_nonkdim, kpack)."""
+
+    def _amd_suffix(self) -> str:
+        text = ""
+        if self.waves_per_eu is not None:
+            text += f"wpe{self.waves_per_eu}"
+        if self.matrix_instr_nonkdim is not None:
+            text += f"mi{self.matrix_instr_nonkdim}"
+        if self.kpack is not None:
+            text += f"kp{self.kpack}"
+        return text
+
+    def launch_options(self) -> dict[str, Any]:
+        """Keyword options for a Triton launch or ``triton.compile``."""
+        options: dict[str, Any] = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        options.update(
+            _amd_options(
+                waves_per_eu=self.waves_per_eu,
+                matrix_instr_nonkdim=self.matrix_instr_nonkdim,
+                kpack=self.kpack,
+            )
+        )
+        return options
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeLaunchConfig:
+class DecodeLaunchConfig(_MatrixTileLaunch):
     """Tile and launch options of the split-KV decode kernel.
 
     Attributes:
@@ -122,25 +149,7 @@ class DecodeLaunchConfig:
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
-        if self.waves_per_eu is not None:
-            text += f"wpe{self.waves_per_eu}"
-        if self.matrix_instr_nonkdim is not None:
-            text += f"mi{self.matrix_instr_nonkdim}"
-        if self.kpack is not None:
-            text += f"kp{self.kpack}"
-        return text
-
-    def launch_options(self) -> dict[str, Any]:
-        """Keyword options for a Triton launch or ``triton.compile``."""
-        options: dict[str, Any] = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        options.update(
-            _amd_options(
-                waves_per_eu=self.waves_per_eu,
-                matrix_instr_nonkdim=self.matrix_instr_nonkdim,
-                kpack=self.kpack,
-            )
-        )
-        return options
+        return text + self._amd_suffix()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +404,7 @@ __all__ += ["PrefillLaunchConfig", "prefill_config", "all_prefill_configs"]
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillLaunchConfig:
+class PrefillLaunchConfig(_MatrixTileLaunch):
     """Tile and launch options of the varlen prefill attention kernel.
 
     Attributes:
@@ -423,25 +432,7 @@ class PrefillLaunchConfig:
         text = f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.use_tma:
             text += "tma"
-        if self.waves_per_eu is not None:
-            text += f"wpe{self.waves_per_eu}"
-        if self.matrix_instr_nonkdim is not None:
-            text += f"mi{self.matrix_instr_nonkdim}"
-        if self.kpack is not None:
-            text += f"kp{self.kpack}"
-        return text
-
-    def launch_options(self) -> dict[str, Any]:
-        """Keyword options for a Triton launch or ``triton.compile``."""
-        options: dict[str, Any] = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        options.update(
-            _amd_options(
-                waves_per_eu=self.waves_per_eu,
-                matrix_instr_nonkdim=self.matrix_instr_nonkdim,
-                kpack=self.kpack,
-            )
-        )
-        return options
+        return text + self._amd_suffix()
 
 
 def _padded_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
