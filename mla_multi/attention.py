@@ -85,8 +85,10 @@ class MLAAttention:
                 )
             checks.check_scale("kv_cache_scale", kv_cache_scale, required=True)
             self.k_scale = torch.tensor([float(kv_cache_scale)], dtype=torch.float32, device=self.device)
+            self.k_scale_value: float | None = float(kv_cache_scale)
         else:
             self.k_scale = None
+            self.k_scale_value = None
         self.workspace_tokens = workspace_tokens or default_workspace_tokens(max_model_len, max_num_seqs, block_size)
         if self.workspace_tokens < block_size:
             raise ValueError(
@@ -123,6 +125,61 @@ class MLAAttention:
 
     def backends(self) -> dict[str, str]:
         return {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, metadata: CommonAttentionMetadata, *, cuda_graph: bool = False) -> None:
+        """Plan this layer's backends for the batch of `metadata`, once per step.
+
+        Backends with a planning stage (FLASHINFER) read the lengths on the host
+        here; the plans are kept in `metadata.backend_plans`, so every layer of
+        the same configuration only runs. `forward` plans on its own when this
+        was not called, except under CUDA-graph capture: call it with
+        `cuda_graph=True` before capturing, and again (with the new lengths)
+        before each replay. Backends without a planning stage ignore it.
+        """
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(metadata)
+        if num_decodes > 0:
+            self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
+        if num_prefills > 0:
+            self._prefill_metadata(metadata)
+
+    def _decode_rows(self, metadata: CommonAttentionMetadata, num_decodes: int) -> torch.Tensor:
+        """Indices of the decode requests that carry a query token (padding rows carry none)."""
+        query_lens = metadata.query_lens_cpu[:num_decodes]
+        return torch.nonzero(query_lens > 0).flatten()
+
+    def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
+        if not self.decode_backend.requires_plan:
+            return None
+        key = ("decode",) + self.decode_impl.plan_key() + (self.dtype,)
+        plan = metadata.backend_plans.get(key)
+        if plan is None or (cuda_graph and not plan.cuda_graph):
+            rows = self._decode_rows(metadata, num_decodes)
+            block_table = metadata.block_table[:num_decodes]
+            if len(rows) != num_decodes:
+                block_table = block_table[rows.to(block_table.device)]
+            plan = self.decode_impl.plan(
+                metadata.seq_lens_cpu[:num_decodes][rows], block_table, 1,
+                k_scale=self.k_scale_value, cuda_graph=cuda_graph,
+            )
+            metadata.backend_plans[key] = plan
+        return plan
+
+    def _prefill_metadata(self, metadata: CommonAttentionMetadata):
+        """The prefill metadata of the batch, built once per step (and planned, for backends that plan)."""
+        metadata_cls = self.prefill_backend.get_prefill_metadata_cls()
+        key = ("prefill_metadata", self.workspace_tokens, metadata_cls)
+        prefill_metadata = metadata.backend_plans.get(key)
+        if prefill_metadata is None:
+            prefill_metadata = build_prefill_metadata(metadata, self.workspace_tokens, metadata_cls)
+            metadata.backend_plans[key] = prefill_metadata
+        if self.prefill_backend.requires_plan:
+            plan_key = self.prefill_impl.plan_key() + (self.dtype,)
+            if plan_key not in prefill_metadata.backend_plans:
+                prefill_metadata.backend_plans[plan_key] = self.prefill_impl.plan(prefill_metadata, self.dtype)
+        return prefill_metadata
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -169,9 +226,8 @@ class MLAAttention:
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims
         p, v = d.qk_nope_head_dim, d.v_head_dim
-        query_lens = metadata.query_lens_cpu[:num_decodes]
         # Decode rows with no new token (padding) carry no query.
-        rows = torch.nonzero(query_lens > 0).flatten()
+        rows = self._decode_rows(metadata, num_decodes)
         if len(rows) == num_decodes:
             block_table, seq_lens = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
         else:
@@ -181,9 +237,11 @@ class MLAAttention:
         q_nope, q_pe = q_decode[..., :p], q_decode[..., p:]
         # Absorb W_UK into the query: [B, N, P] x [N, P, Lkv] -> [B, N, Lkv].
         ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        plan = self._decode_plan(metadata, num_decodes)
         latent_out, _ = self.decode_impl.forward_mqa(
             ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len,
+            **({} if plan is None else {"plan": plan}),
         )
         # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].
         decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
@@ -199,9 +257,7 @@ class MLAAttention:
 
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
         d = self.dims
-        prefill_metadata = build_prefill_metadata(
-            metadata, self.workspace_tokens, self.prefill_backend.get_prefill_metadata_cls()
-        )
+        prefill_metadata = self._prefill_metadata(metadata)
         q_prefill = q[num_decode_tokens:]
         key, value = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
         chunked = prefill_metadata.chunked_context

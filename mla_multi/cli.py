@@ -10,7 +10,8 @@ import platform as host_platform
 import sys
 import time
 
-_LIBRARIES = ("torch", "triton", "pytorch-triton-rocm", "amd-aiter", "flash-attn", "flash-attn-3", "packaging")
+_LIBRARIES = ("torch", "triton", "pytorch-triton-rocm", "amd-aiter", "flash-attn", "flash-attn-3", "flashinfer-python",
+              "flashinfer-jit-cache", "packaging")
 
 
 def _guarded(probe, default="could not collect"):
@@ -70,7 +71,10 @@ def collect_info(as_spec: str | None = None) -> dict:
                 selected = registry.default_registry.select(phase, config, target).name
             except Exception as error:  # the reasons are the report
                 selected = f"none: {error}"
-            phases[phase] = {"config": config.describe(), "priority": list(registry.default_registry.priority(phase, target)),
+            rule = registry.default_registry.rule_for(phase, target, config)
+            phases[phase] = {"config": config.describe(),
+                             "priority": list(registry.default_registry.priority(phase, target, config)),
+                             "rule": rule.describe() if rule else None,
                              "forced": forced, "selected": selected, "backends": rows}
             for row in rows if isinstance(rows, list) else []:
                 backend = _guarded(lambda p=phase, n=row["name"]: registry.default_registry.load(p, n), default=None)
@@ -99,7 +103,8 @@ def _print_info(info: dict) -> None:
     for phase, data in info["phases"].items():
         print(f"\n{phase}: selected {data['selected']}")
         print(f"  config: {data['config']}")
-        print(f"  priority: {' > '.join(data['priority']) or '(none)'}")
+        print(f"  priority: {' > '.join(data['priority']) or '(none)'}"
+              + (f"  (rule {data['rule']})" if data.get("rule") else "  (the platform's list)"))
         for row in data["backends"] if isinstance(data["backends"], list) else []:
             state = "SELECTED" if row["selected"] else ("available" if row["available"] else "unavailable")
             declares = row.get("declares") if isinstance(row.get("declares"), dict) else {}

@@ -57,6 +57,9 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_threshold: int = 1
+    # Plans of backends with a planning stage, made once per batch by the first
+    # layer that needs them and reused by the others (see `MLAAttention.plan`).
+    backend_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_lengths(
@@ -236,6 +239,7 @@ class MLAPrefillMetadata:
     block_table: torch.Tensor
     context_lens_cpu: torch.Tensor
     chunked_context: ChunkedContextMetadata | None = None
+    backend_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def build_prefill_metadata(

@@ -5,7 +5,9 @@ backend module (and the optional library behind it) is imported only when a
 selection looks at it; an import that raises anything becomes a reason.
 
 The priority lists for every platform live in `PREFILL_PRIORITIES` and
-`DECODE_PRIORITIES` below and nowhere else.  `select_*` walks the list of the
+`DECODE_PRIORITIES` below and nowhere else; `SELECTION_RULES` beside them holds
+the measured exceptions (a head-count range or cache dtype on which another
+backend is faster), each naming its measurement in bench/RESULTS.md.  `select_*` walks the list of the
 current platform and returns the first backend without reasons; when none
 fits, `NoBackendError` prints the configuration and one block of reasons per
 backend.  A backend forced by argument or by `MLA_MULTI_PREFILL_BACKEND` /
@@ -44,12 +46,14 @@ PHASES: tuple[Phase, ...] = ("prefill", "decode")
 PREFILL_BACKENDS: dict[str, str] = {
     "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterMLAPrefillBackend",
     "CUDA_FLASH_ATTN": "mla_multi.backends.cuda_flash_attn:FlashAttnPrefillBackend",
+    "FLASHINFER": "mla_multi.backends.flashinfer:FlashInferPrefillBackend",
     "TRITON": "mla_multi.backends.triton:TritonPrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferencePrefillBackend",
 }
 DECODE_BACKENDS: dict[str, str] = {
     "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterMLADecodeBackend",
     "CUDA_FLASH_ATTN": "mla_multi.backends.cuda_flash_attn:FlashAttnMLADecodeBackend",
+    "FLASHINFER": "mla_multi.backends.flashinfer:FlashInferDecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
 }
@@ -61,16 +65,74 @@ PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", None): ("TRITON", "REFERENCE"),
-    ("cuda", None): ("TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
+    ("cuda", None): ("FLASHINFER", "TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", None): ("TRITON", "REFERENCE"),
-    ("cuda", None): ("TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
+    ("cuda", None): ("FLASHINFER", "TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRule:
+    """A measured exception to a platform's priority list.
+
+    A configuration the rule matches (platform vendor and arch, head count in
+    `num_heads` inclusive, KV-cache dtype in `kv_cache_dtypes` for decode) is
+    tried in the rule's `priority` order instead of the platform's. `measured`
+    names the record in bench/RESULTS.md that the order comes from.
+    """
+
+    name: str
+    phase: str
+    vendor: str
+    arch: str | None
+    priority: tuple[str, ...]
+    measured: str
+    num_heads: tuple[int, int] = (1, 1 << 20)
+    kv_cache_dtypes: frozenset | None = None
+
+    def matches(self, platform: Platform, config) -> bool:
+        if platform.vendor != self.vendor or (self.arch is not None and platform.arch != self.arch):
+            return False
+        low, high = self.num_heads
+        if not low <= config.dims.num_heads <= high:
+            return False
+        if self.kv_cache_dtypes is not None:
+            return getattr(config, "kv_cache_dtype", None) in self.kv_cache_dtypes
+        return True
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.measured})"
+
+
+# Measured exceptions to the lists above, tried in order; the first that
+# matches a configuration gives its priority. Each names its measurement.
+SELECTION_RULES: tuple[SelectionRule, ...] = (
+    SelectionRule(
+        name="nvidia-decode-few-heads",
+        phase="decode",
+        vendor="cuda",
+        arch=None,
+        num_heads=(1, 16),
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        measured="bench/RESULTS.md, 'Decode: every installed backend' (16 heads)",
+    ),
+    SelectionRule(
+        name="nvidia-decode-fp8-up-to-64-heads",
+        phase="decode",
+        vendor="cuda",
+        arch=None,
+        num_heads=(17, 64),
+        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        measured="bench/RESULTS.md, 'Decode: every installed backend' (FP8 caches)",
+    ),
+)
 
 
 class NoBackendError(RuntimeError):
@@ -110,6 +172,7 @@ class Registry:
 
     backends: dict[str, dict[str, str | type]]
     priorities: dict[str, dict[tuple[str, str | None], tuple[str, ...]]]
+    rules: tuple[SelectionRule, ...] = ()
 
     def __post_init__(self) -> None:
         self._select_cached = functools.lru_cache(maxsize=256)(self._select_uncached)
@@ -131,9 +194,18 @@ class Registry:
         self._load.cache_clear()
 
     # -- lookup ---------------------------------------------------------------
-    def priority(self, phase: Phase, platform: Platform) -> tuple[str, ...]:
-        """The ordered backend names tried for `phase` on `platform`."""
+    def rule_for(self, phase: Phase, platform: Platform, config) -> SelectionRule | None:
+        """The first selection rule that matches `config` on `platform`, None when the platform's list applies."""
+        if config is None:
+            return None
+        return next((r for r in self.rules if r.phase == phase and r.matches(platform, config)), None)
+
+    def priority(self, phase: Phase, platform: Platform, config=None) -> tuple[str, ...]:
+        """The ordered backend names tried for `phase` on `platform` (for `config`, when a rule matches it)."""
         self._check_phase(phase)
+        rule = self.rule_for(phase, platform, config)
+        if rule is not None:
+            return rule.priority
         table = self.priorities[phase]
         for key in ((platform.vendor, platform.arch), (platform.vendor, None)):
             if key in table:
@@ -191,7 +263,7 @@ class Registry:
                 raise NoBackendError(phase, platform, config, {forced: reasons}, forced=forced)
             return self.load(phase, forced)
         all_reasons: dict[str, list[str]] = {}
-        for name in self.priority(phase, platform):
+        for name in self.priority(phase, platform, config):
             reasons = self.reasons(phase, name, platform, config)
             if not reasons:
                 logger.debug("selected %s backend %s on %s", phase, name, platform.name)
@@ -209,7 +281,7 @@ class Registry:
     def explain(self, phase: Phase, config, platform: Platform | None = None) -> list[dict]:
         """Every registered backend of `phase`: its priority rank, reasons and whether it would be chosen."""
         platform = platform or current_platform()
-        order = self.priority(phase, platform)
+        order = self.priority(phase, platform, config)
         rows = []
         chosen = None
         for name in list(order) + [n for n in self.backends[phase] if n not in order]:
@@ -236,6 +308,7 @@ def _forced_from_env(phase: Phase) -> str | None:
 default_registry = Registry(
     backends={"prefill": PREFILL_BACKENDS, "decode": DECODE_BACKENDS},
     priorities={"prefill": PREFILL_PRIORITIES, "decode": DECODE_PRIORITIES},
+    rules=SELECTION_RULES,
 )
 
 

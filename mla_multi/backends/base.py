@@ -109,6 +109,10 @@ class _BackendDeclarations:
     name: ClassVar[str]
     vendors: ClassVar[frozenset[str]] = frozenset({"cuda", "rocm", "cpu"})
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    # A backend with a planning stage (FlashInfer's plan/run) sets this; its
+    # impl then has `plan(...)` and `plan_key()`, `MLAAttention.plan` calls it
+    # once per batch and layers with equal keys share the plan.
+    requires_plan: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -326,6 +330,7 @@ class MLADecodeImpl(ABC):
         num_kv_splits forces the split count (backends without splits ignore
         it); workspace_manager supplies scratch (reserved ahead for CUDA
         graphs); max_seq_len is a host-side bound of seq_lens for heuristics.
+        Backends with `requires_plan` also take `plan=`, made by their `plan`.
         Returns out with q_nope's shape and dtype and lse [B, (Q,) N] float32;
         the output may live in the workspace, valid until its next use.
         """
