@@ -356,7 +356,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         """Remember the worst case: CUDA-graph plans size their fixed page-index buffer from it."""
         self.max_blocks = -(-max_model_len // self.block_size)
 
-    def _wrapper(self, device: torch.device, batch: int, query_len: int, cuda_graph: bool, num_pages: int):
+    def _wrapper(self, device: torch.device, batch: int, query_len: int, cuda_graph: bool, num_pages: int, slot: int):
         """(wrapper, fixed empty-row buffer or None, page capacity), shared by every layer of this configuration.
 
         One eager wrapper, re-planned per batch; one CUDA-graph wrapper per
@@ -365,7 +365,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         """
         import flashinfer.mla
 
-        key = (device, self.plan_key(), (batch, query_len) if cuda_graph else None)
+        key = (device, self.plan_key(), (batch, query_len) if cuda_graph else None, slot)
         with _lock:
             found = _decode_wrappers.get(key)
         if found is not None and found[2] >= num_pages:
@@ -405,6 +405,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         *,
         k_scale=None,
         cuda_graph: bool = False,
+        slot: int = 0,
     ) -> FlashInferDecodePlan:
         """Plan one decode batch on the host.
 
@@ -412,7 +413,10 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         block_table [B, max_blocks] int32 on the device; query_len tokens per
         request. `cuda_graph=True` plans into fixed buffers of this batch
         size, so that a graph captured after the plan replays correctly after
-        re-planning with new lengths and block tables.
+        re-planning with new lengths and block tables. Plans of the same
+        configuration share a wrapper per `slot`: plans that must stay valid
+        at the same time (several captured graphs of one batch size) take
+        different slots.
         """
         import flashinfer.mla
 
@@ -437,7 +441,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         if kv_indices.dtype != torch.int32:
             kv_indices = kv_indices.to(torch.int32)
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * query_len
-        wrapper, empty_buffer, _ = self._wrapper(device, batch, query_len, cuda_graph, num_pages)
+        wrapper, empty_buffer, _ = self._wrapper(device, batch, query_len, cuda_graph, num_pages, slot)
         q_dtype = self._query_dtype
         metadata = flashinfer.mla.MLAPlanMetadata.csr(
             qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=seq_lens_cpu

@@ -14,6 +14,12 @@ larger than L2.
 
     mla-multi bench decode (or PYTHONPATH=. python3 bench/decode.py) [--heads 16,128] [--cases 32x4096,...]
         [--configs h16n64w4s2,h32n32w8s2] [--json out.json]
+
+With ``--backends all`` it times every decode backend installed on the machine
+instead (TRITON, FLASHINFER, CUDA_FLASH_ATTN, ROCM_AITER: whichever can run the
+configuration), each through the package's own interface on the same inputs,
+one column per backend with the registry's choice starred; ``--q-len 1,2,4``
+adds multi-token decode.
 """
 
 from __future__ import annotations
@@ -162,6 +168,124 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     return row
 
 
+# Backends whose decode runs inside a CUDA graph; REFERENCE reads lengths on the host.
+GRAPHABLE_EXCLUDED = ("REFERENCE",)
+
+
+def installed_decode_backends(config) -> tuple[list[str], str | None, dict[str, list[str]]]:
+    """(backends that can run `config` here, the registry's choice, reasons of the others)."""
+    from mla_multi import registry
+
+    rows = registry.default_registry.explain("decode", config)
+    usable = [r["name"] for r in rows if r["available"] and r["name"] not in GRAPHABLE_EXCLUDED]
+    try:
+        chosen = registry.default_registry.select("decode", config).name
+    except Exception:  # no backend at all: the table says so
+        chosen = None
+    return usable, chosen, {r["name"]: r["reasons"] for r in rows if not r["available"]}
+
+
+def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1, backends=None):
+    """Every installed decode backend on the same inputs, each timed by CUDA-graph replay over > L2 of caches.
+
+    Returns {"heads", "batch", "seq_len", "q_len", "kv", "us": {backend: µs}, "chosen", "diff": {backend:
+    relative difference of its output to the first backend's}, "tflop_s": {backend: ...}}.
+    """
+    import triton
+
+    from mla_multi import registry
+    from mla_multi.dims import MLADims
+    from mla_multi.workspace import WorkspaceManager
+
+    dims = MLADims.deepseek_v3(num_heads=heads)
+    config = registry.decode_config(dims, torch.bfloat16, cache_dtype, block_size, q_len)
+    usable, chosen, _ = installed_decode_backends(config)
+    if backends:
+        usable = [b for b in usable if b in backends]
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    blocks_per_seq = -(-seq_len // block_size)
+    cache_bytes = batch * blocks_per_seq * block_size * (KV_LORA_RANK + ROPE_DIM) * elem
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / cache_bytes))
+    num_blocks = batch * blocks_per_seq * copies
+    cache = torch.randn(num_blocks, block_size, KV_LORA_RANK + ROPE_DIM, device="cuda")
+    k_scale = None
+    if elem == 1:
+        k_scale = torch.tensor([0.05], device="cuda")
+        cache = (cache / 0.05).to(cache_dtype)
+    else:
+        cache = cache.to(cache_dtype)
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    tables = [perm[i * batch * blocks_per_seq : (i + 1) * batch * blocks_per_seq].reshape(batch, blocks_per_seq)
+              for i in range(copies)]
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    shape = (batch, heads) if q_len == 1 else (batch, q_len, heads)
+    q_nope = torch.randn(*shape, KV_LORA_RANK, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(*shape, ROPE_DIM, device="cuda", dtype=torch.bfloat16)
+    scale = 192**-0.5
+    flops = 2 * batch * q_len * heads * seq_len * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
+    row = {"heads": heads, "batch": batch, "seq_len": seq_len, "q_len": q_len,
+           "kv": str(cache_dtype).replace("torch.", ""), "chosen": chosen, "us": {}, "tflop_s": {}, "diff": {},
+           "copies": copies}
+    first_out = None
+    for name in usable:
+        try:
+            backend = registry.default_registry.load("decode", name)
+            impl = backend.get_decode_impl_cls()(heads, scale, KV_LORA_RANK, ROPE_DIM, cache_dtype, block_size,
+                                                 torch.device("cuda"))
+            workspace = WorkspaceManager("cuda")
+            impl.reserve_workspace(workspace, batch, blocks_per_seq * block_size, q_len)
+            plans = [None] * copies
+            if getattr(backend, "requires_plan", False):
+                plans = [impl.plan(seq_lens.cpu(), table, q_len, k_scale=k_scale, cuda_graph=True, slot=i)
+                         for i, table in enumerate(tables)]
+            outs = []
+
+            def run_all(impl=impl, workspace=workspace, plans=plans, outs=outs):
+                outs.clear()
+                for table, plan in zip(tables, plans):
+                    extra = {} if plan is None else {"plan": plan}
+                    outs.append(impl.forward_mqa(q_nope, q_pe, cache, table, seq_lens, k_scale=k_scale,
+                                                 workspace_manager=workspace, max_seq_len=seq_len, **extra)[0])
+
+            run_all()
+            torch.cuda.synchronize()
+            out0 = outs[0].float().clone()
+            if first_out is None:
+                first_out = out0
+            row["diff"][name] = ((out0 - first_out).norm() / first_out.norm()).item()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_all()
+            ms = triton.testing.do_bench(graph.replay, warmup=50, rep=200, return_mode="median") / copies
+            row["us"][name] = ms * 1e3
+            row["tflop_s"][name] = flops / (ms * 1e-3) / 1e12
+            del graph
+        except Exception as error:  # one backend failing must not hide the others
+            row.setdefault("errors", {})[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    del cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def format_backend_rows(rows) -> str:
+    """Markdown: one column per backend (µs), the registry's choice starred, chosen / best speed."""
+    names = sorted({n for r in rows for n in r["us"]})
+    header = "| N | B x S | Q | kv | " + " | ".join(f"{n} µs" for n in names) + " | chosen | chosen / best speed |"
+    lines = [header, "|" + "--:|" * (len(names) + 6)]
+    for r in rows:
+        best = min(r["us"].values()) if r["us"] else float("nan")
+        cells = []
+        for n in names:
+            value = r["us"].get(n)
+            text = "-" if value is None else f"{value:.1f}"
+            cells.append(text + ("*" if n == r["chosen"] else ""))
+        chosen_us = r["us"].get(r["chosen"])
+        ratio = f"{best / chosen_us:.2f}" if chosen_us else "-"
+        lines.append(f"| {r['heads']} | {r['batch']} x {r['seq_len']} | {r['q_len']} | {r['kv']} | "
+                     + " | ".join(cells) + f" | {r['chosen']} | {ratio} |")
+    return "\n".join(lines)
+
+
 def format_rows(rows) -> str:
     header = (f"{'N':>4} {'B':>4} {'S':>6} {'kv':>14} {'config':>12} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>5} "
               f"{'TFLOP/s':>8} {'%MMA':>5} {'eager us':>9}")
@@ -187,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-times", action="store_true", help="also print per-kernel device times (profiler)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-ceilings", action="store_true")
+    parser.add_argument("--backends", default="", help="'all': every installed decode backend through the package's "
+                        "interface, one column each (or a comma list of names); default: the Triton kernel alone")
+    parser.add_argument("--q-len", default="1", help="comma list of query tokens per request (with --backends)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the decode benchmark needs a GPU", file=sys.stderr)
@@ -203,6 +330,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device: {torch.cuda.get_device_name()}  HBM copy {ceilings['hbm_tb_s']:.2f} TB/s  "
               f"bf16 matmul {ceilings['bf16_tflop_s']:.0f} TFLOP/s", flush=True)
     cache_dtype = getattr(torch, args.kv_dtype)
+    if args.backends:
+        chosen_backends = None if args.backends == "all" else args.backends.upper().split(",")
+        backend_rows = []
+        for heads in [int(h) for h in args.heads.split(",")]:
+            for q_len in [int(q) for q in args.q_len.split(",")]:
+                for case in args.cases.split(","):
+                    batch, seq_len = map(int, case.lower().split("x"))
+                    row = bench_backends_case(batch, seq_len, heads, args.block_size, cache_dtype, q_len,
+                                              chosen_backends)
+                    backend_rows.append(row)
+                    print(format_backend_rows([row]).splitlines()[-1]
+                          + (f"  diff {row['diff']}" if row["diff"] else "")
+                          + (f"  errors {row['errors']}" if row.get("errors") else ""), flush=True)
+        print(format_backend_rows(backend_rows))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"device": torch.cuda.get_device_name(), "ceilings": ceilings, "rows": backend_rows},
+                          handle, indent=1)
+        return 0
     configs = [parse_config(c) for c in args.configs.split(",") if c] or [None]
     split_choices = [int(s) for s in args.splits.split(",") if s] or [None]
     rows = []

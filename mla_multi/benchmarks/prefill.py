@@ -81,6 +81,24 @@ def _torch_sdpa(backend_name: str, q4, k4, v4, scale: float, causal: bool = True
     return run, out, None
 
 
+def _flashinfer_prefill(q, k, v, cu, seqlen, scale, causal):
+    """The FLASHINFER backend's ragged prefill, planned once outside the timing; (run, None) or (None, reason)."""
+    from mla_multi import registry
+    from mla_multi.dims import MLADims
+
+    dims = MLADims.deepseek_v3(num_heads=q.shape[1])
+    config = registry.prefill_config(dims, q.dtype)
+    reasons = registry.default_registry.reasons("prefill", "FLASHINFER", registry.current_platform(), config)
+    if reasons:
+        return None, "; ".join(reasons)
+    backend = registry.default_registry.load("prefill", "FLASHINFER")
+    impl = backend.get_prefill_impl_cls()(q.shape[1], scale, dims.kv_lora_rank, dims.qk_nope_head_dim,
+                                          dims.qk_rope_head_dim, dims.v_head_dim, q.device)
+    (wrapper,) = impl._wrappers(1, q.device)
+    impl._plan_one(wrapper, cu.cpu(), cu.cpu(), causal, q.dtype)
+    return (lambda: impl._run(wrapper, q, k, v, True)), None
+
+
 def bench_case(
     num_heads: int, batch: int, seqlen: int, configs, results: list, check: bool = True, causal: bool = True
 ) -> None:
@@ -116,6 +134,14 @@ def bench_case(
     _time_into(row, "flash", flash_run, reason, flops)
     reference = cudnn_out if cudnn_out is not None else flash_out
     del flash_out, cudnn_out
+
+    flashinfer_run, reason = _flashinfer_prefill(q, k, v, cu, seqlen, scale, causal)
+    if flashinfer_run is not None and check and reference is not None:
+        fi_out = flashinfer_run()[0].float()
+        ref = reference[..., :HEAD_DIM_V].transpose(1, 2).reshape(total, num_heads, HEAD_DIM_V).float()
+        row.setdefault("rel_err_vs_torch", {})["flashinfer"] = ((fi_out - ref).norm() / ref.norm()).item()
+        del fi_out
+    _time_into(row, "flashinfer", flashinfer_run, reason, flops)
 
     out = torch.empty(total, num_heads, HEAD_DIM_V, device=device, dtype=dtype)
     lse = torch.empty(num_heads, total, device=device, dtype=torch.float32)
@@ -198,17 +224,19 @@ def format_table(results: list) -> str:
         best = ours.get(best_name, float("nan")) if best_name else float("nan")
         cudnn = tf.get("cudnn", float("nan"))
         flash = tf.get("flash", float("nan"))
+        flashinfer = tf.get("flashinfer", float("nan"))
         shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
         lines.append(
-            f"| {row['num_heads']:>3} | {shape} | {best:7.1f} ({best_name}) | "
-            f"{cudnn:7.1f} | {flash:7.1f} | {best / cudnn:5.2f} | {best / flash:5.2f} |"
+            f"| {row['num_heads']:>3} | {shape} | {best:7.1f} ({best_name}) | {flashinfer:7.1f} | "
+            f"{cudnn:7.1f} | {flash:7.1f} | {best / flashinfer:5.2f} | {best / cudnn:5.2f} | {best / flash:5.2f} |"
         )
         for name, value in sorted(ours.items()):
             if name != best_name:
-                lines.append(f"|     |              | {value:7.1f} ({name}) | | | {value / cudnn:5.2f} | {value / flash:5.2f} |")
+                lines.append(f"|     |              | {value:7.1f} ({name}) | | | | {value / flashinfer:5.2f} | "
+                             f"{value / cudnn:5.2f} | {value / flash:5.2f} |")
     header = (
-        "| N | B x S | ours TFLOP/s (config) | cuDNN | flash (V pad) | ours/cuDNN | ours/flash |\n"
-        "|---|---|---|---|---|---|---|"
+        "| N | B x S | TRITON TFLOP/s (config) | FLASHINFER | cuDNN | flash (V pad) | TRITON/FLASHINFER | TRITON/cuDNN | "
+        "TRITON/flash |\n|---|---|---|---|---|---|---|---|---|"
     )
     return header + "\n" + "\n".join(lines)
 
