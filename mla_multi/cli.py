@@ -1,4 +1,4 @@
-"""`mla-multi info | demo | bench | compile-check`."""
+"""`mla-multi info | demo | warmup | bench | compile-check`."""
 
 from __future__ import annotations
 
@@ -180,6 +180,41 @@ def cmd_demo(args) -> int:
     return 0 if worst <= tolerance else 1
 
 
+def cmd_warmup(args) -> int:
+    """Build or load every kernel one layer configuration uses, ahead of serving (FlashInfer's JIT, Triton's compile)."""
+    import torch
+
+    import mla_multi as mm
+    from mla_multi.testing import PagedScenario
+
+    platform = mm.current_platform()
+    device = platform.torch_device
+    dtype = getattr(torch, args.dtype) if platform.is_gpu() else torch.float32
+    dims = mm.MLADims.deepseek_v3(num_heads=args.num_heads)
+    block_size = args.block_size
+    weight = torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                         dtype=dtype, device=device) / dims.kv_lora_rank**0.5
+    # One block of context per chunk, so the context path (gather, chunk, merge) runs too.
+    layer = mm.MLAAttention(
+        dims, dims.qk_head_dim**-0.5, weight, block_size=block_size, max_model_len=8 * block_size, max_num_seqs=4,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=1.0 if args.kv_cache_dtype.startswith("fp8") else None,
+        workspace_tokens=block_size,
+    )
+    print(f"warmup on {platform.name}: {dims.num_heads} heads, {dtype}, kv cache {layer.kv_cache_dtype}, "
+          f"block size {block_size}; backends prefill={layer.prefill_backend.name} decode={layer.decode_backend.name}")
+    scenario = PagedScenario(dims, block_size, 16, device, dtype, seed=0)
+    cache = torch.zeros(16, block_size, dims.kv_lora_rank + dims.qk_rope_head_dim, device=device).to(layer.kv_cache_dtype)
+    for name, requests in (("prefill", [(0, block_size + 3)]), ("decode + prefill", [(0, 1), (1, 2 * block_size)]),
+                           ("decode + prefill over chunked context", [(0, 1), (1, 5)])):
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        start = time.perf_counter()
+        layer.forward(q, kv_c, k_pe, cache, metadata)
+        if platform.is_gpu():
+            torch.cuda.synchronize()
+        print(f"  {name}: {time.perf_counter() - start:.2f} s")
+    return 0
+
+
 def cmd_bench(args) -> int:
     module = importlib.import_module(f"mla_multi.benchmarks.{args.phase}")
     return int(module.main(args.rest) or 0)
@@ -203,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-heads", type=int, default=None, help="heads (default 128 on a GPU, 16 on the CPU)")
     demo.add_argument("--workspace-tokens", type=int, default=256, help="context tokens gathered per chunk")
     demo.set_defaults(func=cmd_demo)
+    warmup = sub.add_parser("warmup", help="build the kernels of one layer configuration ahead of serving")
+    warmup.add_argument("--num-heads", type=int, default=128)
+    warmup.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="model dtype on a GPU")
+    warmup.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | bfloat16 | float16")
+    warmup.add_argument("--block-size", type=int, default=64)
+    warmup.set_defaults(func=cmd_warmup)
     bench = sub.add_parser("bench", help="benchmarks on the GPU: decode or prefill")
     bench.add_argument("phase", choices=("decode", "prefill"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)

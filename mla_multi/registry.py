@@ -123,11 +123,11 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         measured="bench/RESULTS.md, 'Decode: every installed backend' (16 heads)",
     ),
     SelectionRule(
-        name="nvidia-decode-fp8-up-to-64-heads",
+        name="nvidia-decode-fp8-up-to-32-heads",
         phase="decode",
         vendor="cuda",
         arch=None,
-        num_heads=(17, 64),
+        num_heads=(17, 32),
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
         measured="bench/RESULTS.md, 'Decode: every installed backend' (FP8 caches)",

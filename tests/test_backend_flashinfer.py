@@ -164,6 +164,7 @@ def test_no_compiler_and_no_prebuilt_kernels_is_a_reason(monkeypatch):
         ("H200", dconfig(num_heads=16), "TRITON"),
         ("H200", dconfig(num_heads=128, kv=FP8), "FLASHINFER"),
         ("H200", dconfig(num_heads=32, kv=FP8), "TRITON"),
+        ("H200", dconfig(num_heads=64, kv=FP8), "FLASHINFER"),
         ("H200", dconfig(num_heads=16, kv=FP8), "TRITON"),
         ("A100", dconfig(num_heads=128), "FLASHINFER"),
         ("B200", dconfig(num_heads=32), "FLASHINFER"),

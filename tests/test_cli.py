@@ -59,3 +59,13 @@ def test_demo_on_the_cpu_checks_against_naive_mla():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "backends: prefill=REFERENCE decode=REFERENCE" in done.stdout
     assert "OK" in done.stdout.splitlines()[-1]
+
+
+def test_warmup_runs_every_path_of_a_layer_configuration(capsys):
+    from mla_multi import cli
+
+    assert cli.main(["warmup", "--num-heads", "2", "--block-size", "16", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "warmup on CPU: 2 heads" in out and "kv cache torch.float8_e4m3fn" in out
+    for step in ("prefill:", "decode + prefill:", "decode + prefill over chunked context:"):
+        assert step in out, out
