@@ -11,6 +11,9 @@ Per step (DESIGN section 1):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from mla_multi import checks, ops
@@ -41,6 +44,12 @@ class MLAAttention:
         kv_cache_scale: per-tensor FP8 scale of the cache (float), required for fp8.
         workspace_tokens: context tokens gathered per chunk (default: vLLM's rule).
         prefill_backend, decode_backend: force a backend by name.
+        dcp: a `mla_multi.distributed.DecodeContextParallel`: the cache holds only this
+            rank's tokens (the layer writes only those), decode runs through DCP over
+            the group's world_size * N heads, and the chunked-context prefill gathers
+            each chunk from every rank. `metadata.block_table` then holds this rank's
+            blocks and `metadata.seq_lens` the global lengths; the layer derives its
+            own slot mapping (`metadata.slot_mapping` is not used).
     """
 
     def __init__(
@@ -57,6 +66,7 @@ class MLAAttention:
         workspace_tokens: int | None = None,
         prefill_backend: str | None = None,
         decode_backend: str | None = None,
+        dcp=None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -101,15 +111,26 @@ class MLAAttention:
         self.W_UK = weight[:, :p, :].contiguous()  # [N, P, Lkv]: q_nope @ W_UK -> absorbed query
         self.W_UV = weight[:, p:, :].contiguous()  # [N, V, Lkv]: latent output @ W_UV^T -> per-head V
 
+        self.dcp = dcp
+        decode_heads = n
+        if dcp is not None:
+            from mla_multi.distributed import DecodeContextParallel
+
+            if not isinstance(dcp, DecodeContextParallel):
+                raise ValueError(f"dcp={dcp!r}; accepted: None or a mla_multi.distributed.DecodeContextParallel")
+            dcp.check_device("kv_b_proj_weight", self.device)
+            # DCP decodes every head of the layer over the local tokens.
+            decode_heads = n * dcp.world_size
         self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
         self.decode_backend = select_decode_backend(
-            dims, self.dtype, self.kv_cache_dtype, block_size, backend=decode_backend
+            dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, block_size,
+            backend=decode_backend,
         )
         self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
             n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device
         )
         self.decode_impl = self.decode_backend.get_decode_impl_cls()(
-            n, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
+            decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
         )
         self.workspace = WorkspaceManager(self.device)
         self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len)
@@ -151,7 +172,8 @@ class MLAAttention:
         return torch.nonzero(query_lens > 0).flatten()
 
     def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
-        if not self.decode_backend.requires_plan:
+        if not self.decode_backend.requires_plan or self.dcp is not None:
+            # Under DCP the backend decodes the local lengths: it plans per call.
             return None
         key = ("decode",) + self.decode_impl.plan_key() + (self.dtype,)
         plan = metadata.backend_plans.get(key)
@@ -214,7 +236,8 @@ class MLAAttention:
         else:
             checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
 
-        ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, scale=self.k_scale)
+        slot_mapping = metadata.slot_mapping if self.dcp is None else self.dcp.local_slot_mapping(metadata)
+        ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, scale=self.k_scale)
 
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
         if num_decode_tokens > 0:
@@ -238,7 +261,10 @@ class MLAAttention:
         # Absorb W_UK into the query: [B, N, P] x [N, P, Lkv] -> [B, N, Lkv].
         ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
         plan = self._decode_plan(metadata, num_decodes)
-        latent_out, _ = self.decode_impl.forward_mqa(
+        forward_mqa = self.decode_impl.forward_mqa
+        if self.dcp is not None:
+            forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
+        latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len,
             **({} if plan is None else {"plan": plan}),
@@ -269,16 +295,22 @@ class MLAAttention:
             )
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
-                rows = ops.gather_cache(
-                    kv_cache,
-                    prefill_metadata.block_table,
-                    chunked.starts[chunk_idx],
-                    chunked.seq_lens[chunk_idx],
-                    scale=self.k_scale,
-                    out_dtype=self.dtype,
-                    cu_seq_lens=chunked.cu_seq_lens[chunk_idx],
-                    num_tokens=chunked.seq_tot[chunk_idx],
-                )
+                if self.dcp is not None:
+                    rows = self.dcp.gather_context_chunk(
+                        kv_cache, prefill_metadata.block_table, chunked.starts_cpu[chunk_idx],
+                        chunked.seq_lens_cpu[chunk_idx], scale=self.k_scale, out_dtype=self.dtype,
+                    )
+                else:
+                    rows = ops.gather_cache(
+                        kv_cache,
+                        prefill_metadata.block_table,
+                        chunked.starts[chunk_idx],
+                        chunked.seq_lens[chunk_idx],
+                        scale=self.k_scale,
+                        out_dtype=self.dtype,
+                        cu_seq_lens=chunked.cu_seq_lens[chunk_idx],
+                        num_tokens=chunked.seq_tot[chunk_idx],
+                    )
                 chunk_key, chunk_value = self._up_project(rows[:, : d.kv_lora_rank], rows[:, d.kv_lora_rank :])
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
                     prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value
