@@ -47,6 +47,7 @@ KERNEL_MODULES: list[str] = [
     "mla_multi.kernels.cache_ops",
     "mla_multi.kernels.prefill",
     "mla_multi.kernels.merge",
+    "mla_multi.kernels.dcp_combine",
 ]
 
 
