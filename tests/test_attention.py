@@ -198,3 +198,97 @@ def test_gpu_fp8_kv_cache_layer(backend):
     cache = torch.zeros((128, 64, 576), dtype=layer.kv_cache_dtype, device="cuda")
     errors = run_steps(layer, weight, scale, scenario, GPU_STEPS, cache)
     assert max(errors) < 6e-2, (layer.backends(), errors)
+
+
+# --------------------------------------------------------------------------- planning once per step
+
+
+@pytest.fixture
+def planning_backends():
+    """Decode and prefill backends with a planning stage (the REFERENCE math), registered for one test."""
+    from mla_multi import registry
+    from mla_multi.backends.reference import (
+        ReferenceDecodeBackend,
+        ReferenceDecodeImpl,
+        ReferencePrefillBackend,
+        ReferencePrefillImpl,
+    )
+
+    plans = {"decode": [], "prefill": []}
+
+    class PlannedDecodeImpl(ReferenceDecodeImpl):
+        def plan_key(self):
+            return ("PLANNED", self.num_heads, self.scale)
+
+        def plan(self, seq_lens_cpu, block_table, query_len=1, *, k_scale=None, cuda_graph=False):
+            plan = {"seq_lens": seq_lens_cpu.tolist(), "rows": block_table.shape[0], "cuda_graph": cuda_graph}
+            plans["decode"].append(plan)
+            return type("Plan", (), plan)
+
+        def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, plan=None, **kwargs):
+            assert plan is not None and plan.seq_lens == seq_lens.tolist() and plan.rows == q_nope.shape[0]
+            return super().forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, **kwargs)
+
+    class PlannedDecode(ReferenceDecodeBackend):
+        name = "PLANNED"
+        requires_plan = True
+
+        @staticmethod
+        def get_decode_impl_cls():
+            return PlannedDecodeImpl
+
+    class PlannedPrefillImpl(ReferencePrefillImpl):
+        def plan_key(self):
+            return ("PLANNED", self.num_heads)
+
+        def plan(self, prefill_metadata, dtype):
+            plans["prefill"].append(prefill_metadata)
+            return "planned"
+
+    class PlannedPrefill(ReferencePrefillBackend):
+        name = "PLANNED"
+        requires_plan = True
+
+        @staticmethod
+        def get_prefill_impl_cls():
+            return PlannedPrefillImpl
+
+    registry.default_registry.register("decode", "PLANNED", PlannedDecode)
+    registry.default_registry.register("prefill", "PLANNED", PlannedPrefill)
+    yield plans
+    for phase in ("decode", "prefill"):
+        registry.default_registry.backends[phase].pop("PLANNED")
+    registry.default_registry.clear_cache()
+
+
+def test_layers_share_one_plan_per_step(planning_backends):
+    dims = mm.MLADims(4, **SMALL)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                         generator=generator, dtype=torch.float64) / dims.kv_lora_rank**0.5
+    scale = dims.qk_head_dim**-0.5
+    layers = [mm.MLAAttention(dims, scale, weight, block_size=16, max_model_len=1024, max_num_seqs=8,
+                              workspace_tokens=32, prefill_backend="PLANNED", decode_backend="PLANNED")
+              for _ in range(3)]
+    scenario = PagedScenario(dims, 16, 256, torch.device("cpu"), torch.float64, seed=3)
+    cache = torch.full((256, 16, dims.kv_cache_width), float("nan"), dtype=torch.float64)
+    for index, requests in enumerate(MIXED_STEPS):
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        decodes_before, prefills_before = len(planning_backends["decode"]), len(planning_backends["prefill"])
+        if index % 2 == 0:
+            layers[1].plan(metadata)  # explicit: any layer plans for all
+        outs = [layer.forward(q, kv_c, k_pe, cache, metadata) for layer in layers]
+        num_decodes = sum(1 for _, n in requests if n == 1)
+        assert len(planning_backends["decode"]) - decodes_before == (1 if num_decodes else 0), requests
+        assert len(planning_backends["prefill"]) - prefills_before == (1 if num_decodes < len(requests) else 0)
+        if num_decodes:
+            assert planning_backends["decode"][-1]["seq_lens"] == metadata.seq_lens_cpu[:num_decodes].tolist()
+        reference = scenario.reference(requests, q, scale, weight)
+        for out in outs:
+            assert relative_error(out, reference) < 1e-12
+
+
+def test_plan_rejects_other_metadata(planning_backends):
+    layer, _, _ = make_layer(mm.MLADims(2, **SMALL), torch.float32, 16)
+    with pytest.raises(ValueError, match="metadata=dict; accepted: a CommonAttentionMetadata"):
+        layer.plan({})
