@@ -453,3 +453,15 @@ def test_layer_with_flashinfer_for_both_phases(kv_cache_dtype):
         tolerance = 6e-2 if kv_cache_dtype == "fp8" else 2e-2
         for out in outs:
             assert relative_error(out, ref) <= tolerance, (requests, relative_error(out, ref))
+
+
+def test_first_plan_of_a_configuration_is_logged_once_at_info(caplog):
+    calls = []
+    key = ("test-first-use", id(calls))
+    with caplog.at_level("INFO", logger="mla_multi"):
+        for value in (1, 2, 3):
+            assert fi._timed_first_use(key, "decode test", lambda v: calls.append(v) or v, value) == value
+    assert calls == [1, 2, 3]
+    records = [r for r in caplog.records if "FLASHINFER decode test: first plan took" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelname == "INFO"
+    assert "mla-multi warmup" in records[0].getMessage()
