@@ -244,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | bfloat16 | float16")
     warmup.add_argument("--block-size", type=int, default=64)
     warmup.set_defaults(func=cmd_warmup)
-    bench = sub.add_parser("bench", help="benchmarks on the GPU: decode or prefill")
-    bench.add_argument("phase", choices=("decode", "prefill"))
+    bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill or dcp (decode context parallelism)")
+    bench.add_argument("phase", choices=("decode", "prefill", "dcp"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     # (argparse's REMAINDER would stop at the first "--option").
     if argv[:1] == ["compile-check"]:
         return cmd_compile_check(argparse.Namespace(rest=argv[1:]))
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill"):
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill", "dcp"):
         return cmd_bench(argparse.Namespace(phase=argv[1], rest=argv[2:]))
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -54,6 +54,13 @@ def test_bench_options_reach_the_benchmark(monkeypatch):
     assert seen["argv"] == ["--heads", "16", "--cases", "1x4096"]
 
 
+def test_bench_dcp_options_reach_the_benchmark(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("mla_multi.benchmarks.dcp.main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.main(["bench", "dcp", "--cases", "8x32768", "--world-sizes", "1,2"]) == 0
+    assert seen["argv"] == ["--cases", "8x32768", "--world-sizes", "1,2"]
+
+
 def test_demo_on_the_cpu_checks_against_naive_mla():
     done = run_cli("demo", "--num-heads", "4")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -580,3 +580,20 @@ def test_not_initialised_is_an_error():
         pytest.skip("torch.distributed is initialised in this process")
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         DecodeContextParallel()
+
+
+def test_bench_dcp_runs_on_the_cpu(tmp_path, capsys):
+    """`mla-multi bench dcp --device cpu`: the benchmark's processes, groups and report over gloo."""
+    from mla_multi.benchmarks import dcp as bench
+
+    report = tmp_path / "dcp.json"
+    code = bench.main(["--device", "cpu", "--cases", "2x40", "--heads", "4", "--world-sizes", "1,2",
+                       "--iterations", "2", "--block-size", "4", "--json", str(report)])
+    assert code == 0
+    assert "collect. us" in capsys.readouterr().out
+    rows = {row["world"]: row for row in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {1, 2}
+    assert rows[1]["local_tokens"] == 40 and rows[2]["local_tokens"] == 20
+    assert rows[2]["cache_bytes"] * 2 == rows[1]["cache_bytes"]
+    assert rows[1]["collectives_us"] == 0 and rows[2]["collectives_us"] > 0
+    assert rows[2]["heads_per_gpu"] == 2 and rows[1]["speedup"] == 1.0
