@@ -172,18 +172,23 @@ class MLAAttention:
         return torch.nonzero(query_lens > 0).flatten()
 
     def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
-        if not self.decode_backend.requires_plan or self.dcp is not None:
-            # Under DCP the backend decodes the local lengths: it plans per call.
+        if not self.decode_backend.requires_plan:
             return None
         key = ("decode",) + self.decode_impl.plan_key() + (self.dtype,)
+        if self.dcp is not None:  # planned for the local lengths
+            key += ("dcp", self.dcp.world_size, self.dcp.interleave)
         plan = metadata.backend_plans.get(key)
         if plan is None or (cuda_graph and not plan.cuda_graph):
             rows = self._decode_rows(metadata, num_decodes)
             block_table = metadata.block_table[:num_decodes]
             if len(rows) != num_decodes:
                 block_table = block_table[rows.to(block_table.device)]
+            seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes][rows]
+            if self.dcp is not None:
+                # Under DCP the backend decodes this rank's share of each sequence.
+                seq_lens_cpu = self.dcp.local_seq_lens(seq_lens_cpu)
             plan = self.decode_impl.plan(
-                metadata.seq_lens_cpu[:num_decodes][rows], block_table, 1,
+                seq_lens_cpu, block_table, 1,
                 k_scale=self.k_scale_value, cuda_graph=cuda_graph,
             )
             metadata.backend_plans[key] = plan

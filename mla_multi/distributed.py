@@ -331,20 +331,24 @@ class DecodeContextParallel:
         k_scale=None,
         workspace_manager=None,
         max_seq_len: int | None = None,
+        plan=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`mla_decode` through a decode impl built for world_size * N_local heads (the layer's path).
 
-        Shapes as in `mla_decode`; `workspace_manager` and `max_seq_len` (a
-        host bound of the global seq_lens) pass to `impl.forward_mqa`, the
-        latter as this rank's share. Returns (out, lse) of this rank's heads.
+        Shapes as in `mla_decode`; `workspace_manager`, `max_seq_len` (a host
+        bound of the global seq_lens, passed on as this rank's share) and
+        `plan` (for backends with a planning stage: planned with
+        `local_seq_lens`) pass to `impl.forward_mqa`. Returns (out, lse) of
+        this rank's heads.
         """
         self._check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens)
         local_bound = None if max_seq_len is None else self.local_num_tokens(max_seq_len, rank=0)
+        extra = {} if plan is None else {"plan": plan}
 
         def decode(local_q_nope, local_q_pe, table, local_lens):
             return impl.forward_mqa(
                 local_q_nope, local_q_pe, kv_cache, table, local_lens,
-                k_scale=k_scale, workspace_manager=workspace_manager, max_seq_len=local_bound,
+                k_scale=k_scale, workspace_manager=workspace_manager, max_seq_len=local_bound, **extra,
             )
 
         return self._run(q_nope, q_pe, kv_cache, block_table, seq_lens, decode)

@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 import traceback
+import types
 from datetime import timedelta
 
 import pytest
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 import mla_multi as mm
 from mla_multi import ops
+from mla_multi.backends.reference import ReferenceDecodeBackend, ReferenceDecodeImpl
 from mla_multi.distributed import DecodeContextParallel
 from mla_multi.testing import PagedScenario, relative_error
 
@@ -271,7 +273,7 @@ LAYER_STEPS = [
 
 
 def check_layer(ctx, dcp, *, dims_local, dtype, block_size, workspace_tokens, tolerance, backends, steps=LAYER_STEPS,
-                seed=0):
+                seed=0, adjust_layer=None):
     """MLAAttention with DCP against the single-device layer and naive float64 MLA, step by step."""
     num_local = dims_local.num_heads
     dims = dataclasses.replace(dims_local, num_heads=num_local * ctx.world)
@@ -287,6 +289,8 @@ def check_layer(ctx, dcp, *, dims_local, dtype, block_size, workspace_tokens, to
     single = mm.MLAAttention(dims, scale, weight, **common)
     layer = mm.MLAAttention(dims_local, scale, local_weight.contiguous(), dcp=dcp, **common)
     assert layer.decode_impl.num_heads == dims.num_heads
+    if adjust_layer is not None:
+        adjust_layer(layer)
     max_len = 64
     blocks_per_request = -(-max_len // block_size)
     num_blocks = 8 * blocks_per_request
@@ -326,6 +330,50 @@ def scenario_layer_matches_single_device_layer(ctx):
             ctx, DecodeContextParallel(interleave=interleave), dims_local=mm.MLADims(2, **SMALL), dtype=dtype,
             block_size=4, workspace_tokens=16, tolerance=tolerance, backends=None, seed=interleave,
         )
+
+
+class PlanningDecodeImpl(ReferenceDecodeImpl):
+    """The REFERENCE decode behind a planning stage that records the lengths it planned for."""
+
+    plans = 0
+
+    def plan_key(self):
+        return ("planning-reference", self.num_heads)
+
+    def plan(self, seq_lens_cpu, block_table, query_len, *, k_scale=None, cuda_graph=False):
+        PlanningDecodeImpl.plans += 1
+        return types.SimpleNamespace(seq_lens=seq_lens_cpu.clone(), cuda_graph=cuda_graph)
+
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, plan=None, **kwargs):
+        assert plan is not None, "the layer passed no plan"
+        assert plan.seq_lens.tolist() == seq_lens.tolist(), "planned for other lengths than decoded"
+        return super().forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, **kwargs)
+
+
+class PlanningDecodeBackend(ReferenceDecodeBackend):
+    requires_plan = True
+
+    @staticmethod
+    def get_decode_impl_cls():
+        return PlanningDecodeImpl
+
+
+def scenario_layer_plans_for_local_lengths(ctx):
+    """A decode backend with a planning stage (as FLASHINFER) is planned with this rank's lengths."""
+
+    def plan_through_fake(layer):
+        impl = layer.decode_impl
+        layer.decode_backend = PlanningDecodeBackend
+        layer.decode_impl = PlanningDecodeImpl(
+            impl.num_heads, impl.scale, impl.kv_lora_rank, impl.qk_rope_head_dim, impl.kv_cache_dtype,
+            impl.block_size, impl.device,
+        )
+
+    check_layer(
+        ctx, DecodeContextParallel(interleave=2), dims_local=mm.MLADims(2, **SMALL), dtype=torch.float64,
+        block_size=4, workspace_tokens=16, tolerance=1e-10, backends=None, adjust_layer=plan_through_fake,
+    )
+    assert PlanningDecodeImpl.plans >= 3
 
 
 def scenario_bad_inputs(ctx):
@@ -383,6 +431,7 @@ CPU_SCENARIOS = {
     "combine_ignores_ranks_without_tokens": scenario_combine_ignores_ranks_without_tokens,
     "context_chunk_gather": scenario_context_chunk_gather,
     "layer_matches_single_device_layer": scenario_layer_matches_single_device_layer,
+    "layer_plans_for_local_lengths": scenario_layer_plans_for_local_lengths,
     "bad_inputs": scenario_bad_inputs,
 }
 
