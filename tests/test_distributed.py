@@ -496,7 +496,9 @@ def scenario_gpu_cuda_graph(ctx):
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # Thread-local capture: the process group's watchdog thread may query events of
+        # earlier collectives while this thread captures.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             static_out, static_lse = step()
         for trial in range(4):
             fill(trial)

@@ -86,7 +86,9 @@ def captured(fn, device: torch.device):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Thread-local capture: the process group's watchdog thread may query events of
+    # earlier collectives while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         fn()
     torch.cuda.synchronize()
     return graph.replay
