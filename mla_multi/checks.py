@@ -2,7 +2,10 @@
 
 Shape, dtype and device checks run on the host from tensor metadata and never
 synchronise the device.  Checks that read tensor data (indices inside the
-cache) run only when `MLA_MULTI_CHECK_INPUTS=1` (the test suite sets it).
+cache) run when `MLA_MULTI_CHECK_INPUTS=1` (the test suite sets it) and always
+on CPU tensors, where reading them costs no device synchronisation.  Without
+them the kernels stay inside their tensors and record bad indices on the device
+(`mla_multi.errors`); a call that runs the data checks reports those first.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from mla_multi import envs
+from mla_multi import envs, errors
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -65,27 +68,44 @@ def check_scale(name: str, scale, required: bool) -> None:
     if torch.is_tensor(scale):
         if scale.numel() != 1 or not scale.dtype.is_floating_point:
             raise ValueError(f"{name}={describe(scale)}; accepted: a positive float or a 1-element float32 tensor")
-        if data_checks_enabled() and not float(scale.detach().cpu().reshape(())) > 0:
+        if data_checks_enabled(scale.device) and not float(scale.detach().cpu().reshape(())) > 0:
             raise ValueError(f"{name}={scale.item()!r}; accepted: a positive scale")
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"{name}={scale!r}; accepted: a positive float or a 1-element float32 tensor")
 
 
-def data_checks_enabled() -> bool:
-    return bool(envs.MLA_MULTI_CHECK_INPUTS)
+def data_checks_enabled(device: torch.device | str | None = None) -> bool:
+    """Whether the checks that read tensor data run for tensors on `device`.
+
+    Always on the CPU (no device to synchronise); elsewhere when
+    MLA_MULTI_CHECK_INPUTS=1.  When they run, the errors the kernels recorded
+    on that device since the last report are raised first.
+    """
+    if envs.MLA_MULTI_CHECK_INPUTS:
+        return True
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def report_pending_errors(device: torch.device) -> None:
+    """When the data checks run for `device`, raise what the kernels recorded there since the last report.
+
+    Nothing is allocated: a device whose flag does not exist has nothing pending.
+    """
+    if data_checks_enabled(device) and errors.has_flag(device):
+        errors.raise_pending_errors(device)
 
 
 def check_non_negative_data(name: str, values: torch.Tensor) -> None:
-    """With MLA_MULTI_CHECK_INPUTS=1: no negative entry."""
-    if data_checks_enabled() and bool((values.detach().cpu() < 0).any()):
+    """With the data checks on (see `data_checks_enabled`): no negative entry."""
+    if data_checks_enabled(values.device) and bool((values.detach().cpu() < 0).any()):
         raise ValueError(f"{name}={values.tolist()}; accepted: non-negative values")
 
 
 def check_block_table_data(
     block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, name: str = "seq_lens"
 ) -> None:
-    """With MLA_MULTI_CHECK_INPUTS=1: every block a sequence uses lies in [0, num_blocks), seq_lens fit the table."""
-    if not data_checks_enabled():
+    """With the data checks on: every block a sequence uses lies in [0, num_blocks), seq_lens fit the table."""
+    if not data_checks_enabled(block_table.device):
         return
     lens = seq_lens.detach().to("cpu", torch.int64)
     table = block_table.detach().cpu()
@@ -101,8 +121,8 @@ def check_block_table_data(
 
 
 def check_slot_data(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """With MLA_MULTI_CHECK_INPUTS=1: every non-negative slot lies inside the cache."""
-    if not data_checks_enabled():
+    """With the data checks on: every non-negative slot lies inside the cache."""
+    if not data_checks_enabled(slot_mapping.device):
         return
     slots = slot_mapping.detach().cpu()
     bad = slots[slots >= num_slots]

@@ -4,13 +4,21 @@
 chooses, a name forces one).  The cache ops and `merge_attn_states` use Triton
 kernels on GPUs and PyTorch elsewhere.  Every op checks its inputs on the host
 (see `mla_multi.checks`) and raises ValueError naming the bad argument.
+
+Index data (block tables, lengths, slots, cumulative lengths) is checked
+when `MLA_MULTI_CHECK_INPUTS=1` and always on the CPU.  Without the checks the
+kernels never leave their tensors: a request with bad indices gets NaN rows
+(a bad slot is not written) and the kind of error is recorded on the device,
+reported by `raise_pending_errors()` or by the next call that runs the checks.
+Under ``TRITON_INTERPRET=1`` the Triton kernels also serve CPU tensors, so they
+can be stepped through without a GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_multi import checks
+from mla_multi import checks, errors
 from mla_multi.backends import reference
 from mla_multi.backends.base import FP8_DTYPES
 from mla_multi.dims import MLADims
@@ -19,12 +27,30 @@ from mla_multi.registry import select_decode_backend, select_prefill_backend
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
-__all__ = ["mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_mla", "gather_cache"]
+__all__ = [
+    "mla_decode",
+    "mla_prefill",
+    "merge_attn_states",
+    "concat_and_cache_mla",
+    "gather_cache",
+    "raise_pending_errors",
+    "error_flag",
+]
+
+raise_pending_errors = errors.raise_pending_errors
+error_flag = errors.error_flag
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    """Triton kernels serve GPU tensors (float64 excepted); the PyTorch versions serve the CPU."""
-    return tensor.device.type == "cuda" and tensor.dtype != torch.float64
+    """Triton kernels serve GPU tensors (float64 excepted), and CPU tensors under Triton's interpreter;
+    the PyTorch versions serve the rest."""
+    if tensor.dtype == torch.float64:
+        return False
+    if tensor.device.type == "cuda":
+        return True
+    from mla_multi.kernels import interpreter_active
+
+    return tensor.device.type == "cpu" and interpreter_active()
 
 
 def _scale_tensor(scale, device: torch.device):
@@ -79,6 +105,7 @@ def mla_decode(
     scale = _check_float("scale", scale)
     checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
     _check_positive_int("num_kv_splits", num_kv_splits)
+    checks.report_pending_errors(device)
     checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
 
     num_heads = q_nope.shape[-2]
@@ -136,7 +163,8 @@ def mla_prefill(
     scale = _check_float("scale", scale)
     if qk_head_dim < 2:
         raise ValueError(f"q has head dim {qk_head_dim}; accepted: at least 2")
-    if checks.data_checks_enabled():
+    if checks.data_checks_enabled(device):
+        checks.report_pending_errors(device)
         for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
             values = cu.cpu()
             if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()) or int(values[-1]) > total:
@@ -195,6 +223,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
+    checks.report_pending_errors(device)
     checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     if _use_triton(kv_cache) and _use_triton(kv_c):
         from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
@@ -224,6 +253,7 @@ def gather_cache(
     checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
         raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")
+    checks.report_pending_errors(device)
     checks.check_non_negative_data("seq_starts", seq_starts)
     checks.check_non_negative_data("seq_lens", seq_lens)
     checks.check_block_table_data(
@@ -233,10 +263,15 @@ def gather_cache(
         from mla_multi.kernels.cache_ops import gather_cache as gather_kernel
 
         if cu_seq_lens is None:
+            # A negative length contributes no rows, as in the PyTorch version;
+            # it is recorded on the device without a synchronisation.
+            negative = seq_lens < 0
+            error_bits = negative.any().to(torch.int32) * errors.SEQ_RANGE
+            errors.error_flag(device).bitwise_or_(error_bits)
             cu_seq_lens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-            cu_seq_lens[1:] = seq_lens.cumsum(0)
+            cu_seq_lens[1:] = seq_lens.masked_fill(negative, 0).cumsum(0)
         if num_tokens is None:
-            num_tokens = int(cu_seq_lens[-1])
+            num_tokens = max(0, int(cu_seq_lens[-1]))
         dtype = out_dtype or (torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype)
         out = torch.empty(num_tokens, kv_cache.shape[-1], dtype=dtype, device=device)
         return gather_kernel(

@@ -177,17 +177,13 @@ def _valid_args():
         (dict(max_seqlen_q=-1), "max_seqlen_q"),
         (dict(out=torch.zeros(4, 2, 192, dtype=torch.float16)), "out must be"),
         (dict(lse=torch.zeros(4, 2)), "lse must be"),
-        # Data checks (the suite runs with MLA_MULTI_CHECK_INPUTS=1).
-        (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32), max_seqlen_q=5), "inside \\[0, 4\\]"),
-        (dict(max_seqlen_k=5), "longer than max_seqlen=5"),
-        (dict(cu_seqlens_q=torch.tensor([0, 4, 2], dtype=torch.int32), cu_seqlens_k=_cu([3, 3])), "non-decreasing"),
+        (dict(error_flag=torch.zeros(2, dtype=torch.int32)), "error_flag has shape"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
-def test_varlen_attention_bad_input(change, match, monkeypatch):
+def test_varlen_attention_bad_input(change, match):
+    # Boundary data is the kernel's to check (tests/test_safety.py); `mm.ops.mla_prefill` checks it on the host.
     from mla_multi.kernels.prefill import varlen_attention
-
-    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "1")
 
     args = _valid_args()
     args.update(change)

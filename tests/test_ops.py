@@ -482,16 +482,48 @@ def test_prefill_data_checks(data_checks, argument, values):
     assert_names_argument(info.value, argument)
 
 
-def test_data_checks_follow_the_variable(monkeypatch):
+@pytest.mark.parametrize("variable", ["0", "1"])
+def test_data_checks_always_run_on_the_cpu(monkeypatch, variable):
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", variable)
     table = torch.tensor([[5]], dtype=torch.int32)
-    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")
-    checks.check_block_table_data(table, torch.tensor([3]), num_blocks=2, block_size=4)
-    checks.check_slot_data(torch.tensor([100]), num_slots=8)
-    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "1")
     with pytest.raises(ValueError, match="block_table"):
         checks.check_block_table_data(table, torch.tensor([3]), num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="slot_mapping"):
         checks.check_slot_data(torch.tensor([100]), num_slots=8)
+    with pytest.raises(ValueError, match="seq_lens"):
+        checks.check_non_negative_data("seq_lens", torch.tensor([-1]))
+    assert checks.data_checks_enabled(torch.device("cpu"))
+
+
+def test_data_checks_on_devices_follow_the_variable(monkeypatch):
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")
+    assert not checks.data_checks_enabled(torch.device("cuda", 0))
+    assert not checks.data_checks_enabled(None)
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "1")
+    assert checks.data_checks_enabled(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize(
+    "op, mutate, fragment",
+    [
+        ("mla_decode", lambda a: a["block_table"].__setitem__((1, 0), a["kv_cache"].shape[0]), "block_table[1]"),
+        ("mla_decode", lambda a: a["seq_lens"].__setitem__(1, 97), "seq_lens="),
+        ("mla_prefill", lambda a: a.__setitem__("cu_seqlens_q", cu([1, 2, 6, 2]) + 1), "cu_seqlens_q"),
+        ("mla_prefill", lambda a: a.__setitem__("max_seqlen_q", 2), "max_seqlen_q"),
+        ("concat_and_cache_mla", lambda a: a["slot_mapping"].__setitem__(0, 64), "slot_mapping"),
+        ("gather_cache", lambda a: a["block_table"].__setitem__((1, 1), 99), "block_table[1]"),
+        ("gather_cache", lambda a: a["seq_lens"].__setitem__(2, -1), "seq_lens"),
+    ],
+    ids=["decode-block", "decode-seq-len", "prefill-cu-seqlens", "prefill-max-seqlen", "concat-slot", "gather-block",
+         "gather-negative-length"],
+)
+def test_bad_data_on_the_cpu_is_a_value_error_without_the_variable(monkeypatch, op, mutate, fragment):
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")
+    args = valid_args(op)
+    mutate(args)
+    with pytest.raises(ValueError, match="accepted") as info:
+        run_op(op, args)
+    assert fragment in str(info.value)
 
 
 # --------------------------------------------------------------------------- values

@@ -1,1 +1,17 @@
 """Private Triton kernels of mla_multi and their launch configurations (no dispatch logic)."""
+
+from __future__ import annotations
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on the CPU.
+
+    Triton reads the variable when a kernel is defined, so it must be set
+    before the kernel modules are imported; this reads it the way Triton does.
+    False when Triton is not importable.
+    """
+    try:
+        from triton import knobs
+    except Exception:  # no (usable) Triton: no interpreter either
+        return False
+    return bool(knobs.runtime.interpret)

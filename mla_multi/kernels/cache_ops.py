@@ -2,12 +2,16 @@
 
 * `concat_and_cache_mla` writes ``[kv_c | k_pe]`` rows at their slots
   (``slot = block * block_size + offset``; a negative slot is padding and is
-  skipped).  An FP8 cache is written as ``x / scale`` rounded to nearest-even
-  and saturated to the format's largest finite value (448 for e4m3fn, 240 for
-  e4m3fnuz), so no value becomes NaN.
+  skipped, a slot past the cache is skipped too and sets the ``SLOT`` bit of
+  the device's error flag, `mla_multi.errors`).  An FP8 cache is written as
+  ``x / scale`` rounded to nearest-even and saturated to the format's largest
+  finite value (448 for e4m3fn, 240 for e4m3fnuz), so no value becomes NaN.
 * `gather_cache` copies each request's cached tokens ``seq_starts[i] ..
   seq_starts[i] + seq_lens[i]`` into one contiguous ``[sum(seq_lens), Lkv + R]``
-  tensor, dequantising an FP8 cache by ``scale``.
+  tensor, dequantising an FP8 cache by ``scale``.  An output row whose
+  position lies outside its block-table row, whose block lies outside the
+  cache, or that no range of ``cu_seq_lens`` covers is NaN, reads nothing
+  outside the tensors and sets its bit of the error flag.
 
 FP8 bytes are encoded and decoded with integer arithmetic on every backend:
 the NVIDIA backend has no conversion for ``float8_e4m3fnuz`` (and none at all
@@ -20,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_multi import errors
 from mla_multi.kernels.launch_config import CompileSpec, cache_ops_config
 from mla_multi.kernels.mla_decode import _fp8_bits_to_float
 
@@ -29,6 +34,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _FP8_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e4m3fnuz: 8}
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32) + FP8_DTYPES
+BLOCK_INDEX_ERROR = tl.constexpr(errors.BLOCK_INDEX)
+SEQ_RANGE_ERROR = tl.constexpr(errors.SEQ_RANGE)
+SLOT_ERROR = tl.constexpr(errors.SLOT)
+CU_SEQLENS_ERROR = tl.constexpr(errors.CU_SEQLENS)
 
 
 @triton.jit
@@ -61,11 +70,13 @@ def _concat_and_cache_mla_kernel(
     KV_cache,
     Slot_mapping,
     Scale,
+    Error_flag,
     stride_kv_c_t,
     stride_k_pe_t,
     stride_cache_block,
     stride_cache_token,
     block_size,
+    num_slots,
     KV_LORA_RANK: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     FP8_BIAS: tl.constexpr,
@@ -73,14 +84,19 @@ def _concat_and_cache_mla_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slot_mapping + token).to(tl.int64)
-    # padding tokens (negative slots) write nothing
-    keep = slot >= 0
+    # padding tokens (negative slots) write nothing; slots past the cache neither, and are recorded
+    past_cache = slot >= num_slots
+    tl.atomic_or(Error_flag, SLOT_ERROR, mask=past_cache)
+    keep = (slot >= 0) & ~past_cache
     safe_slot = tl.where(keep, slot, 0)
     row = KV_cache + (safe_slot // block_size) * stride_cache_block + (safe_slot % block_size) * stride_cache_token
     offs_c = tl.arange(0, KV_LORA_RANK)
     offs_r = tl.arange(0, ROPE_DIM)
-    keep_c = (offs_c * 0 + slot) >= 0
-    keep_r = (offs_r * 0 + slot) >= 0
+    # the scalar decision as vector masks (built from vectors: the interpreter takes no broadcast scalar mask)
+    slot_c = offs_c * 0 + slot
+    slot_r = offs_r * 0 + slot
+    keep_c = (slot_c >= 0) & (slot_c < num_slots)
+    keep_r = (slot_r >= 0) & (slot_r < num_slots)
     kv_c = tl.load(KV_c + token * stride_kv_c_t + offs_c, mask=keep_c, other=0.0)
     k_pe = tl.load(K_pe + token * stride_k_pe_t + offs_r, mask=keep_r, other=0.0)
     if FP8_BIAS != 0:
@@ -102,12 +118,15 @@ def _gather_cache_kernel(
     Seq_starts,
     Out,
     Scale,
+    Error_flag,
     batch_size,
     stride_cache_block,
     stride_cache_token,
     stride_bt_b,
     stride_out_t,
     block_size,
+    max_blocks,
+    num_cache_blocks,
     KV_LORA_RANK: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
@@ -116,6 +135,7 @@ def _gather_cache_kernel(
 ):
     out_token = tl.program_id(0)
     # the request owning this output row: the last i with cu_seq_lens[i] <= out_token
+    # (whatever the values, the search stays inside [0, batch_size - 1])
     low = out_token * 0
     high = low + batch_size - 1
     for _ in tl.static_range(SEARCH_STEPS):
@@ -124,8 +144,18 @@ def _gather_cache_kernel(
         low = tl.where(go_right, mid, low)
         high = tl.where(go_right, high, mid - 1)
     request = low
-    position = tl.load(Seq_starts + request) + (out_token - tl.load(Cu_seq_lens + request))
-    page = tl.load(Block_table + request.to(tl.int64) * stride_bt_b + position // block_size).to(tl.int64)
+    range_start = tl.load(Cu_seq_lens + request)
+    covered = (range_start <= out_token) & (out_token < tl.load(Cu_seq_lens + request + 1))
+    position = tl.load(Seq_starts + request).to(tl.int64) + (out_token.to(tl.int64) - range_start)
+    in_table = (position >= 0) & (position < max_blocks * block_size)
+    position = tl.where(covered & in_table, position, 0)
+    page = tl.load(Block_table + request.to(tl.int64) * stride_bt_b + position // block_size)
+    in_cache = (page >= 0) & (page < num_cache_blocks)
+    tl.atomic_or(Error_flag, CU_SEQLENS_ERROR, mask=~covered)
+    tl.atomic_or(Error_flag, SEQ_RANGE_ERROR, mask=covered & ~in_table)
+    tl.atomic_or(Error_flag, BLOCK_INDEX_ERROR, mask=covered & in_table & ~in_cache)
+    valid = covered & in_table & in_cache
+    page = tl.where(valid, page, 0).to(tl.int64)
     row = KV_cache + page * stride_cache_block + (position % block_size) * stride_cache_token
     offs_c = tl.arange(0, KV_LORA_RANK)
     offs_r = tl.arange(0, ROPE_DIM)
@@ -141,6 +171,8 @@ def _gather_cache_kernel(
         scale = tl.load(Scale).to(tl.float32)
         kv_c = kv_c * scale
         k_pe = k_pe * scale
+    kv_c = tl.where(valid, kv_c, float("nan"))
+    k_pe = tl.where(valid, k_pe, float("nan"))
     out_row = Out + out_token.to(tl.int64) * stride_out_t
     tl.store(out_row + offs_c, kv_c.to(Out.dtype.element_ty))
     tl.store(out_row + KV_LORA_RANK + offs_r, k_pe.to(Out.dtype.element_ty))
@@ -170,6 +202,17 @@ def _launch_view(kv_cache: torch.Tensor):
     return fp8, kv_cache.view(torch.uint8) if fp8 else kv_cache, cache_ops_config(current_platform())
 
 
+def _error_flag(error_flag: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if error_flag is None:
+        return errors.error_flag(device)
+    if error_flag.shape != (1,) or error_flag.dtype != torch.int32 or error_flag.device != device:
+        raise ValueError(
+            f"error_flag has shape {tuple(error_flag.shape)}, dtype {error_flag.dtype} on {error_flag.device}; "
+            f"accepted: [1] int32 on {device}"
+        )
+    return error_flag
+
+
 def _check_scale(kv_cache: torch.Tensor, scale) -> None:
     if kv_cache.dtype in FP8_DTYPES:
         if scale is None or not torch.is_tensor(scale) or scale.numel() != 1:
@@ -186,6 +229,8 @@ def concat_and_cache_mla(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     scale: torch.Tensor | None = None,
+    *,
+    error_flag: torch.Tensor | None = None,
 ) -> None:
     """Write ``[kv_c | k_pe]`` of each token into its cache slot.
 
@@ -197,6 +242,9 @@ def concat_and_cache_mla(
         slot_mapping: [T] int64; slot = block * block_size + offset, negative = skip.
         scale: float32 tensor of 1 element, required for an FP8 cache (the
             stored value is x / scale, saturated).
+        error_flag: int32 [1] that slots past the cache are ORed into
+            (`mla_multi.errors.SLOT`); default the device's flag. Such a token is
+            not written.
     """
     if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0]:
         raise ValueError(
@@ -221,6 +269,7 @@ def concat_and_cache_mla(
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
         return
+    error_flag = _error_flag(error_flag, kv_cache.device)
     fp8, cache, config = _launch_view(kv_cache)
     _concat_and_cache_mla_kernel[(num_tokens,)](
         kv_c,
@@ -228,11 +277,13 @@ def concat_and_cache_mla(
         cache,
         slot_mapping,
         scale if fp8 else slot_mapping,
+        error_flag,
         kv_c.stride(0),
         k_pe.stride(0),
         cache.stride(0),
         cache.stride(1),
         kv_cache.shape[1],
+        kv_cache.shape[0] * kv_cache.shape[1],
         KV_LORA_RANK=kv_c.shape[1],
         ROPE_DIM=k_pe.shape[1],
         FP8_BIAS=_FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
@@ -250,6 +301,7 @@ def gather_cache(
     scale: torch.Tensor | None = None,
     *,
     kv_lora_rank: int | None = None,
+    error_flag: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each request's cached tokens into one contiguous tensor.
 
@@ -262,6 +314,11 @@ def gather_cache(
             row cu_seq_lens[i] + j is position seq_starts[i] + j of request i.
         scale: float32 tensor of 1 element, required for an FP8 cache (dequantisation).
         kv_lora_rank: Lkv (default: 512 for 576-wide rows, else inferred).
+        error_flag: int32 [1] that bad indices are ORed into (`mla_multi.errors` bits);
+            default the device's flag. A row whose position lies outside
+            [0, max_blocks * block_size), whose block lies outside the cache, or
+            that no range of cu_seq_lens covers is NaN; nothing outside the
+            tensors is read whatever the index values.
 
     Returns:
         out.
@@ -299,8 +356,13 @@ def gather_cache(
     lora, rope = _split_row_width(kv_cache, kv_lora_rank)
     _check_scale(kv_cache, scale)
     total = out.shape[0]
-    if total == 0 or batch == 0:
+    if total == 0:
         return out
+    if batch == 0 or block_table.shape[1] == 0 or kv_cache.shape[0] * kv_cache.shape[1] == 0:
+        # nothing can be read: every row is one that no valid position covers
+        _error_flag(error_flag, kv_cache.device).bitwise_or_(errors.CU_SEQLENS if batch == 0 else errors.SEQ_RANGE)
+        return out.fill_(float("nan"))
+    error_flag = _error_flag(error_flag, kv_cache.device)
     fp8, cache, config = _launch_view(kv_cache)
     _gather_cache_kernel[(total,)](
         cache,
@@ -309,12 +371,15 @@ def gather_cache(
         seq_starts,
         out,
         scale if scale is not None else cu_seq_lens,
+        error_flag,
         batch,
         cache.stride(0),
         cache.stride(1),
         block_table.stride(0),
         out.stride(0),
         kv_cache.shape[1],
+        block_table.shape[1],
+        kv_cache.shape[0],
         KV_LORA_RANK=lora,
         ROPE_DIM=rope,
         SEARCH_STEPS=batch.bit_length() + 1,
@@ -342,11 +407,13 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "KV_cache": cache_type,
                     "Slot_mapping": "*i64",
                     "Scale": "*fp32" if fp8 else "*i64",
+                    "Error_flag": "*i32",
                     "stride_kv_c_t": "i32",
                     "stride_k_pe_t": "i32",
                     "stride_cache_block": "i32",
                     "stride_cache_token": "i32",
                     "block_size": "i32",
+                    "num_slots": "i32",
                     "KV_LORA_RANK": "constexpr",
                     "ROPE_DIM": "constexpr",
                     "FP8_BIAS": "constexpr",
@@ -373,12 +440,15 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "Seq_starts": "*i32",
                     "Out": "*bf16",
                     "Scale": "*fp32" if fp8 else "*i32",
+                    "Error_flag": "*i32",
                     "batch_size": "i32",
                     "stride_cache_block": "i32",
                     "stride_cache_token": "i32",
                     "stride_bt_b": "i32",
                     "stride_out_t": "i32",
                     "block_size": "i32",
+                    "max_blocks": "i32",
+                    "num_cache_blocks": "i32",
                     "KV_LORA_RANK": "constexpr",
                     "ROPE_DIM": "constexpr",
                     "SEARCH_STEPS": "constexpr",

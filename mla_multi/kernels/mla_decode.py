@@ -35,6 +35,12 @@ Design (why it is shaped this way):
   no conversion for the cache's FP8 flavour (``float8_e4m3fnuz`` on NVIDIA,
   any FP8 on sm_80) the bytes are decoded with integer arithmetic instead.
   On NVIDIA K^T of an FP8 tile is loaded separately (see `load_k_transposed`).
+* Bad index data never moves a load outside its tensor: ``seq_lens`` outside
+  ``[0, max_blocks * block_size]`` are read as 0, and a block-table entry
+  outside ``[0, num_blocks)`` as block 0 (a scalar compare and select per tile,
+  nothing more in the loop).  Such a request's rows and LSE are NaN (a split
+  that met a bad block writes LSE NaN and the merge propagates it) and the
+  kind of error is ORed into the device's error flag (`mla_multi.errors`).
 * Launch configurations (`launch_config.decode_config`) come from the
   compile check's register/spill/LDS report and H200 timings
   (bench/RESULTS.md).
@@ -48,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_multi import errors
 from mla_multi.kernels.launch_config import (
     CompileSpec,
     DecodeLaunchConfig,
@@ -70,6 +77,8 @@ _CACHE_DTYPES = (torch.float16, torch.bfloat16) + FP8_DTYPES
 MAX_QUERY_LEN = 8
 SUPPORTED_KV_LORA_RANKS = "powers of two from 16 to 512 (DeepSeek: 512)"
 _LOG2E = 1.4426950408889634
+BLOCK_INDEX_ERROR = tl.constexpr(errors.BLOCK_INDEX)
+SEQ_RANGE_ERROR = tl.constexpr(errors.SEQ_RANGE)
 # float32 values per partial row: a multiple of 16, so every partial row starts
 # 64-byte aligned and the partial stores are vectorised
 _ATTN_LOGITS_ALIGN = 16
@@ -115,20 +124,34 @@ def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
 
 @triton.jit
 def _decode_tile(
-    start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi,
-    KV_cache, block_table_row, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
+    start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block,
+    KV_cache, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale,
+    rows, row_limit,
     Q_LEN: tl.constexpr, KV_LORA_RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr,
 ):
-    """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv."""
+    """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv.
+
+    A block-table entry outside [0, num_cache_blocks) is read as block 0 (in
+    bounds) and marked in `bad_block` (a scalar when the tile lies in one page,
+    else one flag per position); the caller turns the request's rows to NaN.
+    """
     pos = start + tl.arange(0, BLOCK_N)
     pos_valid = pos < split_end
     if PAGE_SIZE % BLOCK_N == 0:
         # the tile lies inside one page: one block-table entry
-        page = tl.load(block_table_row + start // PAGE_SIZE).to(tl.int64)
+        page = tl.load(block_table_row + start // PAGE_SIZE)
+        page_bad = (page < 0) | (page >= num_cache_blocks)
+        bad_block = bad_block | page_bad
+        page = tl.where(page_bad, 0, page).to(tl.int64)
         row_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
     else:
-        pages = tl.load(block_table_row + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        pages = tl.load(block_table_row + pos // PAGE_SIZE, mask=pos_valid, other=0)
+        # masked positions read page 0, which only a cache of no block makes bad,
+        # and such a cache has no position to read
+        pages_bad = (pages < 0) | (pages >= num_cache_blocks)
+        bad_block = bad_block | pages_bad
+        pages = tl.where(pages_bad, 0, pages).to(tl.int64)
         row_ptrs = KV_cache + pages * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
     kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
     kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
@@ -180,7 +203,7 @@ def _decode_tile(
     p = p.to(kv_lo.dtype)
     acc_lo = tl.dot(p, kv_lo, acc=acc_lo * alpha[:, None])
     acc_hi = tl.dot(p, kv_hi, acc=acc_hi * alpha[:, None])
-    return m_new, l_i, acc_lo, acc_hi
+    return m_new, l_i, acc_lo, acc_hi, bad_block
 
 
 @triton.jit
@@ -194,9 +217,12 @@ def _mla_decode_split_kernel(
     Attn_logits,
     Out,
     Lse,
+    Error_flag,
     sm_scale,
     num_heads,
     num_kv_splits,
+    max_seq_len,
+    num_cache_blocks,
     stride_qn_b,
     stride_qn_t,
     stride_qn_h,
@@ -233,6 +259,10 @@ def _mla_decode_split_kernel(
     batch = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + batch)
+    # a length outside the block-table row would walk past it: read as 0, the
+    # request's rows become NaN below
+    bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
+    seq_len = tl.where(bad_seq_len, 0, seq_len)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
@@ -274,6 +304,10 @@ def _mla_decode_split_kernel(
     acc_lo = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     block_table_row = Block_table + batch * stride_bt_b
+    if PAGE_SIZE % BLOCK_N == 0:
+        bad_block = batch < 0
+    else:
+        bad_block = tl.zeros([BLOCK_N], dtype=tl.int1)
 
     if DISABLE_LICM:
         # Nothing hoisted out of the tile loop: with a 64-row tile on sm_90 the
@@ -281,25 +315,33 @@ def _mla_decode_split_kernel(
         # otherwise be computed before the loop and held (spilled) across it;
         # recomputed, each is an add beside its wgmma.
         for start in tl.range(split_start, split_end, BLOCK_N, disable_licm=True):
-            m_i, l_i, acc_lo, acc_hi = _decode_tile(
-                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, KV_cache, block_table_row,
-                stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
-                Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+            m_i, l_i, acc_lo, acc_hi, bad_block = _decode_tile(
+                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
+                num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
+                row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
             )
     else:
         for start in range(split_start, split_end, BLOCK_N):
-            m_i, l_i, acc_lo, acc_hi = _decode_tile(
-                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, KV_cache, block_table_row,
-                stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows, row_limit,
-                Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+            m_i, l_i, acc_lo, acc_hi, bad_block = _decode_tile(
+                start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
+                num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
+                row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
             )
+
+    if PAGE_SIZE % BLOCK_N != 0:
+        bad_block = tl.max(bad_block.to(tl.int32), 0) > 0
+    tl.atomic_or(Error_flag, BLOCK_INDEX_ERROR, mask=bad_block)
+    tl.atomic_or(Error_flag, SEQ_RANGE_ERROR, mask=bad_seq_len)
+    invalid = bad_block | bad_seq_len
 
     has_mass = l_i > 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     if HAS_K_SCALE:
         inv_l = inv_l * k_scale
+    inv_l = tl.where(invalid, float("nan"), inv_l)
     # natural-log LSE: m is in the log2 domain
     lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(invalid, float("nan"), lse)
 
     # The output rows are derived again from a loop result (l_i >= 0, so the
     # term is 0): otherwise the compiler keeps the query loads' per-row
@@ -376,16 +418,19 @@ def _mla_decode_reduce_kernel(
         new_top = tl.maximum(top, tl.max(split_lse, 0))
         top_use = tl.where(new_top == float("-inf"), 0.0, new_top)
         rescale = tl.exp(top - top_use)
-        weight = tl.where(has_mass, tl.exp(split_lse - top_use), 0.0)
+        # a split of a request with bad indices wrote LSE NaN: its weight is NaN,
+        # so the whole row comes out NaN (no flag of its own in the loop)
+        weight = tl.where(has_mass, tl.exp(split_lse - top_use), tl.where(split_lse == split_lse, 0.0, float("nan")))
         acc = acc * rescale + tl.sum(weight[:, None] * partial, 0)
         weight_sum = weight_sum * rescale + tl.sum(weight, 0)
         top = new_top
     top = tl.where(top == float("-inf"), 0.0, top)
 
     total = weight_sum
-    has_any = total > 0.0
-    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
-    lse = tl.where(has_any, top + tl.log(tl.where(has_any, total, 1.0)), float("-inf"))
+    # total is 0 (no split has mass: 0 and -inf), positive, or NaN (a bad split: NaN)
+    no_mass = total == 0.0
+    out = acc * tl.where(no_mass, 0.0, 1.0 / tl.where(no_mass, 1.0, total))
+    lse = tl.where(no_mass, float("-inf"), top + tl.log(tl.where(no_mass, 1.0, total)))
     out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
     tl.store(out_ptrs + offs_d, out.to(Out.dtype.element_ty))
     tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)
@@ -395,7 +440,9 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse):
+def _check_inputs(
+    q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag=None
+):
     if q_nope.dim() not in (3, 4):
         raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}; accepted: [B, N, Lkv] or [B, Q, N, Lkv]")
     if q_pe.dim() != q_nope.dim() or q_pe.shape[:-1] != q_nope.shape[:-1]:
@@ -424,6 +471,9 @@ def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv
         )
     if kv_cache.dtype not in _CACHE_DTYPES:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}")
+    if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+        # a bad block-table entry is read as block 0, which must exist
+        raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: at least one block of one token")
     if kv_cache.stride(-1) != 1 or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("q_nope, q_pe and kv_cache must have a contiguous last dimension")
     if kv_cache.dtype in FP8_DTYPES:
@@ -468,6 +518,12 @@ def _check_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv
     devices = {t.device for t in (q_nope, q_pe, kv_cache, block_table, seq_lens, attn_logits, out, lse)}
     if k_scale is not None:
         devices.add(k_scale.device)
+    if error_flag is not None:
+        if error_flag.shape != (1,) or error_flag.dtype != torch.int32:
+            raise ValueError(
+                f"error_flag has shape {tuple(error_flag.shape)} and dtype {error_flag.dtype}; accepted: [1] int32"
+            )
+        devices.add(error_flag.device)
     if len(devices) != 1:
         raise ValueError(f"tensors are on devices {sorted(map(str, devices))}; accepted: all on one device")
     return batch, q_len, num_heads, kv_lora_rank, rope_dim
@@ -490,6 +546,7 @@ def mla_decode_fwd(
     lse: torch.Tensor,
     config: DecodeLaunchConfig | None = None,
     platform: Any = None,
+    error_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -500,8 +557,13 @@ def mla_decode_fwd(
         q_pe: [B, (Q,) N, R], the rotary part, same dtype as q_nope.
         kv_cache: [num_blocks, block_size, Lkv + R] float16/bfloat16 or FP8
             (float8_e4m3fn / float8_e4m3fnuz) with per-tensor ``k_scale``.
-        block_table: [B, max_blocks] int32.
+        block_table: [B, max_blocks] int32; the first ceil(seq_len / block_size)
+            entries of a row are read.
         seq_lens: [B] int32 on the device; 0 gives output 0 and LSE -inf.
+            A request whose seq_len lies outside [0, max_blocks * block_size],
+            or that reads a block-table entry outside [0, num_blocks), gets
+            output and LSE NaN and sets a bit of `error_flag`; no load leaves
+            the tensors whatever these values.
         scale: softmax scale (always explicit).
         k_scale: float32 tensor of 1 element (FP8 dequantisation scale) or None.
         num_kv_splits: Python int, 1 .. attn_logits.shape[2].
@@ -511,13 +573,17 @@ def mla_decode_fwd(
         lse: [B, (Q,) N] float32 natural-log LSE, written.
         config: launch configuration; default ``decode_config(platform, ...)``.
         platform: the Platform the configuration is chosen for; default the current one.
+        error_flag: int32 [1] that bad indices are ORed into (`mla_multi.errors` bits);
+            default the device's flag, `mla_multi.errors.error_flag(device)`.
 
     Returns:
         (out, lse), the buffers passed in.
     """
     batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse
+        q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag
     )
+    if error_flag is None:
+        error_flag = errors.error_flag(q_nope.device)
     if platform is None:
         from mla_multi.platforms import current_platform
 
@@ -558,9 +624,12 @@ def mla_decode_fwd(
         attn_logits,
         out,
         lse,
+        error_flag,
         float(scale),
         num_heads,
         num_kv_splits,
+        block_table.shape[1] * kv_cache.shape[1],
+        kv_cache.shape[0],
         *qn_strides,
         *qp_strides,
         cache.stride(0),
@@ -633,9 +702,12 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
         "Attn_logits": "*fp32",
         "Out": f"*{q}",
         "Lse": "*fp32",
+        "Error_flag": "*i32",
         "sm_scale": "fp32",
         "num_heads": "i32",
         "num_kv_splits": "i32",
+        "max_seq_len": "i32",
+        "num_cache_blocks": "i32",
     }
     for name in (
         "stride_qn_b stride_qn_t stride_qn_h stride_qp_b stride_qp_t stride_qp_h stride_kv_block "

@@ -27,7 +27,14 @@ Performance notes (what the kernel does and why):
   the tail, while programs running together still share one head's K/V in L2;
 * on Hopper the unmasked K/V tiles can come through the tensor-memory
   accelerator (``PrefillLaunchConfig.use_tma``); it measured within noise of the
-  pipelined pointer loads on an H200, so pointer loads stay the default.
+  pipelined pointer loads on an H200, so pointer loads stay the default;
+* the boundaries are read once per program and checked before anything else:
+  a sequence whose range does not lie inside the tensors (a first boundary
+  other than 0, a decreasing boundary, one past the token count, or a length
+  over ``max_seqlen``) computes nothing, writes NaN to the output rows and LSE
+  of its range that lie inside the tensors (every such row: a program walks the
+  tiles past the grid too) and ORs ``CU_SEQLENS`` into the device's error flag
+  (`mla_multi.errors`). No load or store then depends on unchecked data.
 
 Launch configurations per platform live in ``launch_config.prefill_config``;
 measured numbers are in ``bench/RESULTS.md``.
@@ -41,9 +48,35 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_multi import errors
+
 __all__ = ["varlen_attention", "compile_specs", "kernel_constexprs"]
 
 _LOG2_E = 1.4426950408889634
+CU_SEQLENS_ERROR = tl.constexpr(errors.CU_SEQLENS)
+
+
+@triton.jit
+def _poison_sequence_rows(
+    Out, Lse, row_lo, row_hi, first_tile, tile_step, head, offs_dv, stride_o_t, stride_o_h, stride_lse_h,
+    HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """NaN into output rows [row_lo, row_hi) of one head (and their LSE), tiles first_tile, first_tile + tile_step, ...
+
+    Stored POISON_ROWS rows at a time: a whole [BLOCK_M, BLOCK_DV] tile of NaN
+    raised the register peak of the kernel (a spill on gfx950) for this cold path.
+    """
+    POISON_ROWS: tl.constexpr = 16
+    nan_rows = tl.full([POISON_ROWS, BLOCK_DV], float("nan"), dtype=Out.dtype.element_ty)
+    offs_rows = tl.arange(0, POISON_ROWS)
+    for tile_row0 in range(row_lo + first_tile * BLOCK_M, row_hi, tile_step * BLOCK_M):
+        for row0 in range(tile_row0, tl.minimum(tile_row0 + BLOCK_M, row_hi), POISON_ROWS):
+            rows = row0 + offs_rows
+            row_in = rows < row_hi
+            o_ptrs = Out + rows.to(tl.int64)[:, None] * stride_o_t + head.to(tl.int64) * stride_o_h + offs_dv[None, :]
+            tl.store(o_ptrs, nan_rows, mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+            if STORE_LSE:
+                tl.store(Lse + head.to(tl.int64) * stride_lse_h + rows, float("nan"), mask=row_in)
 
 
 @triton.jit
@@ -179,7 +212,12 @@ def _varlen_attention_kernel(
     v_desc,
     cu_seqlens_q,
     cu_seqlens_k,
+    Error_flag,
     qk_scale_log2,
+    total_q,
+    total_k,
+    max_seqlen_q,
+    max_seqlen_k,
     stride_q_t,
     stride_q_h,
     stride_k_t,
@@ -216,17 +254,32 @@ def _varlen_attention_kernel(
         start_m = pid_m
 
     q_start = tl.load(cu_seqlens_q + seq)
-    seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    q_end = tl.load(cu_seqlens_q + seq + 1)
+    k_start = tl.load(cu_seqlens_k + seq)
+    k_end = tl.load(cu_seqlens_k + seq + 1)
+    # Boundaries inside [0, total] and ordered first, so the differences cannot overflow.
+    valid = (q_start >= 0) & (q_start <= q_end) & (q_end <= total_q) & (k_start >= 0) & (k_start <= k_end)
+    valid = valid & (k_end <= total_k) & (q_end - q_start <= max_seqlen_q) & (k_end - k_start <= max_seqlen_k)
+    valid = valid & ((seq > 0) | ((q_start == 0) & (k_start == 0)))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if valid == 0:
+        tl.atomic_or(Error_flag, CU_SEQLENS_ERROR, mask=(pid_m == 0) & (head == 0))
+        row_lo = tl.minimum(tl.maximum(q_start, 0), total_q)
+        row_hi = tl.maximum(tl.minimum(q_end, total_q), row_lo)
+        _poison_sequence_rows(
+            Out, Lse, row_lo, row_hi, pid_m, num_m_blocks, head, offs_dv, stride_o_t, stride_o_h, stride_lse_h,
+            HEAD_DIM_V, BLOCK_M, BLOCK_DV, STORE_LSE,
+        )
+        return
+    seqlen_q = q_end - q_start
     if start_m * BLOCK_M >= seqlen_q:
         return
-    k_start = tl.load(cu_seqlens_k + seq)
-    seqlen_k = tl.load(cu_seqlens_k + seq + 1) - k_start
+    seqlen_k = k_end - k_start
     kv_head = head // num_queries_per_kv
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d_a = tl.arange(0, BLOCK_DQK_A)
-    offs_dv = tl.arange(0, BLOCK_DV)
     if HAS_DQK_B:
         offs_d_b = BLOCK_DQK_A + tl.arange(0, BLOCK_DQK_B)
     else:
@@ -447,25 +500,6 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             )
 
 
-def _check_cu_seqlens_data(name: str, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int) -> None:
-    """With MLA_MULTI_CHECK_INPUTS=1 (reads the data, so it synchronises): boundaries
-    non-decreasing, inside ``[0, num_tokens]``, no sequence longer than ``max_seqlen``;
-    otherwise the kernel would read or write outside its tensors."""
-    from mla_multi.checks import data_checks_enabled
-
-    if not data_checks_enabled():
-        return
-    values = cu_seqlens.detach().to("cpu", torch.int64)
-    lengths = values[1:] - values[:-1]
-    if values.numel() and (int(values[0]) < 0 or int(values[-1]) > num_tokens):
-        raise ValueError(f"{name}={values.tolist()}; accepted: boundaries inside [0, {num_tokens}]")
-    if lengths.numel() and (bool((lengths < 0).any()) or int(lengths.max()) > max_seqlen):
-        raise ValueError(
-            f"{name}={values.tolist()}; accepted: non-decreasing boundaries with no sequence longer than "
-            f"max_seqlen={max_seqlen}"
-        )
-
-
 def _config_for(q: torch.Tensor, head_dim_v: int, causal: bool):
     from mla_multi.kernels.launch_config import prefill_config
     from mla_multi.platforms import current_platform
@@ -488,6 +522,7 @@ def varlen_attention(
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
     config=None,
+    error_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Variable-length flash attention returning the log-sum-exp.
 
@@ -500,8 +535,12 @@ def varlen_attention(
             from ``head_dim_qk``: 128 vs 192 for MLA).
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` prefix sums of the query / key
             lengths; sequence ``b`` owns rows ``cu[b]:cu[b+1]``. Zero-length sequences are allowed.
+            Read on the device only: a sequence whose boundaries are not non-decreasing from 0
+            inside ``[0, total]``, or that is longer than ``max_seqlen_*``, gets NaN in its rows
+            that lie inside the output (out and LSE) and sets the ``CU_SEQLENS`` bit of
+            ``error_flag``; no load or store leaves the tensors whatever the values.
         max_seqlen_q: upper bound of the query lengths (sizes the grid).
-        max_seqlen_k: upper bound of the key lengths (validated, not needed by the kernel).
+        max_seqlen_k: upper bound of the key lengths.
         scale: softmax scale (always explicit; MLA uses ``1/sqrt(192)`` times any YaRN factor).
         causal: causal mask aligned bottom-right: query ``i`` of a sequence with ``lq``
             queries and ``lk`` keys sees keys ``j <= i + lk - lq``.
@@ -510,6 +549,8 @@ def varlen_attention(
         return_lse: when False the LSE is neither computed nor returned (``None``).
         config: a ``PrefillLaunchConfig``; default ``launch_config.prefill_config`` for the
             current platform.
+        error_flag: int32 ``[1]`` that bad boundaries are ORed into (`mla_multi.errors` bits);
+            default the device's flag, ``mla_multi.errors.error_flag(q.device)``.
 
     Returns:
         ``(out, lse)``: out ``[total_q, num_heads, head_dim_v]`` in q's dtype, lse
@@ -518,8 +559,13 @@ def varlen_attention(
         output 0 and LSE -inf.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
-    _check_cu_seqlens_data("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    _check_cu_seqlens_data("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    if error_flag is None:
+        error_flag = errors.error_flag(q.device)
+    elif error_flag.shape != (1,) or error_flag.dtype != torch.int32 or error_flag.device != q.device:
+        raise ValueError(
+            f"error_flag has shape {tuple(error_flag.shape)}, dtype {error_flag.dtype} on {error_flag.device}; "
+            f"accepted: [1] int32 on {q.device}"
+        )
     num_tokens, num_heads, head_dim_qk = q.shape
     head_dim_v = v.shape[2]
     if out is None:
@@ -527,7 +573,8 @@ def varlen_attention(
     if return_lse and lse is None:
         lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.numel() - 1
-    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+    # Launched even for max_seqlen_q 0 or no tokens: the kernel is what checks the boundaries.
+    if batch == 0 or num_heads == 0:
         return out, (lse if return_lse else None)
     if config is None:
         config = _config_for(q, head_dim_v, causal)
@@ -539,14 +586,15 @@ def varlen_attention(
     if descriptors is None:
         constexprs["USE_TMA"] = False
         descriptors = (None, None, None)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config.block_m)
+    num_m_blocks = max(1, triton.cdiv(max_seqlen_q, config.block_m))
     grid = (num_m_blocks, num_heads, batch)
     lse_arg = lse if return_lse else out  # never written when STORE_LSE is False
     _varlen_attention_kernel[grid](
         q, k, v, out, lse_arg,
         *descriptors,
-        cu_seqlens_q, cu_seqlens_k,
+        cu_seqlens_q, cu_seqlens_k, error_flag,
         float(scale) * _LOG2_E,
+        num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0,
@@ -595,7 +643,10 @@ def compile_specs(platform) -> list:
                     for name in ("k_desc_a", "k_desc_b", "v_desc"):
                         signature[name] = "constexpr"
                         constexprs[name] = None
-                signature.update({"cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale_log2": "fp32"})
+                signature.update({
+                    "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "Error_flag": "*i32", "qk_scale_log2": "fp32",
+                    "total_q": "i32", "total_k": "i32", "max_seqlen_q": "i32", "max_seqlen_k": "i32",
+                })  # fmt: skip
                 strides = [
                     "stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_o_t", "stride_o_h", "stride_lse_h",
