@@ -304,6 +304,11 @@ class DecodeContextParallel:
         differently from the whole sequence, so each (request, token) runs as
         its own decode row with its own local length (the cache is read once
         per token rather than once per request).
+
+        Graph-safe with a decode backend that needs no host planning
+        (TRITON): warm up once outside the capture (the configuration is
+        compared across ranks on its first use) and capture with
+        ``capture_error_mode="thread_local"``.
         """
         self._check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
