@@ -34,6 +34,18 @@ def library_versions() -> dict[str, str | None]:
     return {name: _guarded(lambda n=name: version(n)) for name in _LIBRARIES}
 
 
+def _triton_interpreter_note() -> str | None:
+    """What TRITON_INTERPRET=1 changes (None when it is off)."""
+    from mla_multi.kernels import interpreter_active
+
+    if not interpreter_active():
+        return None
+    return ("on (TRITON_INTERPRET=1): the interpreter is what makes TRITON run on the CPU; force it with "
+            "backend='TRITON' or MLA_MULTI_PREFILL_BACKEND / MLA_MULTI_DECODE_BACKEND=TRITON (float16; float32 "
+            "for prefill; no bfloat16: the interpreter computes its tl.dot wrongly); the cache ops and "
+            "merge_attn_states run their Triton kernels on CPU tensors too")
+
+
 def collect_info(as_spec: str | None = None) -> dict:
     """Everything `mla-multi info` prints, as a JSON-friendly dict."""
     import torch
@@ -48,6 +60,7 @@ def collect_info(as_spec: str | None = None) -> dict:
     )
     info["libraries"] = library_versions()
     info["environment"] = envs.overrides_in_force()
+    info["triton_interpreter"] = _guarded(_triton_interpreter_note)
     detected = platforms.current_platform()
     info["detected_platform"] = detected.describe()
     info["detection_error"] = platforms.detection_error()
@@ -100,6 +113,8 @@ def _print_info(info: dict) -> None:
     print("libraries: " + ", ".join(f"{k}={v or '-'}" for k, v in info["libraries"].items()))
     env = info["environment"]
     print("environment overrides: " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else "none"))
+    if info.get("triton_interpreter"):
+        print(f"Triton interpreter: {info['triton_interpreter']}")
     for phase, data in info["phases"].items():
         print(f"\n{phase}: selected {data['selected']}")
         print(f"  config: {data['config']}")

@@ -3,6 +3,11 @@
 It is the oracle of the test suite and the backend of last resort.  Every
 function loops over requests on the host and computes in float32 (float64
 when the inputs are float64), so it is simple to read, not fast.
+
+Bad index data gets the same result as from the Triton kernels (see
+`mla_multi.errors`): the request's rows are NaN (a slot past the cache is not
+written) and the kind of error is recorded on the tensors' device; nothing is
+indexed outside the tensors, so no PyTorch indexing error is raised.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from mla_multi import errors
 from mla_multi.backends.base import (
     FP8_DTYPES,
     MLADecodeBackend,
@@ -45,6 +51,8 @@ def varlen_attention_reference(
     cu_seqlens_k: torch.Tensor,
     scale: float,
     causal: bool,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention, causal aligned bottom-right.
 
@@ -52,6 +60,9 @@ def varlen_attention_reference(
     Query i of a sequence with lq queries and lk keys sees keys j <= i + lk - lq
     when causal. Returns out [Tq, N, Dv] in q's dtype and lse [N, Tq] float32
     (float64 for float64 inputs); rows that see no key give 0 and -inf.
+    A sequence whose boundaries are not non-decreasing from 0 inside [0, T], or
+    that is longer than max_seqlen_* (when given), gets NaN in its rows inside
+    the output and records `errors.CU_SEQLENS`; rows no sequence covers stay 0.
     """
     compute = _compute_dtype(q.dtype)
     num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -59,9 +70,20 @@ def varlen_attention_reference(
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=compute, device=q.device)
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
+    total_k = k.shape[0]
+    bad_sequences = 0
     for i in range(len(starts_q) - 1):
         q0, q1, k0, k1 = starts_q[i], starts_q[i + 1], starts_k[i], starts_k[i + 1]
         lq, lk = q1 - q0, k1 - k0
+        valid = 0 <= q0 <= q1 <= num_tokens and 0 <= k0 <= k1 <= total_k and (i > 0 or q0 == k0 == 0)
+        valid = valid and (max_seqlen_q is None or lq <= max_seqlen_q) and (max_seqlen_k is None or lk <= max_seqlen_k)
+        if not valid:
+            bad_sequences += 1
+            low = min(max(q0, 0), num_tokens)
+            high = max(min(q1, num_tokens), low)
+            out[low:high] = float("nan")
+            lse[:, low:high] = float("nan")
+            continue
         if lq == 0:
             continue
         qi = q[q0:q1].to(compute).transpose(0, 1)  # [N, lq, D]
@@ -76,6 +98,7 @@ def varlen_attention_reference(
         probs, row_lse = _softmax_with_lse(scores, mask)
         out[q0:q1] = torch.matmul(probs, vi).transpose(0, 1)
         lse[:, q0:q1] = row_lse
+    errors.record(q.device, errors.CU_SEQLENS if bad_sequences else 0)
     lse_dtype = torch.float64 if compute == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
 
@@ -106,6 +129,9 @@ def mla_decode_reference(
     [num_blocks, block_size, Lkv + R]; block_table [B, max_blocks]; seq_lens [B].
     Query token j of Q sees cache positions < seq_len - Q + 1 + j.
     Returns out [B, (Q,) N, Lkv] in q's dtype and lse [B, (Q,) N] float32.
+    A request whose seq_len lies outside [0, max_blocks * block_size], or whose
+    first ceil(seq_len / block_size) block-table entries leave [0, num_blocks),
+    gets out and lse NaN and records `errors.SEQ_RANGE` / `errors.BLOCK_INDEX`.
     """
     single_token = q_nope.dim() == 3
     if single_token:
@@ -116,10 +142,22 @@ def mla_decode_reference(
     out = torch.zeros(batch, q_len, num_heads, kv_lora_rank, dtype=compute, device=q_nope.device)
     lse = torch.full((batch, q_len, num_heads), float("-inf"), dtype=compute, device=q_nope.device)
     query = torch.cat([q_nope, q_pe], dim=-1).to(compute)
+    table = block_table.detach().cpu()
+    capacity = block_table.shape[1] * block_size
+    error_bits = 0
     for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len <= 0:
+        if not 0 <= seq_len <= capacity:
+            error_bits |= errors.SEQ_RANGE
+            out[b], lse[b] = float("nan"), float("nan")
+            continue
+        if seq_len == 0:
             continue
         num_blocks = -(-seq_len // block_size)
+        used = table[b, :num_blocks]
+        if bool(((used < 0) | (used >= kv_cache.shape[0])).any()):
+            error_bits |= errors.BLOCK_INDEX
+            out[b], lse[b] = float("nan"), float("nan")
+            continue
         blocks = block_table[b, :num_blocks].long()
         rows = kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:seq_len]
         rows = dequantize_cache_rows(rows, k_scale, compute)
@@ -129,6 +167,7 @@ def mla_decode_reference(
         probs, row_lse = _softmax_with_lse(scores, mask.unsqueeze(1))
         out[b] = torch.einsum("qhs,sd->qhd", probs, rows[:, :kv_lora_rank])
         lse[b] = row_lse
+    errors.record(q_nope.device, error_bits)
     lse_dtype = torch.float64 if compute == torch.float64 else torch.float32
     out, lse = out.to(q_nope.dtype), lse.to(lse_dtype)
     if single_token:
@@ -176,9 +215,15 @@ def quantize_to_fp8(values: torch.Tensor, scale, fp8_dtype: torch.dtype) -> torc
 
 
 def concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
-    """Write [kv_c | k_pe] rows into the paged cache at `slot_mapping` (negative slots skipped)."""
+    """Write [kv_c | k_pe] rows into the paged cache at `slot_mapping`.
+
+    Negative slots are skipped; slots past the cache too, recording `errors.SLOT`.
+    """
     rows = torch.cat([kv_c, k_pe], dim=-1)
-    keep = slot_mapping >= 0
+    past_cache = slot_mapping >= kv_cache.shape[0] * kv_cache.shape[1]
+    if bool(past_cache.any()):
+        errors.record(kv_cache.device, errors.SLOT)
+    keep = (slot_mapping >= 0) & ~past_cache
     slots = slot_mapping[keep].long()
     rows = rows[keep]
     if kv_cache.dtype in FP8_DTYPES:
@@ -191,21 +236,41 @@ def gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale=No
     """For each request i, its cached rows seq_starts[i] .. seq_starts[i] + seq_lens[i], concatenated.
 
     Returns [sum(seq_lens), Lkv + R], dequantised to `out_dtype` (default: the
-    cache dtype, or bfloat16 for an fp8 cache).
+    cache dtype, or bfloat16 for an fp8 cache). A negative length gives no rows;
+    a row whose position lies outside [0, max_blocks * block_size) or whose
+    block lies outside the cache is NaN; both are recorded (`errors.SEQ_RANGE`,
+    `errors.BLOCK_INDEX`).
     """
     block_size = kv_cache.shape[1]
+    capacity = block_table.shape[1] * block_size
     if out_dtype is None:
         out_dtype = torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype
     pieces = []
+    error_bits = 0
     for i, (start, length) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist())):
         if length <= 0:
+            error_bits |= errors.SEQ_RANGE if length < 0 else 0
             continue
         positions = torch.arange(start, start + length, device=kv_cache.device)
-        blocks = block_table[i].long()[positions // block_size]
-        rows = kv_cache[blocks, positions % block_size]
+        in_table = (positions >= 0) & (positions < capacity)
+        if capacity > 0:
+            blocks = block_table[i].long()[torch.where(in_table, positions // block_size, 0)]
+        else:
+            blocks = torch.zeros_like(positions)
+        in_cache = (blocks >= 0) & (blocks < kv_cache.shape[0])
+        valid = in_table & in_cache
+        error_bits |= errors.SEQ_RANGE if not bool(in_table.all()) else 0
+        error_bits |= errors.BLOCK_INDEX if not bool((in_cache | ~in_table).all()) else 0
+        if kv_cache.shape[0] > 0:
+            rows = kv_cache[torch.where(valid, blocks, 0), torch.where(valid, positions % block_size, 0)]
+        else:
+            rows = torch.zeros(length, kv_cache.shape[-1], dtype=kv_cache.dtype, device=kv_cache.device)
         if kv_cache.dtype in FP8_DTYPES:
             rows = dequantize_cache_rows(rows, scale, torch.float32)
-        pieces.append(rows.to(out_dtype))
+        rows = rows.to(out_dtype)
+        rows[~valid] = float("nan")
+        pieces.append(rows)
+    errors.record(kv_cache.device, error_bits)
     if not pieces:
         return torch.empty(0, kv_cache.shape[-1], dtype=out_dtype, device=kv_cache.device)
     return torch.cat(pieces)
@@ -216,7 +281,9 @@ def gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale=No
 
 class ReferencePrefillImpl(MLAPrefillImpl):
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
-        out, lse = varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, self.scale, causal)
+        out, lse = varlen_attention_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, self.scale, causal, max_seqlen_q, max_seqlen_k
+        )
         return (out, lse) if return_softmax_lse else out
 
 

@@ -5,6 +5,12 @@ natively, LSE); decode runs the split-KV kernel of
 `mla_multi.kernels.mla_decode` with the number of splits from
 `mla_multi.heuristics`, its scratch taken from a reserved `WorkspaceManager`
 so that a captured CUDA graph never allocates.
+
+Under ``TRITON_INTERPRET=1`` (Triton's debugging mode) both backends also run
+on the CPU, through the interpreter, when forced (``backend="TRITON"`` or
+``MLA_MULTI_*_BACKEND=TRITON``): the kernels can be stepped through without a
+GPU. The interpreter computes bfloat16 ``tl.dot`` wrongly (Triton 3.9), so
+there bfloat16 is a reason: float16 (and float32 for prefill) only.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import torch
 
 from mla_multi.backends.base import (
     FP8_DTYPES,
+    dtype_name,
     MLADecodeBackend,
     MLADecodeImpl,
     MLAPrefillBackend,
     MLAPrefillImpl,
 )
+from mla_multi.kernels import interpreter_active
 from mla_multi.platforms import Platform, current_platform
 
 
@@ -42,11 +50,19 @@ def _gpu_platform_reasons(platform: Platform) -> list[str]:
     return []
 
 
+def _interpreted(platform: Platform) -> bool:
+    """The CPU with Triton's interpreter on: the kernels run there, interpreted."""
+    return platform.is_cpu() and interpreter_active()
+
+
 class _TritonRequirements:
-    """What both Triton backends need: an importable Triton and a GPU of sm_80+ or ROCm."""
+    """What both Triton backends need: an importable Triton and a GPU of sm_80+ or ROCm
+    (or the CPU under Triton's interpreter)."""
 
     vendors = frozenset({"cuda", "rocm"})
     supported_dtypes = (torch.float16, torch.bfloat16)
+    # the dtypes whose results the interpreter gets right (its bfloat16 tl.dot is wrong)
+    interpreter_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16,)
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
@@ -55,7 +71,32 @@ class _TritonRequirements:
 
     @classmethod
     def platform_reasons(cls, platform: Platform) -> list[str]:
+        if _interpreted(platform):
+            return []
         return super().platform_reasons(platform) or _gpu_platform_reasons(platform)
+
+    @classmethod
+    def _common_reasons(cls, platform: Platform, dtype: torch.dtype) -> list[str]:
+        if not _interpreted(platform):
+            return super()._common_reasons(platform, dtype)
+        reasons = list(cls.availability_reasons())
+        if dtype not in cls.interpreter_dtypes:
+            why = ", which computes bfloat16 tl.dot wrongly" if dtype == torch.bfloat16 else ""
+            reasons.append(
+                f"dtype {dtype_name(dtype)} is not supported under the Triton interpreter (TRITON_INTERPRET=1){why}; "
+                f"supported there: {', '.join(dtype_name(d) for d in cls.interpreter_dtypes)}"
+            )
+        return reasons
+
+    @classmethod
+    def info(cls) -> dict:
+        info = super().info()
+        if interpreter_active():
+            info["implementation"] = (
+                "the Triton interpreter (TRITON_INTERPRET=1): runs on the CPU when forced, "
+                f"{', '.join(dtype_name(d) for d in cls.interpreter_dtypes)}"
+            )
+        return info
 
 
 class TritonPrefillImpl(MLAPrefillImpl):
@@ -71,6 +112,7 @@ class TritonPrefillImpl(MLAPrefillImpl):
 
 class TritonPrefillBackend(_TritonRequirements, MLAPrefillBackend):
     name: ClassVar[str] = "TRITON"
+    interpreter_dtypes = (torch.float16, torch.float32)
 
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
@@ -105,8 +147,11 @@ class TritonDecodeImpl(MLADecodeImpl):
 
     def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
         """Reserve split-KV logits, output and LSE for `max_num_seqs` requests of `max_query_len` tokens."""
+        from mla_multi import errors
         from mla_multi.heuristics import max_num_kv_splits
 
+        # the kernels' error flag must exist before a graph captures its address
+        errors.error_flag(workspace_manager.device)
         self.max_model_len = max_model_len
         self.max_num_kv_splits = max_num_kv_splits(max_model_len, self.platform)
         out_shape = (max_num_seqs, max_query_len, self.num_heads, self.kv_lora_rank)
