@@ -351,6 +351,10 @@ class DecodeContextParallel:
         extra = {} if plan is None else {"plan": plan}
 
         def decode(local_q_nope, local_q_pe, table, local_lens):
+            # The data checks of ops.mla_decode, against this rank's share of each sequence.
+            checks.check_block_table_data(
+                table, local_lens, kv_cache.shape[0], kv_cache.shape[1], name="this rank's share of seq_lens"
+            )
             return impl.forward_mqa(
                 local_q_nope, local_q_pe, kv_cache, table, local_lens,
                 k_scale=k_scale, workspace_manager=workspace_manager, max_seq_len=local_bound, **extra,
