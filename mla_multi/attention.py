@@ -269,6 +269,9 @@ class MLAAttention:
         forward_mqa = self.decode_impl.forward_mqa
         if self.dcp is not None:
             forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
+        else:
+            # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
+            checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len,
