@@ -134,6 +134,8 @@ class MLAAttention:
         )
         self.workspace = WorkspaceManager(self.device)
         self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len)
+        # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
+        ops.error_flag(self.device)
 
     @property
     def W_UK_T(self) -> torch.Tensor:
