@@ -179,7 +179,8 @@ def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix
     """Merge two partial attentions by their LSE.
 
     outputs [T, N, D], lse [N, T]. An LSE of +inf counts as -inf; when both
-    sides are -inf the output is 0 and the LSE -inf. Returns (output, lse).
+    sides are -inf the output is 0 and the LSE -inf; a side at -inf contributes
+    nothing, whatever its output holds. Returns (output, lse).
     """
     compute = _compute_dtype(prefix_output.dtype)
     neg_inf = torch.tensor(float("-inf"), dtype=compute, device=prefix_lse.device)
@@ -197,9 +198,10 @@ def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix
     p_weight = torch.where(empty, torch.zeros_like(p_weight), p_weight / safe_total)
     s_weight = torch.where(empty, torch.zeros_like(s_weight), s_weight / safe_total)
     # [N, T] -> [T, N, 1]
-    output = (
-        prefix_output.to(compute) * p_weight.transpose(0, 1).unsqueeze(-1)
-        + suffix_output.to(compute) * s_weight.transpose(0, 1).unsqueeze(-1)
+    p_weight, s_weight = p_weight.transpose(0, 1).unsqueeze(-1), s_weight.transpose(0, 1).unsqueeze(-1)
+    # select, not multiply: a side without keys may hold garbage (0 * NaN is NaN)
+    output = torch.where(p_weight > 0, prefix_output.to(compute) * p_weight, 0.0) + torch.where(
+        s_weight > 0, suffix_output.to(compute) * s_weight, 0.0
     )
     lse = torch.where(empty, neg_inf.expand_as(max_lse), torch.log(safe_total) + safe_max)
     return output.to(prefix_output.dtype), lse.to(prefix_lse.dtype)
