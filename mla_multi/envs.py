@@ -111,8 +111,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "MLA_MULTI_CHECK_INPUTS",
             False,
             _flag,
-            "Also run the input checks that read tensor data (block-table entries inside the cache, "
-            "seq_lens within the block table, slots inside the cache); they synchronise the device.",
+            "Also run, on GPU tensors, the input checks that read tensor data (block-table entries inside the "
+            "cache, seq_lens within the block table, slots inside the cache, cumulative lengths); they "
+            "synchronise the device. On CPU tensors they always run. Without them the kernels stay inside "
+            "their tensors and record bad indices for mm.ops.raise_pending_errors().",
         ),
     )
 }

@@ -92,7 +92,10 @@ def mla_decode(
     q_pe [B, (Q,) N, R]; kv_cache [num_blocks, block_size, Lkv + R] (fp8 with
     `k_scale`); block_table [B, max_blocks] int32; seq_lens [B] int32.
     Returns out [B, (Q,) N, Lkv] in q's dtype, and lse [B, (Q,) N] float32
-    when `return_lse`. seq_len 0 gives 0 and -inf.
+    when `return_lse`. seq_len 0 gives 0 and -inf. Without the data checks a
+    request whose seq_len lies outside [0, max_blocks * block_size], or that
+    reads a block-table entry outside [0, num_blocks), gets NaN (TRITON,
+    REFERENCE) and is recorded for `raise_pending_errors`.
     """
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
@@ -147,7 +150,10 @@ def mla_prefill(
     q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv]; cu_seqlens_* int32 [B + 1].
     Causal masks align bottom-right (a sequence with fewer queries than keys
     is the tail of the keys). Returns out [Tq, N, Dv] in q's dtype, and
-    lse [N, Tq] float32 when `return_lse`.
+    lse [N, Tq] float32 when `return_lse`. Without the data checks a sequence
+    whose boundaries are not non-decreasing from 0 within the token count, or
+    longer than max_seqlen_*, gets NaN rows (TRITON, REFERENCE) and is recorded
+    for `raise_pending_errors`.
     """
     checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
@@ -211,7 +217,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
 
     kv_c [T, Lkv], k_pe [T, R], kv_cache [num_blocks, block_size, Lkv + R],
     slot_mapping [T] int64 (or int32); a negative slot skips that token. An fp8
-    cache is written as value / scale saturated to the fp8 range.
+    cache is written as value / scale saturated to the fp8 range. Without the
+    data checks a slot past the cache is skipped too and recorded for
+    `raise_pending_errors`.
     """
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
@@ -243,6 +251,9 @@ def gather_cache(
     `out_dtype` (default: the cache dtype; bfloat16 for an fp8 cache, dequantised
     with `scale`). Reads seq_lens on the host to size the output unless the
     caller passes `cu_seq_lens` ([B + 1] int32 on the device) and `num_tokens`.
+    Without the data checks a row outside its block-table row or in a block
+    outside the cache is NaN, a negative length gives no rows; both are
+    recorded for `raise_pending_errors`.
     """
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES)
     device = kv_cache.device
