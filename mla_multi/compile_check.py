@@ -178,7 +178,11 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
     )
     start = time.perf_counter()
     try:
-        source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
+        source_cls = ASTSource
+        if getattr(spec.fn, "is_gluon", lambda: False)():
+            # Gluon kernels need their layouts' module attributes set before the body is built
+            from triton.experimental.gluon._runtime import GluonASTSource as source_cls
+        source = source_cls(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
         compiled = triton.compile(source, target=target.gpu_target(), options=dict(spec.options))
         result.shared_bytes = int(compiled.metadata.shared)
         if target.backend == "hip":

@@ -132,6 +132,10 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         disable_licm: keep the tile loop's invariants inside it (``tl.range(...,
             disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
             keeps the sm_90 64-row tiles free of spills (`_decode_table`).
+        kernel: ``"triton"`` (the Triton split kernel, `mla_decode`) or
+            ``"wgmma"`` (the sm_90 Gluon kernel with warpgroup roles,
+            `mla_decode_wgmma`: QK once per tile, the 512 output columns shared
+            between the two warpgroups; ``num_stages`` is its cp.async depth).
     """
 
     block_h: int
@@ -143,12 +147,15 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
     disable_licm: bool = False
+    kernel: str = "triton"
 
     @property
     def name(self) -> str:
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
+        if self.kernel == "wgmma":
+            text += "wg"
         return text + self._amd_suffix()
 
 
@@ -170,7 +177,7 @@ class DecodeReduceLaunchConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
+def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, DecodeLaunchConfig]:
     """The decode configurations of a platform by row bucket ("16", "32", "64").
 
     Chosen from the ahead-of-time compile report (registers, spills, shared
@@ -203,6 +210,8 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     """
     arch = platform.arch
     smem = platform.max_shared_memory_per_block
+    if wgmma and arch == "sm_90" and not wgmma_decode_reason(platform, torch.float8_e4m3fn if fp8 else torch.bfloat16):
+        return _sm90_wgmma_table(fp8)
     if platform.is_cuda() and fp8:
         if smem >= 200 * 1024:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
@@ -262,6 +271,22 @@ def _decode_table(platform, fp8: bool = False) -> dict[str, DecodeLaunchConfig]:
     }
 
 
+def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
+    """sm_90 with a Triton whose Gluon builds the warpgroup kernel (`mla_decode_wgmma`).
+
+    Tokens are the MMA's M dimension (64 per tile) and query rows its N, so 16,
+    32 and 64 rows are each their own tile without padding; one program per SM
+    (the query, two 64-token stages of the cache and P take 164-225 KiB of
+    shared memory).  bench/RESULTS.md has the measurements behind each bucket.
+    """
+    wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
+    mid = DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
+    narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
+    if not fp8:
+        narrow = DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2)
+    return {"16": narrow, "32": mid, "64": wide}
+
+
 def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
     """The decode launch configuration for `num_heads` heads x `q_len` query tokens.
 
@@ -273,7 +298,8 @@ def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -
     if num_heads < 1 or q_len < 1:
         raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
     rows = num_heads * q_len
-    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES)
+    # float8_e4m3fnuz on sm_90, say: the Triton kernel's table
+    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=not wgmma_decode_reason(platform, kv_dtype))
     if rows <= 16:
         return table["16"]
     if rows <= 32:
@@ -289,9 +315,10 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     seen: list[DecodeLaunchConfig] = []
     tables = (False, True) if fp8 is None else (fp8,)
     for table in tables:
-        for config in _decode_table(platform, fp8=table).values():
-            if config not in seen:
-                seen.append(config)
+        for wgmma in (True, False):
+            for config in _decode_table(platform, fp8=table, wgmma=wgmma).values():
+                if config not in seen:
+                    seen.append(config)
     return seen
 
 
@@ -358,6 +385,24 @@ def fp8_bit_decode_needed(platform, kv_dtype: torch.dtype) -> bool:
         capability = platform.device_capability or (0, 0)
         return kv_dtype != torch.float8_e4m3fn or tuple(capability) < (8, 9)
     return True
+
+
+def wgmma_decode_reason(platform, kv_dtype: torch.dtype) -> str:
+    """Why the sm_90 warpgroup decode kernel (`mla_decode_wgmma`) cannot run here ("" when it can).
+
+    It needs an sm_90 device (warpgroup MMA exists on Hopper only), a Triton
+    whose Gluon has Hopper's warpgroup MMA and cp.async (3.6 and later), and a
+    16-bit or ``float8_e4m3fn`` cache (the NVIDIA backend has no conversion
+    for ``float8_e4m3fnuz``, which the Triton kernel decodes by bits).
+    """
+    if not platform.is_cuda() or platform.arch != "sm_90":
+        return f"the warpgroup decode kernel needs sm_90 (Hopper), not {platform.arch}"
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return f"the warpgroup decode kernel reads bfloat16, float16 or float8_e4m3fn caches, not {kv_dtype}"
+    from mla_multi.kernels.mla_decode_wgmma import gluon_available
+
+    ok, reason = gluon_available()
+    return "" if ok else reason
 
 
 def load_k_transposed(platform, kv_dtype: torch.dtype) -> bool:

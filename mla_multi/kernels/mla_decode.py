@@ -65,6 +65,7 @@ from mla_multi.kernels.launch_config import (
     fp8_bit_decode_needed,
     load_k_transposed,
     tl_range_disables_licm,
+    wgmma_decode_reason,
 )
 
 __all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
@@ -614,7 +615,7 @@ def mla_decode_fwd(
     rows = q_len * num_heads
     direct = num_kv_splits == 1
     grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
-    _mla_decode_split_kernel[grid](
+    args = (
         q_nope,
         q_pe,
         cache,
@@ -640,20 +641,42 @@ def mla_decode_fwd(
         attn_logits.stride(2),
         *o_strides,
         *lse_strides,
-        Q_LEN=q_len,
-        KV_LORA_RANK=kv_lora_rank,
-        ROPE_DIM=rope_dim,
-        PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_H=config.block_h,
-        BLOCK_N=config.block_n,
-        HAS_K_SCALE=k_scale is not None,
-        LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype),
-        FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
-        FP8_BITS_BIAS=fp8_bits_bias,
-        DIRECT_OUTPUT=direct,
-        DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
-        **config.launch_options(),
     )
+    if config.kernel == "wgmma":
+        reason = wgmma_decode_reason(platform, kv_cache.dtype)
+        if reason:
+            raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
+        from mla_multi.kernels import mla_decode_wgmma
+
+        mla_decode_wgmma.launch_split_kernel(
+            grid,
+            args,
+            q_len=q_len,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            page_size=kv_cache.shape[1],
+            config=config,
+            has_k_scale=k_scale is not None,
+            fp8_cache=kv_cache.dtype in FP8_DTYPES,
+            direct=direct,
+        )
+    else:
+        _mla_decode_split_kernel[grid](
+            *args,
+            Q_LEN=q_len,
+            KV_LORA_RANK=kv_lora_rank,
+            ROPE_DIM=rope_dim,
+            PAGE_SIZE=kv_cache.shape[1],
+            BLOCK_H=config.block_h,
+            BLOCK_N=config.block_n,
+            HAS_K_SCALE=k_scale is not None,
+            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype),
+            FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
+            FP8_BITS_BIAS=fp8_bits_bias,
+            DIRECT_OUTPUT=direct,
+            DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
+            **config.launch_options(),
+        )
     if not direct:
         reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
         block_dv = min(reduce_config.block_dv, kv_lora_rank)
@@ -746,6 +769,37 @@ def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
     return signature
 
 
+def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype, page_size: int, direct: bool):
+    """The sm_90 Gluon split kernel (`mla_decode_wgmma`) at one configuration, as the launch would build it."""
+    from mla_multi.kernels import mla_decode_wgmma
+
+    fp8 = cache_dtype in FP8_DTYPES
+    signature = {k: v for k, v in _split_kernel_signature(torch.bfloat16, cache_dtype, fp8).items() if v != "constexpr"}
+    constexprs = {
+        "Q_LEN": 1,
+        "KV_LORA_RANK": 512,
+        "ROPE_DIM": 64,
+        "PAGE_SIZE": page_size,
+        "BLOCK_H": config.block_h,
+        "BLOCK_N": config.block_n,
+        "STAGES": config.num_stages,
+        "HAS_K_SCALE": fp8,
+        "FP8_CACHE": fp8,
+        "DIRECT_OUTPUT": direct,
+        "num_warps": config.num_warps,
+    }
+    for key in constexprs:
+        signature[key] = "constexpr"
+    return CompileSpec(
+        name=name,
+        fn=mla_decode_wgmma.split_kernel,
+        signature=signature,
+        constexprs=constexprs,
+        options={"num_warps": config.num_warps},
+        divisible_by_16=_SPLIT_DIVISIBLE,
+    )
+
+
 def compile_specs(platform) -> list[CompileSpec]:
     """Every (kernel, launch config) this module can launch on `platform`, DeepSeek dims.
 
@@ -769,6 +823,12 @@ def compile_specs(platform) -> list[CompileSpec]:
             bits = cache_dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, cache_dtype)
             launched_dtype = torch.uint8 if bits else cache_dtype
             for page_size, direct in ((64, False), (1, True)):
+                kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
+                name = f"mla_decode_split[{config.name},kv={kv_name},page={page_size},{'direct' if direct else 'partial'}]"
+                if config.kernel == "wgmma":
+                    if not wgmma_decode_reason(platform, cache_dtype):
+                        specs.append(_wgmma_spec(name, config, cache_dtype, page_size, direct))
+                    continue
                 constexprs = {
                     "Q_LEN": 1,
                     "KV_LORA_RANK": 512,
@@ -783,11 +843,9 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "DIRECT_OUTPUT": direct,
                     "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
                 }
-                kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 specs.append(
                     CompileSpec(
-                        name=f"mla_decode_split[{config.name},kv={kv_name},page={page_size},"
-                        f"{'direct' if direct else 'partial'}]",
+                        name=name,
                         fn=_mla_decode_split_kernel,
                         signature=_split_kernel_signature(torch.bfloat16, launched_dtype, cache_dtype in FP8_DTYPES),
                         constexprs=constexprs,

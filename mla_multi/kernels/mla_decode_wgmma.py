@@ -1,0 +1,412 @@
+"""Split-KV MLA decode for sm_90 with the QK product computed once per tile (Gluon).
+
+The Triton decode kernel (`mla_decode`) gives a 64-row tile's QK product all
+eight warps along the rows, so both warpgroups compute the whole 576-deep QK
+(53 % of the FLOPs) and the rate stops near 38 % of the matmul peak on an H200.
+This kernel states the split itself, with Gluon's explicit layouts and
+warpgroup MMA (`triton.experimental.gluon`, Triton >= 3.6):
+
+* The products are computed transposed, with the cache tokens as the MMA's M
+  dimension and the query rows (heads, and folded query tokens for multi-token
+  decode: row = token * N + head) as its N dimension::
+
+      S^T [BLOCK_N, BLOCK_H] = K [BLOCK_N, 576] @ Q^T [576, BLOCK_H]
+      O^T [512, BLOCK_H]    += V^T [512, BLOCK_N] @ P^T [BLOCK_N, BLOCK_H]
+
+  so 16, 32 or 64 query rows fill an MMA without padding rows (wgmma's M is at
+  least 64 per warpgroup, its N as small as 8).
+* QK once: the S^T layout puts the two warpgroups side by side along the query
+  rows (``warps_per_cta=[4, 2]``), each computes the scores of half the rows
+  over the whole tile; nothing is computed twice.
+* P exchanged through shared memory: each warpgroup writes its half of P^T,
+  and after one barrier both read all of it.
+* The 512 output columns shared: the O^T layout puts the warpgroups one above
+  the other along the 512 latent columns (``warps_per_cta=[8, 1]``), 256 each,
+  64 x 256 float32 per warpgroup (128 registers a thread at 64 rows).
+* Loads: the cache tile is copied to shared memory with ``cp.async`` (any page
+  size: one block-table entry per tile when the page is a multiple of the
+  tile, one per token otherwise), STAGES tiles deep, the next tile's copy in
+  flight while the current one is computed.  The query sits in shared memory
+  for the whole split (it is the B operand of QK).
+* FP8 caches: the tile arrives as FP8 bytes (half the bytes of bfloat16) and is
+  converted once per element into a bfloat16 tile in shared memory that both
+  products read; e4m3 converts to bfloat16 exactly, so the FP8 path has the
+  bfloat16 path's accuracy on the dequantised cache.
+* Everything else is the Triton kernel's contract: the same workspace
+  (`attn_logits`, merged by `mla_decode`'s reduce kernel), natural-log LSE,
+  bad index data read in bounds and reported through the error flag with NaN
+  rows, no host synchronisation.
+
+The module imports on any Triton; `gluon_available()` says whether the
+installed one can build this kernel (and why not).
+"""
+
+from __future__ import annotations
+
+from mla_multi import errors
+
+try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python side
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _GLUON_IMPORT_ERROR = ""
+except Exception as error:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+    _GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+__all__ = ["gluon_available", "launch_split_kernel", "split_kernel", "BLOCK_INDEX_ERROR", "SEQ_RANGE_ERROR"]
+
+BLOCK_INDEX_ERROR = errors.BLOCK_INDEX
+SEQ_RANGE_ERROR = errors.SEQ_RANGE
+
+
+def gluon_available() -> tuple[bool, str]:
+    """(True, "") when the installed Triton can build the warpgroup decode kernel, else (False, reason)."""
+    if gluon is None:
+        import triton
+
+        return False, f"triton {triton.__version__} has no Gluon with Hopper warpgroup MMA ({_GLUON_IMPORT_ERROR})"
+    if not (hasattr(async_copy, "async_load") or hasattr(async_copy, "async_copy_global_to_shared")):
+        return False, "this Triton's Gluon has no cp.async copy (async_copy.async_load)"
+    return True, ""
+
+
+if gluon is not None:
+    # names that moved between Triton releases (3.6: thread_barrier and
+    # async_copy_global_to_shared; later: barrier and async_load)
+    _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
+    _SEQ_RANGE_ERROR = gl.constexpr(errors.SEQ_RANGE)
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+
+    @gluon.constexpr_function
+    def _mma_layout(cols, warps_m, warps_n):
+        """wgmma accumulator layout: m16, n = the columns each warp column owns, k16 (16-bit operands)."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, cols // warps_n, 16]
+        )
+
+    @gluon.constexpr_function
+    def _shared_layout(cols, bits):
+        """NVMMA shared layout of a row-major tile `cols` wide: the widest swizzle its rows allow."""
+        row_bytes = cols * bits // 8
+        swizzle = 0
+        for width in (128, 64, 32):
+            if swizzle == 0 and row_bytes % width == 0:
+                swizzle = width
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2)
+
+    @gluon.constexpr_function
+    def _tile_layout(cols, bits, num_warps):
+        """Row-major blocked layout with 16-byte vectors along the rows, for copies and conversions."""
+        vec = min(128 // bits, cols)
+        threads_c = min(32, cols // vec)
+        threads_r = 32 // threads_c
+        warps_c = min(num_warps, max(1, cols // (vec * threads_c)))
+        return gl.BlockedLayout(
+            size_per_thread=[1, vec],
+            threads_per_warp=[threads_r, threads_c],
+            warps_per_cta=[num_warps // warps_c, warps_c],
+            order=[1, 0],
+        )
+
+    @gluon.jit
+    def _tile_rows(
+        start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+        PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+    ):
+        """Cache row offsets of tile positions [start, start + BLOCK_N) (in `layout`), their validity
+        and whether a block-table entry the tile needed lay outside [0, num_cache_blocks) (read as 0)."""
+        pos = start + gl.arange(0, BLOCK_N, layout=layout)
+        valid = pos < split_end
+        if PAGE_SIZE % BLOCK_N == 0:
+            # the tile lies inside one page: one block-table entry
+            live = start < split_end
+            page = gl.load(block_table_row + start // PAGE_SIZE, mask=live, other=0)
+            bad = ((page < 0) | (page >= num_cache_blocks)) & live
+            page = gl.where(bad, 0, page).to(gl.int64)
+            rows = page * stride_kv_block + (pos % PAGE_SIZE).to(gl.int64) * stride_kv_token
+        else:
+            pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=valid, other=0)
+            pages_bad = (pages < 0) | (pages >= num_cache_blocks)
+            bad = gl.max(pages_bad.to(gl.int32), 0) > 0
+            pages = gl.where(pages_bad, 0, pages).to(gl.int64)
+            rows = pages * stride_kv_block + (pos % PAGE_SIZE).to(gl.int64) * stride_kv_token
+        return rows, valid, bad
+
+    @gluon.jit
+    def _issue_tile(
+        kv_buf, kpe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+        stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        kv_layout: gl.constexpr, kpe_layout: gl.constexpr,
+    ):
+        """Start the cp.async copies of one cache tile (positions past split_end are zero-filled)."""
+        rows, valid, bad = _tile_rows(
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kv_layout),
+        )
+        cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, kv_layout))
+        _async_load(kv_buf, KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None])
+        rows_pe, valid_pe, bad_pe = _tile_rows(
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
+        )
+        cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
+        _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
+        return bad | bad_pe
+
+    @gluon.jit
+    def _convert_tile(src, dst, COLS: gl.constexpr, CHUNK: gl.constexpr, dtype: gl.constexpr, num_warps: gl.constexpr):
+        """FP8 tile -> `dtype` tile, shared memory to shared memory, CHUNK columns at a time."""
+        layout: gl.constexpr = _tile_layout(CHUNK, 8, num_warps)
+        for c in gl.static_range(COLS // CHUNK):
+            values = src.slice(c * CHUNK, CHUNK, dim=1).load(layout)
+            dst.slice(c * CHUNK, CHUNK, dim=1).store(values.to(dtype))
+
+    @gluon.jit
+    def _mla_decode_wgmma_kernel(
+        Q_nope,
+        Q_pe,
+        KV_cache,
+        Block_table,
+        Seq_lens,
+        K_scale,
+        Attn_logits,
+        Out,
+        Lse,
+        Error_flag,
+        sm_scale,
+        num_heads,
+        num_kv_splits,
+        max_seq_len,
+        num_cache_blocks,
+        stride_qn_b,
+        stride_qn_t,
+        stride_qn_h,
+        stride_qp_b,
+        stride_qp_t,
+        stride_qp_h,
+        stride_kv_block,
+        stride_kv_token,
+        stride_bt_b,
+        stride_al_row,
+        stride_al_h,
+        stride_al_split,
+        stride_o_b,
+        stride_o_t,
+        stride_o_h,
+        stride_lse_b,
+        stride_lse_t,
+        stride_lse_h,
+        Q_LEN: gl.constexpr,
+        KV_LORA_RANK: gl.constexpr,
+        ROPE_DIM: gl.constexpr,
+        PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        HAS_K_SCALE: gl.constexpr,
+        FP8_CACHE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        head_block = gl.program_id(0)
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        dtype: gl.constexpr = Q_nope.dtype.element_ty
+        cache_dtype: gl.constexpr = KV_cache.dtype.element_ty
+        cache_bits: gl.constexpr = cache_dtype.primitive_bitwidth
+
+        # S^T [BLOCK_N, BLOCK_H]: warpgroups side by side along the query rows
+        s_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, num_warps // 4)
+        # O^T [Lkv, BLOCK_H]: warpgroups one above the other along the latent columns
+        o_layout: gl.constexpr = _mma_layout(BLOCK_H, num_warps, 1)
+        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        tokens_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        q_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 16, num_warps)
+        qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
+        kv_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, cache_bits, num_warps)
+        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, cache_bits, num_warps)
+
+        seq_len = gl.load(Seq_lens + batch)
+        # a length outside the block-table row would walk past it: read as 0,
+        # the request's rows become NaN below
+        bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
+        seq_len = gl.where(bad_seq_len, 0, seq_len)
+        tokens_per_split = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+        split_start = split * tokens_per_split
+        split_end = gl.minimum(split_start + tokens_per_split, seq_len)
+        num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), BLOCK_N)
+
+        # the query rows of this program, in shared memory for the whole split
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        q_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        q_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+        q_ptrs = Q_nope + batch * stride_qn_b + (q_rows // num_heads) * stride_qn_t + (q_rows % num_heads) * stride_qn_h
+        q_smem.store(gl.load(q_ptrs[:, None] + q_cols[None, :], mask=(q_rows < Q_LEN * num_heads)[:, None], other=0.0))
+        qpe_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qpe_layout))
+        qpe_cols = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
+        qpe_ptrs = (
+            Q_pe + batch * stride_qp_b + (qpe_rows // num_heads) * stride_qp_t + (qpe_rows % num_heads) * stride_qp_h
+        )
+        qpe_smem.store(
+            gl.load(qpe_ptrs[:, None] + qpe_cols[None, :], mask=(qpe_rows < Q_LEN * num_heads)[:, None], other=0.0)
+        )
+
+        kv_smem = gl.allocate_shared_memory(
+            cache_dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, cache_bits)
+        )
+        kpe_smem = gl.allocate_shared_memory(cache_dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, cache_bits))
+        if FP8_CACHE:
+            kv16_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+            kpe16_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
+
+        # scores in the log2 domain: exp2 is the native instruction
+        qk_scale = sm_scale * 1.4426950408889634
+        if HAS_K_SCALE:
+            k_scale = gl.load(K_scale).to(gl.float32)
+            qk_scale = qk_scale * k_scale
+        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_s)
+        # bottom-right causal limit of each folded query token
+        row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
+
+        block_table_row = Block_table + batch * stride_bt_b
+        bad_block = batch < 0
+        for stage in gl.static_range(STAGES - 1):
+            bad_block = bad_block | _issue_tile(
+                kv_smem.index(stage), kpe_smem.index(stage), KV_cache, split_start + stage * BLOCK_N, split_end,
+                block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
+            )
+            async_copy.commit_group()
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
+        acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            # this tile's copies are done (this thread's), then visible to all
+            # threads and to the tensor cores; every warp is past the previous
+            # tile's products, so its buffers can be refilled
+            async_copy.wait_group(STAGES - 2)
+            fence_async_shared()
+            _cta_barrier()
+            ahead = tile + STAGES - 1
+            bad_block = bad_block | _issue_tile(
+                kv_smem.index(ahead % STAGES), kpe_smem.index(ahead % STAGES), KV_cache, split_start + ahead * BLOCK_N,
+                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
+            )
+            async_copy.commit_group()
+            if FP8_CACHE:
+                # one conversion per element, into the 16-bit tile both products read
+                _convert_tile(kv_smem.index(slot), kv16_smem, KV_LORA_RANK, 128, dtype, num_warps)
+                _convert_tile(kpe_smem.index(slot), kpe16_smem, ROPE_DIM, ROPE_DIM, dtype, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+                kv_tile = kv16_smem
+                kpe_tile = kpe16_smem
+            else:
+                kv_tile = kv_smem.index(slot)
+                kpe_tile = kpe_smem.index(slot)
+
+            # S^T = K Q^T over the 576 columns, each warpgroup its half of the rows
+            s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+            s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(kpe_tile, qpe_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            pos = start + gl.arange(0, BLOCK_N, layout=tokens_s)
+            s = s * qk_scale
+            if Q_LEN > 1:
+                visible = (pos < split_end)[:, None] & (pos[:, None] < row_limit[None, :])
+            else:
+                visible = (pos < split_end)[:, None] & (s_rows >= 0)[None, :]
+            s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+
+            # O^T = alpha O^T + V^T P^T, each warpgroup its 256 latent columns
+            acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
+            acc = warpgroup_mma(kv_tile.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
+        gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
+        invalid = bad_block | bad_seq_len
+        has_mass = l_i > 0.0
+        inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
+        if HAS_K_SCALE:
+            inv_l = inv_l * k_scale
+        inv_l = gl.where(invalid, float("nan"), inv_l)
+        # natural-log LSE: m is in the log2 domain
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(invalid, float("nan"), lse)
+
+        out = acc * gl.convert_layout(inv_l, rows_o)[None, :]
+        o_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
+        o_valid = o_rows < Q_LEN * num_heads
+        o_token = o_rows // num_heads
+        o_head = o_rows % num_heads
+        o_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
+        lse_valid = s_rows < Q_LEN * num_heads
+        if DIRECT_OUTPUT:
+            out_ptrs = Out + batch * stride_o_b + o_token * stride_o_t + o_head * stride_o_h
+            gl.store(out_ptrs[None, :] + o_cols[:, None], out.to(Out.dtype.element_ty), mask=o_valid[None, :])
+            lse_ptrs = Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
+            gl.store(lse_ptrs, lse, mask=lse_valid)
+        else:
+            partial_ptrs = (
+                Attn_logits + (batch * Q_LEN + o_token) * stride_al_row + o_head * stride_al_h + split * stride_al_split
+            )
+            gl.store(partial_ptrs[None, :] + o_cols[:, None], out, mask=o_valid[None, :])
+            lse_ptrs = (
+                Attn_logits
+                + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
+                + (s_rows % num_heads) * stride_al_h
+                + split * stride_al_split
+                + KV_LORA_RANK
+            )
+            gl.store(lse_ptrs, lse, mask=lse_valid)
+
+    split_kernel = _mla_decode_wgmma_kernel
+else:  # pragma: no cover - depends on the installed Triton
+    split_kernel = None
+
+
+def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
+    """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
+    split_kernel[grid](
+        *args,
+        Q_LEN=q_len,
+        KV_LORA_RANK=kv_lora_rank,
+        ROPE_DIM=rope_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        STAGES=config.num_stages,
+        HAS_K_SCALE=has_k_scale,
+        FP8_CACHE=fp8_cache,
+        DIRECT_OUTPUT=direct,
+        num_warps=config.num_warps,
+    )

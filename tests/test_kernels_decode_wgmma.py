@@ -1,0 +1,209 @@
+"""The sm_90 warpgroup decode kernel (`mla_decode_wgmma`, Gluon) against float64 references.
+
+* CPU: where the configurations come from (impersonated Hopper and other
+  devices), the reasons when the kernel cannot run, and the error when a
+  warpgroup configuration is forced where it cannot run.  Its ahead-of-time
+  compilation for sm_90 is part of `mla-multi compile-check` (test_compile_check).
+* GPU (marked ``gpu``, sm_90 with a Gluon-capable Triton): bf16 and FP8 caches,
+  every row bucket (16, 32, 64 rows), heads 1..128, block sizes 1/16/64/128,
+  sequence lengths 0, 1, 17 and long mixed in one batch, one split (direct
+  output) and several, multi-token decode, NaN-poisoned outputs, workspaces and
+  unread cache rows, bad index data, CUDA-graph replay with new lengths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_decode import _errors, _make_case, _run_decode
+
+from mla_multi.kernels.launch_config import DecodeLaunchConfig, all_decode_configs, decode_config, wgmma_decode_reason
+from mla_multi.platforms import SPECS
+
+
+def _gluon_ok() -> bool:
+    from mla_multi.kernels.mla_decode_wgmma import gluon_available
+
+    return gluon_available()[0]
+
+
+WG64 = DecodeLaunchConfig(64, 64, 8, 2, kernel="wgmma")
+WG32 = DecodeLaunchConfig(32, 64, 8, 2, kernel="wgmma")
+WG16 = DecodeLaunchConfig(16, 64, 8, 2, kernel="wgmma")
+
+
+# ---------------------------------------------------------------------------
+# CPU: selection and reasons
+# ---------------------------------------------------------------------------
+
+
+def test_config_name_marks_the_warpgroup_kernel():
+    assert WG64.name == "h64n64w8s2wg"
+    assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
+
+
+@pytest.mark.parametrize("spec", ["H100", "H200"])
+def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
+    platform = SPECS[spec]
+    if not _gluon_ok():
+        assert wgmma_decode_reason(platform, torch.bfloat16)
+        assert all(c.kernel == "triton" for c in all_decode_configs(platform))
+        return
+    assert wgmma_decode_reason(platform, torch.bfloat16) == ""
+    for heads, q_len, block_h in ((32, 1, 32), (64, 1, 64), (128, 1, 64), (16, 2, 32), (128, 4, 64)):
+        config = decode_config(platform, heads, q_len, torch.bfloat16)
+        assert (config.kernel, config.block_h) == ("wgmma", block_h), (heads, q_len, config)
+    # FP8 (e4m3fn): every bucket, 16 rows too
+    for heads, block_h in ((1, 16), (16, 16), (32, 32), (128, 64)):
+        config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
+        assert (config.kernel, config.block_h) == ("wgmma", block_h), (heads, config)
+
+
+@pytest.mark.parametrize("spec", ["H100", "A100", "B200", "MI300X", "MI355X", "CPU"])
+def test_e4m3fnuz_and_other_devices_keep_the_triton_kernel(spec):
+    platform = SPECS[spec]
+    for heads in (16, 32, 128):
+        assert decode_config(platform, heads, 1, torch.float8_e4m3fnuz).kernel == "triton"
+    if spec != "H100":
+        reason = wgmma_decode_reason(platform, torch.bfloat16)
+        assert "sm_90" in reason and platform.arch in reason
+        assert all(c.kernel == "triton" for c in all_decode_configs(platform))
+    assert "float8_e4m3fnuz" in wgmma_decode_reason(SPECS["H100"], torch.float8_e4m3fnuz) or not _gluon_ok()
+
+
+def test_forcing_the_warpgroup_kernel_where_it_cannot_run_is_an_error():
+    tensors = _make_case(2, 16, 1, 512, 64, 16, [20, 5], torch.bfloat16, torch.bfloat16, "cpu", 0)
+    with pytest.raises(ValueError, match=r"h64n64w8s2wg.*cannot run here.*sm_90"):
+        _run_decode(tensors, 576**-0.5, 1, config=WG64, platform=SPECS["A100"])
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_ok()
+
+
+requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and a Triton with Gluon")
+
+
+def _config_for(heads: int, q_len: int = 1) -> DecodeLaunchConfig:
+    rows = heads * q_len
+    return WG16 if rows <= 16 else WG32 if rows <= 32 else WG64
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("heads", [1, 16, 32, 64, 128])
+def test_wgmma_decode_gpu(kv, heads, block_size):
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.platforms import current_platform
+
+    seq_lens = [0, 1, 17, 4096, 20000]
+    cache_dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    tensors = _make_case(5, heads, 1, 512, 64, block_size, seq_lens, cache_dtype, torch.bfloat16, "cuda", heads)
+    scale = 576**-0.5
+    platform = current_platform()
+    reserved = max_num_kv_splits(20000, platform)
+    config = _config_for(heads)
+    for splits in (1, num_kv_splits(platform, 5, heads, 20000, reserved, kv_cache_dtype=cache_dtype), 7):
+        out, lse = _run_decode(tensors, scale, splits, max_splits=max(reserved, splits), config=config)
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, scale)
+        assert not result["nan"], (splits, result)
+        assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
+        # e4m3 converts to bfloat16 exactly: the FP8 path has the bf16 bound
+        assert result["rel_err"] <= 1e-2, (splits, result)
+        assert result["lse_err"] <= 2e-2, (splits, result)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
+def test_wgmma_decode_gpu_multi_token(heads, q_len):
+    tensors = _make_case(
+        3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", heads + q_len
+    )
+    scale = 576**-0.5
+    for splits in (1, 4):
+        out, lse = _run_decode(tensors, scale, splits, config=_config_for(heads, q_len))
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, scale)
+        assert not result["nan"] and result["inf_pattern_ok"], result
+        assert result["rel_err"] <= 1e-2, result
+
+
+@pytest.mark.gpu
+@requires_hopper
+def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag():
+    from mla_multi import errors
+
+    tensors = _make_case(3, 64, 1, 512, 64, 64, [300, 200, 100], torch.bfloat16, torch.bfloat16, "cuda", 7)
+    tensors["block_table"][1, 2] = tensors["kv_cache"].shape[0] + 5  # past the cache
+    tensors["seq_lens"][2] = 10**6  # past the block table
+    try:  # start from a clear record
+        errors.raise_pending_errors("cuda")
+    except ValueError:
+        pass
+    out, lse = _run_decode(tensors, 576**-0.5, 2, config=WG64)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()
+    assert not torch.isnan(out[0]).any()
+    bits = errors.pending_errors(torch.device("cuda"))
+    assert bits & errors.BLOCK_INDEX and bits & errors.SEQ_RANGE, bits
+    with pytest.raises(ValueError, match="bad index data"):
+        errors.raise_pending_errors("cuda")
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv):
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+    from test_kernels_decode import _reference
+
+    heads, lora, rope, block_size, max_blocks, num_blocks, splits = 128, 512, 64, 64, 48, 600, 4
+    scale = 576**-0.5
+    cache_dtype = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    k_scale = torch.tensor([0.02], device="cuda") if kv == "fp8" else None
+    cache = torch.randn(num_blocks, block_size, lora + rope, device="cuda")
+    cache = (cache / 0.02).to(cache_dtype) if kv == "fp8" else cache.to(cache_dtype)
+    for batch in (1, 6):
+        q_nope = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
+        q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+        block_table = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
+        seq_lens = torch.ones(batch, dtype=torch.int32, device="cuda")
+        out = torch.empty(batch, heads, lora, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
+        attn_logits = torch.full((batch, heads, splits, attn_logits_width(lora)), float("nan"), device="cuda")
+
+        def step():
+            mla_decode_fwd(q_nope, q_pe, cache, block_table, seq_lens, scale, k_scale=k_scale, num_kv_splits=splits,
+                           attn_logits=attn_logits, out=out, lse=lse, config=WG64)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for trial in range(3):
+            new_lens = torch.randint(1, max_blocks * block_size, (batch,), device="cuda", dtype=torch.int32)
+            new_lens[0] = trial  # 0, 1, 2
+            seq_lens.copy_(new_lens)
+            block_table.copy_(torch.randint(0, num_blocks, (batch, max_blocks), device="cuda", dtype=torch.int32))
+            q_nope.normal_()
+            out.fill_(float("nan"))
+            attn_logits.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = _reference(q_nope, q_pe, cache, block_table, seq_lens, scale, k_scale)
+            assert not torch.isnan(out).any(), (batch, trial)
+            finite = torch.isfinite(ref_lse)
+            rel = (out.double() - ref_out)[finite].norm() / ref_out[finite].norm().clamp_min(1e-30)
+            assert rel <= 1e-2 or not finite.any(), (batch, trial, float(rel))
+            assert torch.equal(torch.isfinite(lse), finite), (batch, trial)
