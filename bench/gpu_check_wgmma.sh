@@ -25,16 +25,17 @@ bench() { timeout "$1" python3 -m mla_multi bench decode "${@:2}"; }
 
 if has tests; then
   start=$(date +%s)
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_decode_wgmma.py \
-    tests/test_kernels_decode.py 2>&1 | tee "$OUT/tests.txt" | tail -15
+  timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider ${TESTS:-tests/test_kernels_decode_wgmma.py \
+    tests/test_kernels_decode.py} 2>&1 | tee "$OUT/tests.txt" | tail -15
   echo "tests took $(( $(date +%s) - start )) s"
 fi
 if has ab; then
   # the Triton kernel against the warpgroup kernel, same inputs, graph replay
-  bench 150 --no-ceilings --heads 64,128 --cases 1x32768,32x4096,128x4096 \
-    --configs h64n64w8s2nolicm,h64n64w8s2wg --json "$OUT/ab_64.json" 2>&1 | tee "$OUT/ab.txt" | tail -13
-  bench 100 --no-ceilings --heads 16,32 --cases 1x32768,32x4096,128x4096 \
-    --configs h16n64w4s2,h16n64w8s2wg,h32n64w8s2wg --json "$OUT/ab_16.json" 2>&1 | tee -a "$OUT/ab.txt" | tail -19
+  bench 200 --no-ceilings --heads 64,128 --cases 1x32768,32x4096,128x4096,128x16384 \
+    --configs h64n64w8s2nolicm,h64n64w8s2wg,h64n64w4s2ws --json "$OUT/ab_64.json" 2>&1 | tee "$OUT/ab.txt" | tail -25
+  bench 150 --no-ceilings --heads 16,32 --cases 1x32768,32x4096,128x4096 \
+    --configs h16n64w4s2,h16n64w8s2wg,h16n64w4s2ws,h32n64w8s2wg,h32n64w4s2ws --json "$OUT/ab_16.json" 2>&1 \
+    | tee -a "$OUT/ab.txt" | tail -31
 fi
 if has backends; then
   bench 240 --backends all --no-ceilings --heads 16,32,64,128 --cases 1x32768,32x4096,128x4096 \

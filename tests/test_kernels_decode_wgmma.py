@@ -30,6 +30,9 @@ def _gluon_ok() -> bool:
 WG64 = DecodeLaunchConfig(64, 64, 8, 2, kernel="wgmma")
 WG32 = DecodeLaunchConfig(32, 64, 8, 2, kernel="wgmma")
 WG16 = DecodeLaunchConfig(16, 64, 8, 2, kernel="wgmma")
+WS64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_ws")
+WS32 = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws")
+WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
 
 
 # ---------------------------------------------------------------------------
@@ -39,6 +42,7 @@ WG16 = DecodeLaunchConfig(16, 64, 8, 2, kernel="wgmma")
 
 def test_config_name_marks_the_warpgroup_kernel():
     assert WG64.name == "h64n64w8s2wg"
+    assert WS64.name == "h64n64w4s2ws"
     assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
 
 
@@ -89,17 +93,19 @@ def _on_hopper() -> bool:
 requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and a Triton with Gluon")
 
 
-def _config_for(heads: int, q_len: int = 1) -> DecodeLaunchConfig:
+def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaunchConfig:
     rows = heads * q_len
+    if kernel == "wgmma_ws":
+        return WS16 if rows <= 16 else WS32 if rows <= 32 else WS64
     return WG16 if rows <= 16 else WG32 if rows <= 32 else WG64
 
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kernel,kv", [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16")])
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 64, 128])
-def test_wgmma_decode_gpu(kv, heads, block_size):
+def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.platforms import current_platform
 
@@ -109,7 +115,7 @@ def test_wgmma_decode_gpu(kv, heads, block_size):
     scale = 576**-0.5
     platform = current_platform()
     reserved = max_num_kv_splits(20000, platform)
-    config = _config_for(heads)
+    config = _config_for(heads, kernel=kernel)
     for splits in (1, num_kv_splits(platform, 5, heads, 20000, reserved, kv_cache_dtype=cache_dtype), 7):
         out, lse = _run_decode(tensors, scale, splits, max_splits=max(reserved, splits), config=config)
         torch.cuda.synchronize()
@@ -123,14 +129,15 @@ def test_wgmma_decode_gpu(kv, heads, block_size):
 
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
-def test_wgmma_decode_gpu_multi_token(heads, q_len):
+def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
     tensors = _make_case(
         3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", heads + q_len
     )
     scale = 576**-0.5
     for splits in (1, 4):
-        out, lse = _run_decode(tensors, scale, splits, config=_config_for(heads, q_len))
+        out, lse = _run_decode(tensors, scale, splits, config=_config_for(heads, q_len, kernel))
         torch.cuda.synchronize()
         result = _errors(tensors, out, lse, scale)
         assert not result["nan"] and result["inf_pattern_ok"], result
@@ -139,7 +146,8 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len):
 
 @pytest.mark.gpu
 @requires_hopper
-def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag():
+@pytest.mark.parametrize("config", [WG64, WS64], ids=["wgmma", "wgmma_ws"])
+def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
 
     tensors = _make_case(3, 64, 1, 512, 64, 64, [300, 200, 100], torch.bfloat16, torch.bfloat16, "cuda", 7)
@@ -149,7 +157,7 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag():
         errors.raise_pending_errors("cuda")
     except ValueError:
         pass
-    out, lse = _run_decode(tensors, 576**-0.5, 2, config=WG64)
+    out, lse = _run_decode(tensors, 576**-0.5, 2, config=config)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
     assert torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()
@@ -162,8 +170,8 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag():
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv):
+@pytest.mark.parametrize("kv,config", [("bf16", WG64), ("fp8", WG64), ("bf16", WS64)], ids=["wg-bf16", "wg-fp8", "ws-bf16"])
+def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
     from test_kernels_decode import _reference
 
@@ -184,7 +192,7 @@ def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv):
 
         def step():
             mla_decode_fwd(q_nope, q_pe, cache, block_table, seq_lens, scale, k_scale=k_scale, num_kv_splits=splits,
-                           attn_logits=attn_logits, out=out, lse=lse, config=WG64)
+                           attn_logits=attn_logits, out=out, lse=lse, config=config)
 
         step()
         torch.cuda.synchronize()

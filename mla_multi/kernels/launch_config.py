@@ -133,9 +133,12 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
             keeps the sm_90 64-row tiles free of spills (`_decode_table`).
         kernel: ``"triton"`` (the Triton split kernel, `mla_decode`) or
-            ``"wgmma"`` (the sm_90 Gluon kernel with warpgroup roles,
-            `mla_decode_wgmma`: QK once per tile, the 512 output columns shared
-            between the two warpgroups; ``num_stages`` is its cp.async depth).
+            ``"wgmma"`` (the sm_90 Gluon kernel, `mla_decode_wgmma`: QK once per
+            tile, the 512 output columns shared between the two warpgroups) or
+            ``"wgmma_ws"`` (its warp-specialised form: two compute warpgroups of
+            half the rows each and a loader warpgroup; 16-bit caches;
+            ``num_warps`` = 4, the first compute warpgroup).  ``num_stages`` is
+            their cp.async depth.
     """
 
     block_h: int
@@ -154,8 +157,7 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
-        if self.kernel == "wgmma":
-            text += "wg"
+        text += {"wgmma": "wg", "wgmma_ws": "ws"}.get(self.kernel, "")
         return text + self._amd_suffix()
 
 

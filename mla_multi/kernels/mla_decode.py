@@ -642,8 +642,10 @@ def mla_decode_fwd(
         *o_strides,
         *lse_strides,
     )
-    if config.kernel == "wgmma":
+    if config.kernel in ("wgmma", "wgmma_ws"):
         reason = wgmma_decode_reason(platform, kv_cache.dtype)
+        if not reason and config.kernel == "wgmma_ws" and kv_cache.dtype in FP8_DTYPES:
+            reason = "the warp-specialised kernel reads 16-bit caches"
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
         from mla_multi.kernels import mla_decode_wgmma
@@ -790,12 +792,13 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     }
     for key in constexprs:
         signature[key] = "constexpr"
+    ws = config.kernel == "wgmma_ws"
     return CompileSpec(
         name=name,
-        fn=mla_decode_wgmma.split_kernel,
+        fn=mla_decode_wgmma.ws_split_kernel if ws else mla_decode_wgmma.split_kernel,
         signature=signature,
         constexprs=constexprs,
-        options={"num_warps": config.num_warps},
+        options={"num_warps": config.num_warps, **({"maxnreg": mla_decode_wgmma.WS_MAXNREG} if ws else {})},
         divisible_by_16=_SPLIT_DIVISIBLE,
     )
 
@@ -825,8 +828,10 @@ def compile_specs(platform) -> list[CompileSpec]:
             for page_size, direct in ((64, False), (1, True)):
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 name = f"mla_decode_split[{config.name},kv={kv_name},page={page_size},{'direct' if direct else 'partial'}]"
-                if config.kernel == "wgmma":
-                    if not wgmma_decode_reason(platform, cache_dtype):
+                if config.kernel in ("wgmma", "wgmma_ws"):
+                    if not wgmma_decode_reason(platform, cache_dtype) and not (
+                        config.kernel == "wgmma_ws" and cache_dtype in FP8_DTYPES
+                    ):
                         specs.append(_wgmma_spec(name, config, cache_dtype, page_size, direct))
                     continue
                 constexprs = {

@@ -45,12 +45,15 @@ from __future__ import annotations
 
 from mla_multi import errors
 
+import triton.language as tl
+
 try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python side
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -80,6 +83,13 @@ def gluon_available() -> tuple[bool, str]:
 if gluon is not None:
     # names that moved between Triton releases (3.6: thread_barrier and
     # async_copy_global_to_shared; later: barrier and async_load)
+    # the warp-specialised kernel's worker partitions: the second compute
+    # warpgroup and the loader, with their register budgets (setmaxnreg)
+    WS_LOAD_WARPS = gl.constexpr(4)
+    WS_COMPUTE_REGS = gl.constexpr(224)
+    WS_LOAD_REGS = gl.constexpr(56)
+    # the launch's register cap: 12 warps share the 64K registers of an SM
+    WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
     _SEQ_RANGE_ERROR = gl.constexpr(errors.SEQ_RANGE)
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -171,52 +181,125 @@ if gluon is not None:
             dst.slice(c * CHUNK, CHUNK, dim=1).store(values.to(dtype))
 
     @gluon.jit
-    def _mla_decode_wgmma_kernel(
-        Q_nope,
-        Q_pe,
-        KV_cache,
-        Block_table,
-        Seq_lens,
-        K_scale,
-        Attn_logits,
-        Out,
-        Lse,
-        Error_flag,
-        sm_scale,
-        num_heads,
-        num_kv_splits,
-        max_seq_len,
-        num_cache_blocks,
-        stride_qn_b,
-        stride_qn_t,
-        stride_qn_h,
-        stride_qp_b,
-        stride_qp_t,
-        stride_qp_h,
-        stride_kv_block,
-        stride_kv_token,
-        stride_bt_b,
-        stride_al_row,
-        stride_al_h,
-        stride_al_split,
-        stride_o_b,
-        stride_o_t,
-        stride_o_h,
-        stride_lse_b,
-        stride_lse_t,
-        stride_lse_h,
-        Q_LEN: gl.constexpr,
-        KV_LORA_RANK: gl.constexpr,
-        ROPE_DIM: gl.constexpr,
-        PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-        HAS_K_SCALE: gl.constexpr,
-        FP8_CACHE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
+    def _split_range(Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N: gl.constexpr):
+        """This split's cache positions [split_start, split_end) and tile count; a length outside the
+        block-table row reads as 0 (bad_seq_len: the request's rows become NaN)."""
+        seq_len = gl.load(Seq_lens + batch)
+        bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
+        seq_len = gl.where(bad_seq_len, 0, seq_len)
+        tokens_per_split = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+        split_start = split * tokens_per_split
+        split_end = gl.minimum(split_start + tokens_per_split, seq_len)
+        num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), BLOCK_N)
+        return seq_len, bad_seq_len, split_start, split_end, num_tiles
+
+    @gluon.jit
+    def _load_query(
+        q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+        stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+        Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head) into shared memory."""
+        q_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 16, num_warps)
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+        cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
+        ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
+        q_smem.store(gl.load(ptrs[:, None] + cols[None, :], mask=(rows < Q_LEN * num_heads)[:, None], other=0.0))
+        qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
+        rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
+        cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
+        ptrs_pe = (
+            Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
+        )
+        qpe_smem.store(
+            gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=(rows_pe < Q_LEN * num_heads)[:, None], other=0.0)
+        )
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale,
+                        Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One tile of S^T [BLOCK_N, rows] -> (P^T, new max, new sum, rescale of the old output); log2 domain."""
+        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout))
+        s = s * qk_scale
+        if Q_LEN > 1:
+            visible = (pos < split_end)[:, None] & (pos[:, None] < row_limit[None, :])
+        else:
+            visible = (pos < split_end)[:, None] & (s_rows >= 0)[None, :]
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_new = l_i * alpha + gl.sum(p, 0)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
+    def _finish_rows(m_i, l_i, invalid, K_scale, HAS_K_SCALE: gl.constexpr):
+        """(1 / sum, natural-log LSE) per row; NaN for a request with bad index data, 0 / -inf for no mass."""
+        has_mass = l_i > 0.0
+        inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
+        if HAS_K_SCALE:
+            inv_l = inv_l * gl.load(K_scale).to(gl.float32)
+        inv_l = gl.where(invalid, float("nan"), inv_l)
+        # m is in the log2 domain
+        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(invalid, float("nan"), lse)
+        return inv_l, lse
+
+    @gluon.jit
+    def _store_rows(
+        acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+        stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+        stride_al_row, stride_al_h, stride_al_split,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, DIRECT_OUTPUT: gl.constexpr,
+    ):
+        """O^T [Lkv, rows] * inv_l and the LSE of rows `s_rows`: the output (one split) or this split's partials."""
+        o_layout: gl.constexpr = acc.type.layout
+        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        out = acc * gl.convert_layout(inv_l, rows_o)[None, :]
+        o_rows = gl.convert_layout(s_rows, rows_o)
+        o_valid = o_rows < Q_LEN * num_heads
+        o_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
+        lse_valid = s_rows < Q_LEN * num_heads
+        if DIRECT_OUTPUT:
+            out_ptrs = Out + batch * stride_o_b + (o_rows // num_heads) * stride_o_t + (o_rows % num_heads) * stride_o_h
+            gl.store(out_ptrs[None, :] + o_cols[:, None], out.to(Out.dtype.element_ty), mask=o_valid[None, :])
+            lse_ptrs = (
+                Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
+            )
+            gl.store(lse_ptrs, lse, mask=lse_valid)
+        else:
+            partial_ptrs = (
+                Attn_logits
+                + (batch * Q_LEN + o_rows // num_heads) * stride_al_row
+                + (o_rows % num_heads) * stride_al_h
+                + split * stride_al_split
+            )
+            gl.store(partial_ptrs[None, :] + o_cols[:, None], out, mask=o_valid[None, :])
+            lse_ptrs = (
+                Attn_logits
+                + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
+                + (s_rows % num_heads) * stride_al_h
+                + split * stride_al_split
+                + KV_LORA_RANK
+            )
+            gl.store(lse_ptrs, lse, mask=lse_valid)
+
+    @gluon.jit
+    def _mla_decode_wgmma_kernel(
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag,
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks,
+        stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+        stride_kv_block, stride_kv_token, stride_bt_b, stride_al_row, stride_al_h, stride_al_split,
+        stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """All warps in one stream: QK split by rows between the warpgroups, P^T through shared memory,
+        PV split by latent columns (16-bit and FP8 caches)."""
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
@@ -229,39 +312,20 @@ if gluon is not None:
         # O^T [Lkv, BLOCK_H]: warpgroups one above the other along the latent columns
         o_layout: gl.constexpr = _mma_layout(BLOCK_H, num_warps, 1)
         rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        tokens_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-        q_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 16, num_warps)
-        qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
         kv_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, cache_bits, num_warps)
         kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, cache_bits, num_warps)
 
-        seq_len = gl.load(Seq_lens + batch)
-        # a length outside the block-table row would walk past it: read as 0,
-        # the request's rows become NaN below
-        bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
-        seq_len = gl.where(bad_seq_len, 0, seq_len)
-        tokens_per_split = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
-        split_start = split * tokens_per_split
-        split_end = gl.minimum(split_start + tokens_per_split, seq_len)
-        num_tiles = gl.cdiv(gl.maximum(split_end - split_start, 0), BLOCK_N)
-
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
         # the query rows of this program, in shared memory for the whole split
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        q_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        q_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
-        q_ptrs = Q_nope + batch * stride_qn_b + (q_rows // num_heads) * stride_qn_t + (q_rows % num_heads) * stride_qn_h
-        q_smem.store(gl.load(q_ptrs[:, None] + q_cols[None, :], mask=(q_rows < Q_LEN * num_heads)[:, None], other=0.0))
-        qpe_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qpe_layout))
-        qpe_cols = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
-        qpe_ptrs = (
-            Q_pe + batch * stride_qp_b + (qpe_rows // num_heads) * stride_qp_t + (qpe_rows % num_heads) * stride_qp_h
+        _load_query(
+            q_smem, qpe_smem, Q_nope, Q_pe, batch, head_block * BLOCK_H, num_heads,
+            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, num_warps,
         )
-        qpe_smem.store(
-            gl.load(qpe_ptrs[:, None] + qpe_cols[None, :], mask=(qpe_rows < Q_LEN * num_heads)[:, None], other=0.0)
-        )
-
         kv_smem = gl.allocate_shared_memory(
             cache_dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, cache_bits)
         )
@@ -274,8 +338,7 @@ if gluon is not None:
         # scores in the log2 domain: exp2 is the native instruction
         qk_scale = sm_scale * 1.4426950408889634
         if HAS_K_SCALE:
-            k_scale = gl.load(K_scale).to(gl.float32)
-            qk_scale = qk_scale * k_scale
+            qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
         s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_s)
         # bottom-right causal limit of each folded query token
         row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
@@ -326,77 +389,256 @@ if gluon is not None:
             s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma(kpe_tile, qpe_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            pos = start + gl.arange(0, BLOCK_N, layout=tokens_s)
-            s = s * qk_scale
-            if Q_LEN > 1:
-                visible = (pos < split_end)[:, None] & (pos[:, None] < row_limit[None, :])
-            else:
-                visible = (pos < split_end)[:, None] & (s_rows >= 0)[None, :]
-            s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[None, :])
-            l_i = l_i * alpha + gl.sum(p, 0)
-            m_i = m_new
+            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N)
             p_smem.store(p.to(dtype))
             fence_async_shared()
             _cta_barrier()
 
-            # O^T = alpha O^T + V^T P^T, each warpgroup its 256 latent columns
-            acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
+            # O^T = alpha O^T + V^T P^T, each warpgroup its half of the latent columns
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
             acc = warpgroup_mma(kv_tile.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         async_copy.wait_group(0)
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
-        invalid = bad_block | bad_seq_len
-        has_mass = l_i > 0.0
-        inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
-        if HAS_K_SCALE:
-            inv_l = inv_l * k_scale
-        inv_l = gl.where(invalid, float("nan"), inv_l)
-        # natural-log LSE: m is in the log2 domain
-        lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        lse = gl.where(invalid, float("nan"), lse)
+        inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
+        _store_rows(
+            acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, KV_LORA_RANK, DIRECT_OUTPUT,
+        )
 
-        out = acc * gl.convert_layout(inv_l, rows_o)[None, :]
-        o_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
-        o_valid = o_rows < Q_LEN * num_heads
-        o_token = o_rows // num_heads
-        o_head = o_rows % num_heads
-        o_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
-        lse_valid = s_rows < Q_LEN * num_heads
-        if DIRECT_OUTPUT:
-            out_ptrs = Out + batch * stride_o_b + o_token * stride_o_t + o_head * stride_o_h
-            gl.store(out_ptrs[None, :] + o_cols[:, None], out.to(Out.dtype.element_ty), mask=o_valid[None, :])
-            lse_ptrs = Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
-            gl.store(lse_ptrs, lse, mask=lse_valid)
-        else:
-            partial_ptrs = (
-                Attn_logits + (batch * Q_LEN + o_token) * stride_al_row + o_head * stride_al_h + split * stride_al_split
+    # -- warp-specialised variant ------------------------------------------------
+    # Three partitions: two compute warpgroups, each owning half of the
+    # program's query rows end to end (QK, softmax, PV over all 512 latent
+    # columns: no exchange between them), and a loader warpgroup that fills the
+    # cache stages with cp.async.  The warp schedulers interleave the two
+    # compute partitions, so one's softmax runs under the other's MMAs.
+
+    @gluon.jit
+    def _ws_compute(
+        HALF: gl.constexpr, bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        """One compute warpgroup: rows [HALF * BLOCK_H / 2, (HALF + 1) * BLOCK_H / 2) of the program, end to end."""
+        q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
+         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
+         stride_lse_b, stride_lse_t, stride_lse_h) = strides
+        ROWS: gl.constexpr = BLOCK_H // 2
+        head_block = gl.program_id(0)
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        q_smem = q_bufs.index(HALF)
+        qpe_smem = qpe_bufs.index(HALF)
+        p_smem = p_bufs.index(HALF)
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = _mma_layout(ROWS, 4, 1)
+        o_layout: gl.constexpr = _mma_layout(ROWS, 4, 1)
+        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        first_row = head_block * BLOCK_H + HALF * ROWS
+        _load_query(
+            q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+            Q_LEN, ROWS, KV_LORA_RANK, ROPE_DIM, 4,
+        )
+        fence_async_shared()
+        _cta_barrier()
+        qk_scale = sm_scale * 1.4426950408889634
+        if HAS_K_SCALE:
+            qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
+        s_rows = first_row + gl.arange(0, ROWS, layout=rows_s)
+        row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
+        block_table_row = Block_table + batch * stride_bt_b
+
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+        acc = gl.zeros([KV_LORA_RANK, ROWS], gl.float32, layout=o_layout)
+        bad_block = batch < 0
+        # nothing hoisted out of the loop: the shared-memory descriptors of the
+        # query's 36 wgmma k-steps would otherwise be held across it (spilled)
+        for tile in tl.range(0, num_tiles, disable_licm=True):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            # the block-table entries the loader used, checked here too (the
+            # loader read a bad one as block 0)
+            if PAGE_SIZE % BLOCK_N == 0:
+                page = gl.load(block_table_row + start // PAGE_SIZE)
+                bad_block = bad_block | (page < 0) | (page >= num_cache_blocks)
+            else:
+                pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+                pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
+                bad_block = bad_block | (gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0)
+            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+            # cp.async wrote the tile through the generic proxy; the tensor cores read it through the async one
+            fence_async_shared()
+            kv_tile = kv_smem.index(slot)
+            s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
+            s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(kpe_smem.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N)
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+            acc = warpgroup_mma(kv_tile.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # this partition is done with the stage (and with its P^T)
+            _cta_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+
+        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
+        gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
+        inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
+        _store_rows(
+            acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, KV_LORA_RANK, DIRECT_OUTPUT,
+        )
+
+    @gluon.jit
+    def _ws_compute_first(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        _ws_compute(0, bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H, BLOCK_N,
+                    STAGES, HAS_K_SCALE, DIRECT_OUTPUT)
+
+    @gluon.jit
+    def _ws_compute_second(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        _ws_compute(1, bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H, BLOCK_N,
+                    STAGES, HAS_K_SCALE, DIRECT_OUTPUT)
+
+    @gluon.jit
+    def _ws_load(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        """The loader warpgroup: wait until both compute partitions released a stage, copy the next tile
+        into it with cp.async, and mark the previous tile ready once its copies are done."""
+        q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        stride_kv_block = strides[6]
+        stride_kv_token = strides[7]
+        stride_bt_b = strides[8]
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        CHUNK: gl.constexpr = 128
+        chunk_layout: gl.constexpr = _tile_layout(CHUNK, 16, WS_LOAD_WARPS)
+        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        block_table_row = Block_table + batch * stride_bt_b
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            start = split_start + tile * BLOCK_N
+            rows, valid, bad = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
             )
-            gl.store(partial_ptrs[None, :] + o_cols[:, None], out, mask=o_valid[None, :])
-            lse_ptrs = (
-                Attn_logits
-                + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
-                + (s_rows % num_heads) * stride_al_h
-                + split * stride_al_split
-                + KV_LORA_RANK
+            for c in gl.static_range(KV_LORA_RANK // CHUNK):
+                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+                _async_load(
+                    kv_smem.index(slot).slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :],
+                    mask=valid[:, None],
+                )
+            rows_pe, valid_pe, bad_pe = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
             )
-            gl.store(lse_ptrs, lse, mask=lse_valid)
+            cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
+            _async_load(kpe_smem.index(slot), KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
+            async_copy.commit_group()
+            # the previous tile's copies (every loader thread's) are done: ready
+            async_copy.wait_group(1)
+            _cta_barrier()
+            mbarrier.arrive(ready_bars.index((tile + STAGES - 1) % STAGES), count=1, pred=tile > 0)
+        async_copy.wait_group(0)
+        _cta_barrier()
+        mbarrier.arrive(ready_bars.index((num_tiles + STAGES - 1) % STAGES), count=1, pred=num_tiles > 0)
+
+    @gluon.jit
+    def _mla_decode_ws_kernel(
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag,
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks,
+        stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+        stride_kv_block, stride_kv_token, stride_bt_b, stride_al_row, stride_al_h, stride_al_split,
+        stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Warp-specialised: two compute warpgroups of BLOCK_H / 2 rows each and a cp.async loader (16-bit caches)."""
+        gl.static_assert(not FP8_CACHE, "the warp-specialised decode kernel reads 16-bit caches")
+        gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
+        ROWS: gl.constexpr = BLOCK_H // 2
+        dtype: gl.constexpr = Q_nope.dtype.element_ty
+        q_bufs = gl.allocate_shared_memory(dtype, [2, ROWS, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+        qpe_bufs = gl.allocate_shared_memory(dtype, [2, ROWS, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS], _shared_layout(ROWS, 16))
+        kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+        kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=2)
+        bufs = (q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars)
+        ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
+        scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
+        strides = (
+            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block,
+            stride_kv_token, stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t,
+            stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+        )
+        # (the argument tuples are written out: a constexpr kept in a tuple variable arrives as a tensor)
+        gl.warp_specialize(
+            [
+                (_ws_compute_first, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                     BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                (_ws_compute_second, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                      BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                            BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+            ],
+            [4, WS_LOAD_WARPS],
+            [WS_COMPUTE_REGS, WS_LOAD_REGS],
+        )
 
     split_kernel = _mla_decode_wgmma_kernel
+    ws_split_kernel = _mla_decode_ws_kernel
 else:  # pragma: no cover - depends on the installed Triton
     split_kernel = None
+    ws_split_kernel = None
 
 
 def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
-    split_kernel[grid](
+    ws = config.kernel == "wgmma_ws"
+    kernel = ws_split_kernel if ws else split_kernel
+    extra = {"maxnreg": WS_MAXNREG} if ws else {}
+    kernel[grid](
         *args,
         Q_LEN=q_len,
         KV_LORA_RANK=kv_lora_rank,
@@ -409,4 +651,5 @@ def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, pag
         FP8_CACHE=fp8_cache,
         DIRECT_OUTPUT=direct,
         num_warps=config.num_warps,
+        **extra,
     )
