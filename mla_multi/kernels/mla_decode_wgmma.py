@@ -86,7 +86,7 @@ if gluon is not None:
     # the warp-specialised kernel's worker partitions: the second compute
     # warpgroup and the loader, with their register budgets (setmaxnreg)
     WS_LOAD_WARPS = gl.constexpr(4)
-    WS_COMPUTE_REGS = gl.constexpr(224)
+    WS_PV_REGS = gl.constexpr(168)
     WS_LOAD_REGS = gl.constexpr(56)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
@@ -253,23 +253,27 @@ if gluon is not None:
         acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
         stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         stride_al_row, stride_al_h, stride_al_split,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, DIRECT_OUTPUT: gl.constexpr,
+        Q_LEN: gl.constexpr, COLS: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, FIRST_COL: gl.constexpr = 0,
+        STORE_LSE: gl.constexpr = True, KV_LORA_RANK: gl.constexpr = 0,
     ):
-        """O^T [Lkv, rows] * inv_l and the LSE of rows `s_rows`: the output (one split) or this split's partials."""
+        """O^T [COLS, rows] * inv_l (latent columns FIRST_COL..) and the LSE of rows `s_rows`: the output (one
+        split) or this split's partials (whose LSE column is KV_LORA_RANK, COLS + FIRST_COL when 0)."""
         o_layout: gl.constexpr = acc.type.layout
         rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         out = acc * gl.convert_layout(inv_l, rows_o)[None, :]
         o_rows = gl.convert_layout(s_rows, rows_o)
         o_valid = o_rows < Q_LEN * num_heads
-        o_cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(1, o_layout))
+        o_cols = FIRST_COL + gl.arange(0, COLS, layout=gl.SliceLayout(1, o_layout))
         lse_valid = s_rows < Q_LEN * num_heads
+        LSE_COL: gl.constexpr = KV_LORA_RANK if KV_LORA_RANK > 0 else COLS + FIRST_COL
         if DIRECT_OUTPUT:
             out_ptrs = Out + batch * stride_o_b + (o_rows // num_heads) * stride_o_t + (o_rows % num_heads) * stride_o_h
             gl.store(out_ptrs[None, :] + o_cols[:, None], out.to(Out.dtype.element_ty), mask=o_valid[None, :])
-            lse_ptrs = (
-                Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
-            )
-            gl.store(lse_ptrs, lse, mask=lse_valid)
+            if STORE_LSE:
+                lse_ptrs = (
+                    Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
+                )
+                gl.store(lse_ptrs, lse, mask=lse_valid)
         else:
             partial_ptrs = (
                 Attn_logits
@@ -278,14 +282,15 @@ if gluon is not None:
                 + split * stride_al_split
             )
             gl.store(partial_ptrs[None, :] + o_cols[:, None], out, mask=o_valid[None, :])
-            lse_ptrs = (
-                Attn_logits
-                + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
-                + (s_rows % num_heads) * stride_al_h
-                + split * stride_al_split
-                + KV_LORA_RANK
-            )
-            gl.store(lse_ptrs, lse, mask=lse_valid)
+            if STORE_LSE:
+                lse_ptrs = (
+                    Attn_logits
+                    + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
+                    + (s_rows % num_heads) * stride_al_h
+                    + split * stride_al_split
+                    + LSE_COL
+                )
+                gl.store(lse_ptrs, lse, mask=lse_valid)
 
     @gluon.jit
     def _mla_decode_wgmma_kernel(
@@ -410,58 +415,56 @@ if gluon is not None:
         )
 
     # -- warp-specialised variant ------------------------------------------------
-    # Three partitions: two compute warpgroups, each owning half of the
-    # program's query rows end to end (QK, softmax, PV over all 512 latent
-    # columns: no exchange between them), and a loader warpgroup that fills the
-    # cache stages with cp.async.  The warp schedulers interleave the two
-    # compute partitions, so one's softmax runs under the other's MMAs.
+    # Three warpgroups with their own instruction streams (FlashMLA's split):
+    # the first computes QK for all the program's rows (one A-operand pass over
+    # the cache tile, N = BLOCK_H), the softmax, and P V for latent columns
+    # [0, 256); the second computes P V for columns [256, 512) from the P^T and
+    # rescale the first leaves in shared memory, while the first goes on to the
+    # next tile's QK; the third fills the cache stages with cp.async.
 
     @gluon.jit
-    def _ws_compute(
-        HALF: gl.constexpr, bufs, ptrs, scalars, strides,
+    def _ws_softmax_partition(
+        bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr,
     ):
-        """One compute warpgroup: rows [HALF * BLOCK_H / 2, (HALF + 1) * BLOCK_H / 2) of the program, end to end."""
-        q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars = bufs
+        """QK, softmax, P^T and the rescale to the second warpgroup, PV for the first half of the columns."""
+        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
          stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
          stride_lse_b, stride_lse_t, stride_lse_h) = strides
-        ROWS: gl.constexpr = BLOCK_H // 2
+        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        q_smem = q_bufs.index(HALF)
-        qpe_smem = qpe_bufs.index(HALF)
-        p_smem = p_bufs.index(HALF)
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = _mma_layout(ROWS, 4, 1)
-        o_layout: gl.constexpr = _mma_layout(ROWS, 4, 1)
+        s_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
+        o_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
         rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
-        first_row = head_block * BLOCK_H + HALF * ROWS
+        first_row = head_block * BLOCK_H
         _load_query(
             q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
             stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, ROWS, KV_LORA_RANK, ROPE_DIM, 4,
+            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
         )
         fence_async_shared()
         _cta_barrier()
         qk_scale = sm_scale * 1.4426950408889634
         if HAS_K_SCALE:
             qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
-        s_rows = first_row + gl.arange(0, ROWS, layout=rows_s)
+        s_rows = first_row + gl.arange(0, BLOCK_H, layout=rows_s)
         row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
         block_table_row = Block_table + batch * stride_bt_b
 
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-        acc = gl.zeros([KV_LORA_RANK, ROWS], gl.float32, layout=o_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
+        acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
         bad_block = batch < 0
         # nothing hoisted out of the loop: the shared-memory descriptors of the
         # query's 36 wgmma k-steps would otherwise be held across it (spilled)
@@ -481,49 +484,85 @@ if gluon is not None:
             # cp.async wrote the tile through the generic proxy; the tensor cores read it through the async one
             fence_async_shared()
             kv_tile = kv_smem.index(slot)
-            s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
+            s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
             s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma(kpe_smem.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N)
+            # the second warpgroup is done with the previous P^T and rescale
+            mbarrier.wait(p_empty, (tile & 1) ^ 1)
             p_smem.store(p.to(dtype))
+            row_smem.store(alpha)
             fence_async_shared()
             _cta_barrier()
+            mbarrier.arrive(p_ready, count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-            acc = warpgroup_mma(kv_tile.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # this partition is done with the stage (and with its P^T)
             _cta_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
         inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
+        # the second warpgroup's last rescale: 1 / sum per row
+        mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
+        row_smem.store(inv_l)
+        _cta_barrier()
+        mbarrier.arrive(p_ready, count=1)
         _store_rows(
             acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
             stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, KV_LORA_RANK, DIRECT_OUTPUT,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True, KV_LORA_RANK,
         )
 
     @gluon.jit
-    def _ws_compute_first(
+    def _ws_pv_partition(
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr,
     ):
-        _ws_compute(0, bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H, BLOCK_N,
-                    STAGES, HAS_K_SCALE, DIRECT_OUTPUT)
-
-    @gluon.jit
-    def _ws_compute_second(
-        bufs, ptrs, scalars, strides,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
-    ):
-        _ws_compute(1, bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H, BLOCK_N,
-                    STAGES, HAS_K_SCALE, DIRECT_OUTPUT)
+        """PV for the second half of the latent columns, from the first warpgroup's P^T and rescale."""
+        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
+         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
+         stride_lse_b, stride_lse_t, stride_lse_h) = strides
+        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
+        head_block = gl.program_id(0)
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        o_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
+        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
+        for tile in tl.range(0, num_tiles, disable_licm=True):
+            slot = tile % STAGES
+            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+            mbarrier.wait(p_ready, tile & 1)
+            fence_async_shared()
+            alpha = row_smem.load(rows_o)
+            acc = acc * alpha[None, :]
+            kv_tile = kv_smem.index(slot)
+            acc = warpgroup_mma(kv_tile.slice(HALF_COLS, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()
+            mbarrier.arrive(p_empty, count=1)
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+        mbarrier.wait(p_ready, num_tiles & 1)
+        inv_l = row_smem.load(rows_o)
+        _cta_barrier()
+        mbarrier.arrive(p_empty, count=1)
+        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
+        _store_rows(
+            acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
+        )
 
     @gluon.jit
     def _ws_load(
@@ -534,7 +573,7 @@ if gluon is not None:
     ):
         """The loader warpgroup: wait until both compute partitions released a stage, copy the next tile
         into it with cp.async, and mark the previous tile ready once its copies are done."""
-        q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars = bufs
+        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         stride_kv_block = strides[6]
@@ -589,22 +628,26 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Warp-specialised: two compute warpgroups of BLOCK_H / 2 rows each and a cp.async loader (16-bit caches)."""
+        """Warp-specialised (16-bit caches): a QK + softmax + PV warpgroup, a PV warpgroup, a cp.async loader."""
         gl.static_assert(not FP8_CACHE, "the warp-specialised decode kernel reads 16-bit caches")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
-        ROWS: gl.constexpr = BLOCK_H // 2
         dtype: gl.constexpr = Q_nope.dtype.element_ty
-        q_bufs = gl.allocate_shared_memory(dtype, [2, ROWS, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-        qpe_bufs = gl.allocate_shared_memory(dtype, [2, ROWS, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS], _shared_layout(ROWS, 16))
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
+        row_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=2)
-        bufs = (q_bufs, qpe_bufs, p_bufs, kv_smem, kpe_smem, ready_bars, empty_bars)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_empty, count=1)
+        bufs = (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty)
         ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
         scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
         strides = (
@@ -615,15 +658,15 @@ if gluon is not None:
         # (the argument tuples are written out: a constexpr kept in a tuple variable arrives as a tensor)
         gl.warp_specialize(
             [
-                (_ws_compute_first, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
                                      BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                (_ws_compute_second, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
                                       BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
                             BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
             ],
             [4, WS_LOAD_WARPS],
-            [WS_COMPUTE_REGS, WS_LOAD_REGS],
+            [WS_PV_REGS, WS_LOAD_REGS],
         )
 
     split_kernel = _mla_decode_wgmma_kernel
