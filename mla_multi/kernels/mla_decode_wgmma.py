@@ -127,18 +127,24 @@ if gluon is not None:
         )
 
     @gluon.jit
+    def _tile_page(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr):
+        """The block-table entry of a tile that lies inside one page (0 for a tile past the split), loaded
+        a tile ahead of its copies so that their addresses do not wait on it."""
+        return gl.load(block_table_row + start // PAGE_SIZE, mask=start < split_end, other=0)
+
+    @gluon.jit
     def _tile_rows(
-        start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+        start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
         PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
     ):
         """Cache row offsets of tile positions [start, start + BLOCK_N) (in `layout`), their validity
-        and whether a block-table entry the tile needed lay outside [0, num_cache_blocks) (read as 0)."""
+        and whether a block-table entry the tile needed lay outside [0, num_cache_blocks) (read as 0).
+        `page`: the tile's block-table entry (`_tile_page`) when the page is a multiple of the tile."""
         pos = start + gl.arange(0, BLOCK_N, layout=layout)
         valid = pos < split_end
         if PAGE_SIZE % BLOCK_N == 0:
             # the tile lies inside one page: one block-table entry
             live = start < split_end
-            page = gl.load(block_table_row + start // PAGE_SIZE, mask=live, other=0)
             bad = ((page < 0) | (page >= num_cache_blocks)) & live
             page = gl.where(bad, 0, page).to(gl.int64)
             rows = page * stride_kv_block + (pos % PAGE_SIZE).to(gl.int64) * stride_kv_token
@@ -153,19 +159,19 @@ if gluon is not None:
     @gluon.jit
     def _issue_tile(
         kv_buf, kpe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
-        stride_kv_token,
+        stride_kv_token, page,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         kv_layout: gl.constexpr, kpe_layout: gl.constexpr,
     ):
         """Start the cp.async copies of one cache tile (positions past split_end are zero-filled)."""
         rows, valid, bad = _tile_rows(
-            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
             PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kv_layout),
         )
         cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, kv_layout))
         _async_load(kv_buf, KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None])
         rows_pe, valid_pe, bad_pe = _tile_rows(
-            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
             PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
         )
         cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
@@ -351,12 +357,15 @@ if gluon is not None:
         block_table_row = Block_table + batch * stride_bt_b
         bad_block = batch < 0
         for stage in gl.static_range(STAGES - 1):
+            first = split_start + stage * BLOCK_N
             bad_block = bad_block | _issue_tile(
-                kv_smem.index(stage), kpe_smem.index(stage), KV_cache, split_start + stage * BLOCK_N, split_end,
+                kv_smem.index(stage), kpe_smem.index(stage), KV_cache, first, split_end,
                 block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                _tile_page(block_table_row, first, split_end, PAGE_SIZE),
                 KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
             )
             async_copy.commit_group()
+        next_page = _tile_page(block_table_row, split_start + (STAGES - 1) * BLOCK_N, split_end, PAGE_SIZE)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
@@ -373,10 +382,11 @@ if gluon is not None:
             ahead = tile + STAGES - 1
             bad_block = bad_block | _issue_tile(
                 kv_smem.index(ahead % STAGES), kpe_smem.index(ahead % STAGES), KV_cache, split_start + ahead * BLOCK_N,
-                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, next_page,
                 KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
             )
             async_copy.commit_group()
+            next_page = _tile_page(block_table_row, split_start + (ahead + 1) * BLOCK_N, split_end, PAGE_SIZE)
             if FP8_CACHE:
                 # one conversion per element, into the 16-bit tile both products read
                 _convert_tile(kv_smem.index(slot), kv16_smem, KV_LORA_RANK, 128, dtype, num_warps)
@@ -588,12 +598,15 @@ if gluon is not None:
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
         block_table_row = Block_table + batch * stride_bt_b
+        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE)
         for tile in range(num_tiles):
             slot = tile % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             start = split_start + tile * BLOCK_N
+            # the next tile's block-table entry is in flight while this stage drains
+            next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE)
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             rows, valid, bad = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
                 PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
             )
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
@@ -603,7 +616,7 @@ if gluon is not None:
                     mask=valid[:, None],
                 )
             rows_pe, valid_pe, bad_pe = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
                 PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
             )
             cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
@@ -613,6 +626,7 @@ if gluon is not None:
             async_copy.wait_group(1)
             _cta_barrier()
             mbarrier.arrive(ready_bars.index((tile + STAGES - 1) % STAGES), count=1, pred=tile > 0)
+            page = next_page
         async_copy.wait_group(0)
         _cta_barrier()
         mbarrier.arrive(ready_bars.index((num_tiles + STAGES - 1) % STAGES), count=1, pred=num_tiles > 0)
