@@ -38,16 +38,19 @@ if has ab; then
     | tee -a "$OUT/ab.txt" | tail -31
 fi
 if has backends; then
+  # every installed decode backend through the package's interface (TRITON = the registry's kernel choice)
   bench 240 --backends all --no-ceilings --heads 16,32,64,128 --cases 1x32768,32x4096,128x4096 \
     --json "$OUT/decode_bf16.json" 2>&1 | tee "$OUT/backends.txt" | tail -14
-  bench 200 --backends all --no-ceilings --heads 128 --cases 32x8192,64x8192,128x8192,32x16384,64x16384,128x16384 \
-    --json "$OUT/decode_bf16_long.json" 2>&1 | tee -a "$OUT/backends.txt" | tail -8
+  bench 240 --backends all --no-ceilings --heads 128 --cases 32x8192,64x4096,64x8192,32x16384,64x16384,128x8192,128x16384 \
+    --json "$OUT/decode_bf16_long.json" 2>&1 | tee -a "$OUT/backends.txt" | tail -9
   bench 150 --backends all --no-ceilings --heads 128 --q-len 2,4 --cases 32x4096,128x4096 \
     --json "$OUT/decode_mtp.json" 2>&1 | tee -a "$OUT/backends.txt" | tail -6
 fi
 if has fp8; then
   bench 200 --backends all --no-ceilings --kv-dtype float8_e4m3fn --heads 16,32,64,128 --cases 32x4096,128x4096 \
     --json "$OUT/decode_fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -10
+  bench 100 --no-ceilings --kv-dtype float8_e4m3fn --heads 32 --cases 32x4096,128x4096 \
+    --configs h16n64w8s2,h32n64w8s2wg --json "$OUT/fp8_ab32.json" 2>&1 | tee -a "$OUT/fp8.txt" | tail -5
 fi
 echo "== summary"
 grep -hE "passed|failed|error" "$OUT/tests.txt" 2>/dev/null | tail -3

@@ -54,13 +54,18 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
         assert all(c.kernel == "triton" for c in all_decode_configs(platform))
         return
     assert wgmma_decode_reason(platform, torch.bfloat16) == ""
-    for heads, q_len, block_h in ((32, 1, 32), (64, 1, 64), (128, 1, 64), (16, 2, 32), (128, 4, 64)):
+    for heads, q_len, kernel, block_h in (
+        (32, 1, "wgmma_ws", 32), (16, 2, "wgmma_ws", 32), (64, 1, "wgmma", 64), (128, 1, "wgmma", 64), (128, 4, "wgmma", 64)
+    ):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
-        assert (config.kernel, config.block_h) == ("wgmma", block_h), (heads, q_len, config)
-    # FP8 (e4m3fn): every bucket, 16 rows too
-    for heads, block_h in ((1, 16), (16, 16), (32, 32), (128, 64)):
+        assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)
+    # FP8 (e4m3fn): the single-stream kernel past 16 rows
+    for heads, block_h in ((32, 32), (128, 64)):
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
         assert (config.kernel, config.block_h) == ("wgmma", block_h), (heads, config)
+    # up to 16 rows: the Triton kernel
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        assert decode_config(platform, 16, 1, kv).kernel == "triton"
 
 
 @pytest.mark.parametrize("spec", ["H100", "A100", "B200", "MI300X", "MI355X", "CPU"])

@@ -274,19 +274,35 @@ def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, 
 
 
 def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
-    """sm_90 with a Triton whose Gluon builds the warpgroup kernel (`mla_decode_wgmma`).
+    """sm_90 with a Triton whose Gluon builds the warpgroup kernels (`mla_decode_wgmma`).
 
-    Tokens are the MMA's M dimension (64 per tile) and query rows its N, so 16,
-    32 and 64 rows are each their own tile without padding; one program per SM
-    (the query, two 64-token stages of the cache and P take 164-225 KiB of
-    shared memory).  bench/RESULTS.md has the measurements behind each bucket.
+    Tokens are the MMA's M dimension (64 per tile) and query rows its N, so 32
+    and 64 rows are each their own tile without padding; one program per SM
+    (the query, two 64-token stages of the cache and P take 185-225 KiB of
+    shared memory).  By measurement on an H200 (bench/RESULTS.md):
+
+    * 16-bit caches, 17-32 rows: the warp-specialised kernel (QK + softmax +
+      half of PV, the other half of PV, a cp.async loader), 1.2x the Triton
+      kernel at 32 heads; 33-64 rows: the single-stream kernel, 1.45-1.5x the
+      Triton kernel at 64 and 128 heads (the warp-specialised one is 3 % faster
+      there but its first warpgroup spills registers at 64 rows);
+    * FP8 caches past 16 rows: the single-stream kernel, which converts each
+      tile once into shared memory (1.45x the Triton kernel at 128 heads);
+    * up to 16 rows: the Triton kernel (memory-bound there; the warpgroup
+      kernels pad the QK product's N to 16 rows and are no faster).
     """
-    wide = DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
-    mid = DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
-    narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=1, kernel="wgmma")
-    if not fp8:
-        narrow = DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2)
-    return {"16": narrow, "32": mid, "64": wide}
+    if fp8:
+        narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
+        return {
+            "16": narrow,
+            "32": DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+            "64": DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+        }
+    return {
+        "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2),
+        "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
+        "64": DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+    }
 
 
 def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
