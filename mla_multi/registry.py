@@ -85,6 +85,9 @@ class SelectionRule:
     `num_heads` inclusive, KV-cache dtype in `kv_cache_dtypes` for decode) is
     tried in the rule's `priority` order instead of the platform's. `measured`
     names the record in bench/RESULTS.md that the order comes from.
+    `needs_wgmma`: the rule holds only where the sm_90 warpgroup decode kernels
+    can run (`launch_config.wgmma_decode_reason`: an sm_90 device, a Triton
+    with Gluon, a 16-bit or float8_e4m3fn cache), since they are what it measured.
     """
 
     name: str
@@ -95,6 +98,7 @@ class SelectionRule:
     measured: str
     num_heads: tuple[int, int] = (1, 1 << 20)
     kv_cache_dtypes: frozenset | None = None
+    needs_wgmma: bool = False
 
     def matches(self, platform: Platform, config) -> bool:
         if platform.vendor != self.vendor or (self.arch is not None and platform.arch != self.arch):
@@ -102,8 +106,14 @@ class SelectionRule:
         low, high = self.num_heads
         if not low <= config.dims.num_heads <= high:
             return False
-        if self.kv_cache_dtypes is not None:
-            return getattr(config, "kv_cache_dtype", None) in self.kv_cache_dtypes
+        kv_dtype = getattr(config, "kv_cache_dtype", None)
+        if self.kv_cache_dtypes is not None and kv_dtype not in self.kv_cache_dtypes:
+            return False
+        if self.needs_wgmma:
+            from mla_multi.kernels.launch_config import wgmma_decode_reason
+
+            if wgmma_decode_reason(platform, kv_dtype if kv_dtype is not None else torch.bfloat16):
+                return False
         return True
 
     def describe(self) -> str:
@@ -113,6 +123,26 @@ class SelectionRule:
 # Measured exceptions to the lists above, tried in order; the first that
 # matches a configuration gives its priority. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
+    SelectionRule(
+        name="nvidia-sm90-decode-up-to-32-heads",
+        phase="decode",
+        vendor="cuda",
+        arch="sm_90",
+        num_heads=(1, 32),
+        needs_wgmma=True,
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (32 heads)",
+    ),
+    SelectionRule(
+        name="nvidia-sm90-decode-fp8",
+        phase="decode",
+        vendor="cuda",
+        arch="sm_90",
+        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        needs_wgmma=True,
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (FP8 caches)",
+    ),
     SelectionRule(
         name="nvidia-decode-few-heads",
         phase="decode",

@@ -25,6 +25,7 @@ adds multi-token decode.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -170,6 +171,8 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     return row
 
 
+_PLAN_SLOTS = itertools.count(0, 1 << 16)
+
 # Backends whose decode runs inside a CUDA graph; REFERENCE reads lengths on the host.
 GRAPHABLE_EXCLUDED = ("REFERENCE",)
 
@@ -238,7 +241,10 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
             impl.reserve_workspace(workspace, batch, blocks_per_seq * block_size, q_len)
             plans = [None] * copies
             if getattr(backend, "requires_plan", False):
-                plans = [impl.plan(seq_lens.cpu(), table, q_len, k_scale=k_scale, cuda_graph=True, slot=i)
+                # CUDA-graph plans keep fixed buffers sized by their first batch: a
+                # fresh slot per case, as an engine reserves one per captured shape
+                base = next(_PLAN_SLOTS)
+                plans = [impl.plan(seq_lens.cpu(), table, q_len, k_scale=k_scale, cuda_graph=True, slot=base + i)
                          for i, table in enumerate(tables)]
             outs = []
 
