@@ -80,6 +80,12 @@ def test_e4m3fnuz_and_other_devices_keep_the_triton_kernel(spec):
     assert "float8_e4m3fnuz" in wgmma_decode_reason(SPECS["H100"], torch.float8_e4m3fnuz) or not _gluon_ok()
 
 
+def test_other_latent_dims_keep_the_triton_kernel():
+    platform = SPECS["H200"]
+    assert decode_config(platform, 128, 1, torch.bfloat16, kv_lora_rank=256, rope_dim=64).kernel == "triton"
+    assert decode_config(platform, 128, 1, torch.bfloat16, kv_lora_rank=512, rope_dim=32).kernel == "triton"
+
+
 def test_forcing_the_warpgroup_kernel_where_it_cannot_run_is_an_error():
     tensors = _make_case(2, 16, 1, 512, 64, 16, [20, 5], torch.bfloat16, torch.bfloat16, "cpu", 0)
     with pytest.raises(ValueError, match=r"h64n64w8s2wg.*cannot run here.*sm_90"):

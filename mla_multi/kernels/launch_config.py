@@ -305,7 +305,12 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
     }
 
 
-def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
+WGMMA_DECODE_DIMS = (512, 64)
+
+
+def decode_config(
+    platform, num_heads: int, q_len: int, kv_dtype: torch.dtype, kv_lora_rank: int = 512, rope_dim: int = 64
+) -> DecodeLaunchConfig:
     """The decode launch configuration for `num_heads` heads x `q_len` query tokens.
 
     Rows (num_heads * q_len) up to 16 take a 16-row tile (MMA minimum, padded),
@@ -316,8 +321,10 @@ def decode_config(platform, num_heads: int, q_len: int, kv_dtype: torch.dtype) -
     if num_heads < 1 or q_len < 1:
         raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
     rows = num_heads * q_len
-    # float8_e4m3fnuz on sm_90, say: the Triton kernel's table
-    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=not wgmma_decode_reason(platform, kv_dtype))
+    # float8_e4m3fnuz on sm_90, say, or other than DeepSeek's latent dims (the
+    # warpgroup kernels are built and measured for 512 + 64): the Triton kernel's table
+    wgmma = (kv_lora_rank, rope_dim) == WGMMA_DECODE_DIMS and not wgmma_decode_reason(platform, kv_dtype)
+    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma)
     if rows <= 16:
         return table["16"]
     if rows <= 32:

@@ -66,6 +66,7 @@ from mla_multi.kernels.launch_config import (
     load_k_transposed,
     tl_range_disables_licm,
     wgmma_decode_reason,
+    WGMMA_DECODE_DIMS,
 )
 
 __all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
@@ -590,7 +591,7 @@ def mla_decode_fwd(
 
         platform = current_platform()
     if config is None:
-        config = decode_config(platform, num_heads, q_len, kv_cache.dtype)
+        config = decode_config(platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim)
 
     cache = kv_cache
     fp8_bits_bias = 0
@@ -646,6 +647,8 @@ def mla_decode_fwd(
         reason = wgmma_decode_reason(platform, kv_cache.dtype)
         if not reason and config.kernel == "wgmma_ws" and kv_cache.dtype in FP8_DTYPES:
             reason = "the warp-specialised kernel reads 16-bit caches"
+        if not reason and (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
+            reason = f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; the warpgroup kernels take 512 and 64"
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
         from mla_multi.kernels import mla_decode_wgmma
