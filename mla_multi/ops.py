@@ -216,7 +216,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     """Write rows [kv_c | k_pe] into the paged latent cache.
 
     kv_c [T, Lkv], k_pe [T, R], kv_cache [num_blocks, block_size, Lkv + R],
-    slot_mapping [T] int64 (or int32); a negative slot skips that token. An fp8
+    slot_mapping [T] int64 (or int32); a negative slot skips that token; a slot
+    named by several tokens gets each element from one of them (concurrent
+    writers: which one is unspecified, and on a GPU rows may interleave). An fp8
     cache is written as value / scale saturated to the fp8 range. Without the
     data checks a slot past the cache is skipped too and recorded for
     `raise_pending_errors`.

@@ -427,10 +427,13 @@ def check_cache_roundtrip(runner: Runner, case: dict) -> None:
     runner.concat(kv_c.to(device), k_pe.to(device), cache, torch.tensor(slots, dtype=torch.int64, device=device), scale)
     flat, old = cache.cpu().view(-1, lora + rope).view(torch.uint8), before.view(-1, lora + rope).view(torch.uint8)
     rows = quantize64(torch.cat([kv_c, k_pe], -1), cache_dtype, scale or 1.0).view(torch.uint8)
+    element = cache.element_size()
     for slot in range(flat.shape[0]):
         writers = [token for token, s in enumerate(slots) if s == slot]
-        if writers:  # duplicates: one of the tokens' rows, whole
-            assert any(torch.equal(flat[slot], rows[token]) for token in writers), (slot, writers, case)
+        if writers:  # each element from one of the tokens that name the slot (duplicates may interleave)
+            stored = flat[slot].view(-1, element)
+            candidates = torch.stack([rows[token].view(-1, element) for token in writers])
+            assert (candidates == stored[None]).all(-1).any(0).all(), (slot, writers, case)
         else:
             assert torch.equal(flat[slot], old[slot]), (slot, case)
 
