@@ -300,13 +300,19 @@ def test_decode_gpu(kv, heads, block_size):
 @requires_gpu
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_decode_gpu_multi_token(q_len):
-    tensors = _make_case(3, 16, q_len, 512, 64, 64, [0 + q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", 3)
+    check_multi_token_gpu(16, q_len, (4,), seed=3)
+
+
+def check_multi_token_gpu(heads, q_len, splits_list, seed, **kwargs):
+    """Speculative decode of 3 requests (the shortest as long as its query) against float64, per split count."""
+    tensors = _make_case(3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", seed)
     scale = 576**-0.5
-    out, lse = _run_decode(tensors, scale, 4)
-    torch.cuda.synchronize()
-    result = _errors(tensors, out, lse, scale)
-    assert not result["nan"] and result["inf_pattern_ok"], result
-    assert result["rel_err"] <= 1e-2, result
+    for splits in splits_list:
+        out, lse = _run_decode(tensors, scale, splits, **kwargs)
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, scale)
+        assert not result["nan"] and result["inf_pattern_ok"], (splits, result)
+        assert result["rel_err"] <= 1e-2, (splits, result)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_decode import _errors, _make_case, _run_decode
+from test_kernels_decode import _errors, _make_case, _run_decode, check_multi_token_gpu
 
 from mla_multi.kernels.launch_config import DecodeLaunchConfig, all_decode_configs, decode_config, wgmma_decode_reason
 from mla_multi.platforms import SPECS
@@ -143,16 +143,7 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
 @pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
 def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
-    tensors = _make_case(
-        3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", heads + q_len
-    )
-    scale = 576**-0.5
-    for splits in (1, 4):
-        out, lse = _run_decode(tensors, scale, splits, config=_config_for(heads, q_len, kernel))
-        torch.cuda.synchronize()
-        result = _errors(tensors, out, lse, scale)
-        assert not result["nan"] and result["inf_pattern_ok"], result
-        assert result["rel_err"] <= 1e-2, result
+    check_multi_token_gpu(heads, q_len, (1, 4), seed=heads + q_len, config=_config_for(heads, q_len, kernel))
 
 
 @pytest.mark.gpu
