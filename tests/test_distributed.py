@@ -453,7 +453,7 @@ GPU_SEQ_LENS = [0, 1, 37, 300, 1000, 2, 129]
 
 def scenario_gpu_local_positions(ctx):
     """Ownership on the device: the same answers as on the host, no host round trip needed."""
-    for interleave in (1, 16):
+    for interleave in (1, 4, 16):
         dcp = DecodeContextParallel(interleave=interleave)
         positions = torch.arange(-3, 5000)
         assert torch.equal(dcp.local_positions(positions.to(ctx.device)).cpu(), dcp.local_positions(positions))
@@ -463,7 +463,7 @@ def scenario_gpu_local_positions(ctx):
 
 
 def scenario_gpu_decode(ctx):
-    for interleave in (1, 16):
+    for interleave in (1, 4, 16):
         dcp = DecodeContextParallel(interleave=interleave)
         for q_len in (1, 2):
             check_decode(
@@ -471,6 +471,13 @@ def scenario_gpu_decode(ctx):
                 block_size=16, seq_lens=GPU_SEQ_LENS, backend="TRITON", tolerance=1e-2, lse_tolerance=2e-2,
                 seed=interleave + q_len,
             )
+    # DeepSeek's 128 heads in all: the decode over the all-gathered heads takes
+    # the sm_90 warpgroup kernel where it can run
+    check_decode(
+        ctx, DecodeContextParallel(interleave=4), dtype=torch.bfloat16, q_len=1, kv_lora_rank=512, rope_dim=64,
+        num_local_heads=128 // ctx.world, block_size=64, seq_lens=GPU_SEQ_LENS, backend="TRITON", tolerance=1e-2,
+        lse_tolerance=2e-2, seed=99,
+    )
     # A batch of empty requests only: 0 and -inf, never NaN.
     check_decode(
         ctx, DecodeContextParallel(), dtype=torch.bfloat16, q_len=1, kv_lora_rank=512, rope_dim=64,
