@@ -46,6 +46,24 @@ def _triton_interpreter_note() -> str | None:
             "merge_attn_states run their Triton kernels on CPU tensors too")
 
 
+_KERNEL_NAMES = {"triton": "Triton kernel", "wgmma": "sm_90 warpgroup kernel", "wgmma_ws": "sm_90 warp-specialised kernel"}
+
+
+def _triton_decode_kernels(platform) -> dict:
+    """Which decode kernel TRITON launches per head count and cache dtype on `platform` (DeepSeek dims),
+    and why the sm_90 warpgroup kernels cannot run there, if they cannot."""
+    import torch
+
+    from mla_multi.kernels.launch_config import decode_config, wgmma_decode_reason
+
+    kernels = {}
+    for kv in ("bfloat16", "float8_e4m3fn"):
+        for heads in (16, 32, 128):
+            config = decode_config(platform, heads, 1, getattr(torch, kv))
+            kernels[f"{kv}, {heads} heads"] = f"{config.name} ({_KERNEL_NAMES.get(config.kernel, config.kernel)})"
+    return {"kernels": kernels, "warpgroup_kernels": wgmma_decode_reason(platform, torch.bfloat16) or "available"}
+
+
 def collect_info(as_spec: str | None = None) -> dict:
     """Everything `mla-multi info` prints, as a JSON-friendly dict."""
     import torch
@@ -94,6 +112,7 @@ def collect_info(as_spec: str | None = None) -> dict:
                 if hasattr(backend, "info"):
                     row["declares"] = _guarded(backend.info)
         info["phases"] = phases
+    info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
     return info
 
 
@@ -127,6 +146,11 @@ def _print_info(info: dict) -> None:
             print(f"  {row['name']:<16} {state}" + (f"  (uses {uses})" if uses else ""))
             for reason in row["reasons"]:
                 print(f"      - {reason}")
+    decode = info.get("triton_decode")
+    if isinstance(decode, dict):
+        print(f"\nTRITON decode kernels (DeepSeek dims): warpgroup kernels {decode['warpgroup_kernels']}")
+        for case, kernel in decode["kernels"].items():
+            print(f"  {case:<28} {kernel}")
 
 
 def cmd_info(args) -> int:

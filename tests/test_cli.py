@@ -76,3 +76,19 @@ def test_warmup_runs_every_path_of_a_layer_configuration(capsys):
     assert "warmup on CPU: 2 heads" in out and "kv cache torch.float8_e4m3fn" in out
     for step in ("prefill:", "decode + prefill:", "decode + prefill over chunked context:"):
         assert step in out, out
+
+
+def test_info_names_the_triton_decode_kernels_and_why_not_the_warpgroup_ones():
+    from mla_multi.cli import collect_info
+    from mla_multi.kernels.mla_decode_wgmma import gluon_available
+
+    a100 = collect_info("A100")["triton_decode"]
+    assert "sm_90" in a100["warpgroup_kernels"] and "sm_80" in a100["warpgroup_kernels"]
+    assert all("Triton kernel" in kernel for kernel in a100["kernels"].values())
+    h200 = collect_info("H200")["triton_decode"]
+    if gluon_available()[0]:
+        assert h200["warpgroup_kernels"] == "available"
+        assert "warpgroup" in h200["kernels"]["bfloat16, 128 heads"]
+        assert "Triton kernel" in h200["kernels"]["bfloat16, 16 heads"]
+    else:
+        assert "Gluon" in h200["warpgroup_kernels"]
