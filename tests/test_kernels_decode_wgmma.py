@@ -33,6 +33,7 @@ WG16 = DecodeLaunchConfig(16, 64, 8, 2, kernel="wgmma")
 WS64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_ws")
 WS32 = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws")
 WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
+RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
 
 
 # ---------------------------------------------------------------------------
@@ -43,6 +44,7 @@ WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
 def test_config_name_marks_the_warpgroup_kernel():
     assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"
+    assert RM64.name == "h64n64w4s2rm"
     assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
 
 
@@ -106,6 +108,8 @@ requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GP
 
 def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaunchConfig:
     rows = heads * q_len
+    if kernel == "wgmma_rm":
+        return RM64
     if kernel == "wgmma_ws":
         return WS16 if rows <= 16 else WS32 if rows <= 32 else WS64
     return WG16 if rows <= 16 else WG32 if rows <= 32 else WG64
@@ -113,7 +117,7 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kernel,kv", [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16")])
+@pytest.mark.parametrize("kernel,kv", [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_rm", "bf16")])
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 64, 128])
 def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
@@ -140,7 +144,7 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws"])
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws", "wgmma_rm"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
 def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
     check_multi_token_gpu(heads, q_len, (1, 4), seed=heads + q_len, config=_config_for(heads, q_len, kernel))
@@ -148,7 +152,7 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WG64, WS64], ids=["wgmma", "wgmma_ws"])
+@pytest.mark.parametrize("config", [WG64, WS64, RM64], ids=["wgmma", "wgmma_ws", "wgmma_rm"])
 def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
 
@@ -172,7 +176,9 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kv,config", [("bf16", WG64), ("fp8", WG64), ("bf16", WS64)], ids=["wg-bf16", "wg-fp8", "ws-bf16"])
+@pytest.mark.parametrize(
+    "kv,config", [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64)], ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16"]
+)
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
     from test_kernels_decode import _reference

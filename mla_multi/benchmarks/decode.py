@@ -59,14 +59,14 @@ def parse_config(text: str):
 
     from mla_multi.kernels.launch_config import DecodeLaunchConfig
 
-    match = re.fullmatch(r"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?(wg|ws)?", text)
+    match = re.fullmatch(r"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?(wg|ws|rm)?", text)
     if not match:
         raise ValueError(
             f"config {text!r}; accepted: like h16n64w4s2 (BLOCK_H, BLOCK_N, warps, stages), optionally "
-            "followed by nolicm (nothing hoisted out of the tile loop) or wg / ws (the sm_90 warpgroup kernel, warp-specialised)"
+            "followed by nolicm (nothing hoisted out of the tile loop) or wg / ws / rm (the sm_90 warpgroup kernel; warp-specialised; warp-specialised with rows as M)"
         )
     return DecodeLaunchConfig(
-        *map(int, match.groups()[:4]), disable_licm=bool(match.group(5)), kernel={"wg": "wgmma", "ws": "wgmma_ws"}.get(match.group(6), "triton")
+        *map(int, match.groups()[:4]), disable_licm=bool(match.group(5)), kernel={"wg": "wgmma", "ws": "wgmma_ws", "rm": "wgmma_rm"}.get(match.group(6), "triton")
     )
 
 

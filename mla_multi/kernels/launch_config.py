@@ -157,7 +157,7 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
-        text += {"wgmma": "wg", "wgmma_ws": "ws"}.get(self.kernel, "")
+        text += {"wgmma": "wg", "wgmma_ws": "ws", "wgmma_rm": "rm"}.get(self.kernel, "")
         return text + self._amd_suffix()
 
 

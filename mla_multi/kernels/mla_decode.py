@@ -643,9 +643,9 @@ def mla_decode_fwd(
         *o_strides,
         *lse_strides,
     )
-    if config.kernel in ("wgmma", "wgmma_ws"):
+    if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
         reason = wgmma_decode_reason(platform, kv_cache.dtype)
-        if not reason and config.kernel == "wgmma_ws" and kv_cache.dtype in FP8_DTYPES:
+        if not reason and config.kernel != "wgmma" and kv_cache.dtype in FP8_DTYPES:
             reason = "the warp-specialised kernel reads 16-bit caches"
         if not reason and (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
             reason = f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; the warpgroup kernels take 512 and 64"
@@ -795,7 +795,10 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     }
     for key in constexprs:
         signature[key] = "constexpr"
-    ws = config.kernel == "wgmma_ws"
+    ws = config.kernel in ("wgmma_ws", "wgmma_rm")
+    if config.kernel == "wgmma_rm":
+        constexprs["ROWS_AS_M"] = True
+        signature["ROWS_AS_M"] = "constexpr"
     return CompileSpec(
         name=name,
         fn=mla_decode_wgmma.ws_split_kernel if ws else mla_decode_wgmma.split_kernel,
@@ -831,9 +834,9 @@ def compile_specs(platform) -> list[CompileSpec]:
             for page_size, direct in ((64, False), (1, True)):
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 name = f"mla_decode_split[{config.name},kv={kv_name},page={page_size},{'direct' if direct else 'partial'}]"
-                if config.kernel in ("wgmma", "wgmma_ws"):
+                if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
                     if not wgmma_decode_reason(platform, cache_dtype) and not (
-                        config.kernel == "wgmma_ws" and cache_dtype in FP8_DTYPES
+                        config.kernel != "wgmma" and cache_dtype in FP8_DTYPES
                     ):
                         specs.append(_wgmma_spec(name, config, cache_dtype, page_size, direct))
                     continue

@@ -242,6 +242,24 @@ if gluon is not None:
         return p, m_new, l_new, alpha
 
     @gluon.jit
+    def _online_softmax_rows(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale,
+                             Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+        """`_online_softmax` for S [rows, BLOCK_N] (rows as the MMA's M): the reductions stay in each warp."""
+        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        s = s * qk_scale
+        if Q_LEN > 1:
+            visible = (pos < split_end)[None, :] & (pos[None, :] < row_limit[:, None])
+        else:
+            visible = (pos < split_end)[None, :] & (s_rows >= 0)[:, None]
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
     def _finish_rows(m_i, l_i, invalid, K_scale, HAS_K_SCALE: gl.constexpr):
         """(1 / sum, natural-log LSE) per row; NaN for a request with bad index data, 0 / -inf for no mass."""
         has_mass = l_i > 0.0
@@ -574,6 +592,149 @@ if gluon is not None:
             stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
         )
 
+    # -- the same split with the query rows as the MMA's M (FlashMLA's orientation) --
+    # S = Q K^T [BLOCK_H, BLOCK_N]: the softmax reduces along each row inside
+    # its warp (no shared memory, no barrier), and the first warpgroup's P
+    # feeds its own PV from registers; the second reads P from shared memory.
+
+    @gluon.jit
+    def _rm_softmax_partition(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        """QK (rows as M), softmax in registers, P and the rescale to the second warpgroup, PV for columns [0, 256)."""
+        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
+         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
+         stride_lse_b, stride_lse_t, stride_lse_h) = strides
+        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
+        head_block = gl.program_id(0)
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_COLS, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        first_row = head_block * BLOCK_H
+        _load_query(
+            q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
+        )
+        fence_async_shared()
+        _cta_barrier()
+        qk_scale = sm_scale * 1.4426950408889634
+        if HAS_K_SCALE:
+            qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
+        s_rows = first_row + gl.arange(0, BLOCK_H, layout=rows_s)
+        row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
+        block_table_row = Block_table + batch * stride_bt_b
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
+        acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+        bad_block = batch < 0
+        for tile in tl.range(0, num_tiles, disable_licm=True):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            if PAGE_SIZE % BLOCK_N == 0:
+                page = gl.load(block_table_row + start // PAGE_SIZE)
+                bad_block = bad_block | (page < 0) | (page >= num_cache_blocks)
+            else:
+                pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
+                bad_block = bad_block | (gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0)
+            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+            fence_async_shared()
+            kv_tile = kv_smem.index(slot)
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+            s = warpgroup_mma(q_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(qpe_smem, kpe_smem.index(slot).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, m_i, l_i, alpha = _online_softmax_rows(
+                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+            )
+            p16 = p.to(dtype)
+            # the second warpgroup is done with the previous P and rescale
+            mbarrier.wait(p_empty, (tile & 1) ^ 1)
+            p_smem.store(p16)
+            row_smem.store(alpha)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(p_ready, count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+
+        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
+        gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
+        inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
+        mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
+        row_smem.store(inv_l)
+        _cta_barrier()
+        mbarrier.arrive(p_ready, count=1)
+        _store_rows(
+            gl.permute(acc, (1, 0)), inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True, KV_LORA_RANK,
+        )
+
+    @gluon.jit
+    def _rm_pv_partition(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr,
+    ):
+        """PV for latent columns [256, 512) from the first warpgroup's P (rows as M) and rescale."""
+        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
+         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
+         stride_lse_b, stride_lse_t, stride_lse_h) = strides
+        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
+        head_block = gl.program_id(0)
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_COLS, 16])
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+        for tile in tl.range(0, num_tiles, disable_licm=True):
+            slot = tile % STAGES
+            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+            mbarrier.wait(p_ready, tile & 1)
+            fence_async_shared()
+            acc = acc * row_smem.load(rows_o)[:, None]
+            acc = warpgroup_mma(p_smem, kv_smem.index(slot).slice(HALF_COLS, HALF_COLS, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()
+            mbarrier.arrive(p_empty, count=1)
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+        mbarrier.wait(p_ready, num_tiles & 1)
+        inv_l = row_smem.load(rows_o)
+        _cta_barrier()
+        mbarrier.arrive(p_empty, count=1)
+        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
+        _store_rows(
+            gl.permute(acc, (1, 0)), inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
+        )
+
     @gluon.jit
     def _ws_load(
         bufs, ptrs, scalars, strides,
@@ -640,15 +801,19 @@ if gluon is not None:
         stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr,
+        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr = False,
     ):
-        """Warp-specialised (16-bit caches): a QK + softmax + PV warpgroup, a PV warpgroup, a cp.async loader."""
+        """Warp-specialised (16-bit caches): a QK + softmax + PV warpgroup, a PV warpgroup, a cp.async loader.
+        ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
         gl.static_assert(not FP8_CACHE, "the warp-specialised decode kernel reads 16-bit caches")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
         dtype: gl.constexpr = Q_nope.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
+        if ROWS_AS_M:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], _shared_layout(BLOCK_N, 16))
+        else:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
         row_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
@@ -670,18 +835,32 @@ if gluon is not None:
             stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         )
         # (the argument tuples are written out: a constexpr kept in a tuple variable arrives as a tensor)
-        gl.warp_specialize(
-            [
-                (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                     BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                      BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                            BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-            ],
-            [4, WS_LOAD_WARPS],
-            [WS_PV_REGS, WS_LOAD_REGS],
-        )
+        if ROWS_AS_M:
+            gl.warp_specialize(
+                [
+                    (_rm_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                         BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                    (_rm_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                          BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                    (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                ],
+                [4, WS_LOAD_WARPS],
+                [WS_PV_REGS, WS_LOAD_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                         BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                    (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                          BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                    (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
+                                BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
+                ],
+                [4, WS_LOAD_WARPS],
+                [WS_PV_REGS, WS_LOAD_REGS],
+            )
 
     split_kernel = _mla_decode_wgmma_kernel
     ws_split_kernel = _mla_decode_ws_kernel
@@ -692,9 +871,11 @@ else:  # pragma: no cover - depends on the installed Triton
 
 def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
-    ws = config.kernel == "wgmma_ws"
+    ws = config.kernel in ("wgmma_ws", "wgmma_rm")
     kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG} if ws else {}
+    if config.kernel == "wgmma_rm":
+        extra["ROWS_AS_M"] = True
     kernel[grid](
         *args,
         Q_LEN=q_len,
