@@ -46,7 +46,12 @@ def _triton_interpreter_note() -> str | None:
             "merge_attn_states run their Triton kernels on CPU tensors too")
 
 
-_KERNEL_NAMES = {"triton": "Triton kernel", "wgmma": "sm_90 warpgroup kernel", "wgmma_ws": "sm_90 warp-specialised kernel"}
+_KERNEL_NAMES = {
+    "triton": "Triton kernel",
+    "wgmma": "sm_90 warpgroup kernel",
+    "wgmma_ws": "sm_90 warp-specialised warpgroup kernel",
+    "wgmma_rm": "sm_90 warp-specialised warpgroup kernel, rows as M",
+}
 
 
 def _triton_decode_kernels(platform) -> dict:

@@ -57,7 +57,8 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
         return
     assert wgmma_decode_reason(platform, torch.bfloat16) == ""
     for heads, q_len, kernel, block_h in (
-        (32, 1, "wgmma_ws", 32), (16, 2, "wgmma_ws", 32), (64, 1, "wgmma", 64), (128, 1, "wgmma", 64), (128, 4, "wgmma", 64)
+        (32, 1, "wgmma_ws", 32), (16, 2, "wgmma_ws", 32), (64, 1, "wgmma_rm", 64), (128, 1, "wgmma_rm", 64),
+        (128, 4, "wgmma_rm", 64),
     ):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)

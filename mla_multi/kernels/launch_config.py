@@ -283,9 +283,10 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
 
     * 16-bit caches, 17-32 rows: the warp-specialised kernel (QK + softmax +
       half of PV, the other half of PV, a cp.async loader), 1.2x the Triton
-      kernel at 32 heads; 33-64 rows: the single-stream kernel, 1.45-1.5x the
-      Triton kernel at 64 and 128 heads (the warp-specialised one is 3 % faster
-      there but its first warpgroup spills registers at 64 rows);
+      kernel at 32 heads; 33-64 rows: the same split with the query rows as
+      the MMA's M (the softmax stays inside each warp, P feeds the first
+      warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
+      1.36x the single-stream warpgroup kernel at 128 heads;
     * FP8 caches past 16 rows: the single-stream kernel, which converts each
       tile once into shared memory (1.45x the Triton kernel at 128 heads);
     * up to 16 rows: the Triton kernel (memory-bound there; the warpgroup
@@ -301,7 +302,7 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
     return {
         "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2),
         "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
-        "64": DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+        "64": DecodeLaunchConfig(64, 64, 4, 2, programs_per_cu=1, kernel="wgmma_rm"),
     }
 
 

@@ -796,8 +796,8 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     for key in constexprs:
         signature[key] = "constexpr"
     ws = config.kernel in ("wgmma_ws", "wgmma_rm")
-    if config.kernel == "wgmma_rm":
-        constexprs["ROWS_AS_M"] = True
+    if ws:
+        constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
         signature["ROWS_AS_M"] = "constexpr"
     return CompileSpec(
         name=name,

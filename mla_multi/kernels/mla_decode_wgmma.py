@@ -206,12 +206,17 @@ if gluon is not None:
         Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head) into shared memory."""
-        q_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 16, num_warps)
+        """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head) into shared memory,
+        128 columns at a time (a whole 64 x 512 tile would take 128 registers a thread on one warpgroup)."""
+        CHUNK: gl.constexpr = 128 if KV_LORA_RANK > 128 else KV_LORA_RANK
+        q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-        cols = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, q_layout))
         ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
-        q_smem.store(gl.load(ptrs[:, None] + cols[None, :], mask=(rows < Q_LEN * num_heads)[:, None], other=0.0))
+        for c in gl.static_range(KV_LORA_RANK // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(
+                gl.load(ptrs[:, None] + cols[None, :], mask=(rows < Q_LEN * num_heads)[:, None], other=0.0)
+            )
         qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
         rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
         cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
@@ -801,7 +806,7 @@ if gluon is not None:
         stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr = False,
+        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
     ):
         """Warp-specialised (16-bit caches): a QK + softmax + PV warpgroup, a PV warpgroup, a cp.async loader.
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
@@ -873,9 +878,7 @@ def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, pag
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
     ws = config.kernel in ("wgmma_ws", "wgmma_rm")
     kernel = ws_split_kernel if ws else split_kernel
-    extra = {"maxnreg": WS_MAXNREG} if ws else {}
-    if config.kernel == "wgmma_rm":
-        extra["ROWS_AS_M"] = True
+    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm"} if ws else {}
     kernel[grid](
         *args,
         Q_LEN=q_len,
