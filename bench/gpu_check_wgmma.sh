@@ -32,9 +32,9 @@ fi
 if has ab; then
   # the Triton kernel against the warpgroup kernel, same inputs, graph replay
   bench 200 --no-ceilings --heads 64,128 --cases 1x32768,32x4096,128x4096,128x16384 \
-    --configs h64n64w8s2nolicm,h64n64w8s2wg,h64n64w4s2ws --json "$OUT/ab_64.json" 2>&1 | tee "$OUT/ab.txt" | tail -25
+    --configs h64n64w8s2nolicm,h64n64w8s2wg,h64n64w4s2rm --json "$OUT/ab_64.json" 2>&1 | tee "$OUT/ab.txt" | tail -25
   bench 150 --no-ceilings --heads 16,32 --cases 1x32768,32x4096,128x4096 \
-    --configs h16n64w4s2,h16n64w8s2wg,h16n64w4s2ws,h32n64w8s2wg,h32n64w4s2ws --json "$OUT/ab_16.json" 2>&1 \
+    --configs h16n64w4s2,h32n64w4s2ws,h64n64w4s2rm --json "$OUT/ab_16.json" 2>&1 \
     | tee -a "$OUT/ab.txt" | tail -31
 fi
 if has backends; then
