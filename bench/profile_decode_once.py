@@ -1,3 +1,11 @@
+"""One decode launch to profile (e.g. under `ncu --launch-skip 2 --launch-count 1 -k regex:mla_decode`).
+
+    PYTHONPATH=. python3 bench/profile_decode_once.py B S HEADS CONFIG [KV_DTYPE]
+
+CONFIG as `mla-multi bench decode --configs` takes it (h64n64w4s2rm, h64n64w8s2wg,
+h64n64w8s2nolicm, ...); KV_DTYPE a torch dtype name (default bfloat16). Block size
+64, random scattered block tables, one split, three launches (two warm-ups).
+"""
 import sys, torch
 from mla_multi.benchmarks.decode import parse_config
 from mla_multi.kernels.mla_decode import mla_decode_fwd, attn_logits_width
