@@ -118,7 +118,10 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kernel,kv", [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_rm", "bf16")])
+@pytest.mark.parametrize(
+    "kernel,kv",
+    [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_ws", "fp8"), ("wgmma_rm", "bf16"), ("wgmma_rm", "fp8")],
+)
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 64, 128])
 def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
@@ -178,7 +181,9 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize(
-    "kv,config", [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64)], ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16"]
+    "kv,config",
+    [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64)],
+    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8"],
 )
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd

@@ -645,8 +645,6 @@ def mla_decode_fwd(
     )
     if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
         reason = wgmma_decode_reason(platform, kv_cache.dtype)
-        if not reason and config.kernel != "wgmma" and kv_cache.dtype in FP8_DTYPES:
-            reason = "the warp-specialised kernel reads 16-bit caches"
         if not reason and (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
             reason = f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; the warpgroup kernels take 512 and 64"
         if reason:
@@ -835,9 +833,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 name = f"mla_decode_split[{config.name},kv={kv_name},page={page_size},{'direct' if direct else 'partial'}]"
                 if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
-                    if not wgmma_decode_reason(platform, cache_dtype) and not (
-                        config.kernel != "wgmma" and cache_dtype in FP8_DTYPES
-                    ):
+                    if not wgmma_decode_reason(platform, cache_dtype):
                         specs.append(_wgmma_spec(name, config, cache_dtype, page_size, direct))
                     continue
                 constexprs = {

@@ -88,6 +88,8 @@ if gluon is not None:
     WS_LOAD_WARPS = gl.constexpr(4)
     WS_PV_REGS = gl.constexpr(168)
     WS_LOAD_REGS = gl.constexpr(56)
+    # an FP8 loader holds a whole tile's bytes in registers before its stage is free
+    WS_LOAD_REGS_FP8 = gl.constexpr(112)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
@@ -741,6 +743,52 @@ if gluon is not None:
         )
 
     @gluon.jit
+    def _ws_load_fp8(
+        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
+        num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """FP8 tiles through the loader's registers: load (before the stage is free), convert, store."""
+        CHUNK: gl.constexpr = 128
+        gl.static_assert(KV_LORA_RANK == 4 * CHUNK, "the FP8 loader takes the 512 latent columns in four pieces")
+        layout: gl.constexpr = _tile_layout(CHUNK, 8, WS_LOAD_WARPS)
+        pe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 8, WS_LOAD_WARPS)
+        dtype: gl.constexpr = kv_smem.dtype
+        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, pe_layout))
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            page = _tile_page(block_table_row, start, split_end, PAGE_SIZE)
+            rows, valid, bad = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout),
+            )
+            ptrs = KV_cache + rows[:, None] + cols[None, :]
+            mask = valid[:, None]
+            part0 = gl.load(ptrs, mask=mask, other=0.0)
+            part1 = gl.load(ptrs + CHUNK, mask=mask, other=0.0)
+            part2 = gl.load(ptrs + 2 * CHUNK, mask=mask, other=0.0)
+            part3 = gl.load(ptrs + 3 * CHUNK, mask=mask, other=0.0)
+            rows_pe, valid_pe, bad_pe = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, pe_layout),
+            )
+            part_pe = gl.load(KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None], other=0.0)
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            stage = kv_smem.index(slot)
+            stage.slice(0, CHUNK, dim=1).store(part0.to(dtype))
+            stage.slice(CHUNK, CHUNK, dim=1).store(part1.to(dtype))
+            stage.slice(2 * CHUNK, CHUNK, dim=1).store(part2.to(dtype))
+            stage.slice(3 * CHUNK, CHUNK, dim=1).store(part3.to(dtype))
+            kpe_smem.index(slot).store(part_pe.to(dtype))
+            # generic-proxy stores, read next by the tensor cores
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(ready_bars.index(slot), count=1)
+
+    @gluon.jit
     def _ws_load(
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -748,7 +796,9 @@ if gluon is not None:
         DIRECT_OUTPUT: gl.constexpr,
     ):
         """The loader warpgroup: wait until both compute partitions released a stage, copy the next tile
-        into it with cp.async, and mark the previous tile ready once its copies are done."""
+        into it with cp.async, and mark the previous tile ready once its copies are done.  An FP8 cache
+        goes through registers instead: the tile's bytes are loaded before the stage is free, converted
+        once per element and stored as the 16-bit tile both products read."""
         q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
@@ -764,6 +814,13 @@ if gluon is not None:
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
         block_table_row = Block_table + batch * stride_bt_b
+        if KV_cache.dtype.element_ty.primitive_bitwidth == 8:
+            _ws_load_fp8(
+                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                BLOCK_N, STAGES,
+            )
+            return
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -808,9 +865,9 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
     ):
-        """Warp-specialised (16-bit caches): a QK + softmax + PV warpgroup, a PV warpgroup, a cp.async loader.
+        """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async; FP8 through
+        registers, converted once into the 16-bit stages).
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
-        gl.static_assert(not FP8_CACHE, "the warp-specialised decode kernel reads 16-bit caches")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
         dtype: gl.constexpr = Q_nope.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
@@ -851,7 +908,7 @@ if gluon is not None:
                                 BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
                 ],
                 [4, WS_LOAD_WARPS],
-                [WS_PV_REGS, WS_LOAD_REGS],
+                [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
             )
         else:
             gl.warp_specialize(
@@ -864,7 +921,7 @@ if gluon is not None:
                                 BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
                 ],
                 [4, WS_LOAD_WARPS],
-                [WS_PV_REGS, WS_LOAD_REGS],
+                [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
             )
 
     split_kernel = _mla_decode_wgmma_kernel
