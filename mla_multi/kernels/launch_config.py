@@ -287,17 +287,17 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
       the MMA's M (the softmax stays inside each warp, P feeds the first
       warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
       1.36x the single-stream warpgroup kernel at 128 heads;
-    * FP8 caches past 16 rows: the single-stream kernel, which converts each
-      tile once into shared memory (1.45x the Triton kernel at 128 heads);
+    * FP8 caches past 16 rows: the same two warp-specialised kernels, whose
+      loader converts each tile once into the 16-bit stage (1.4-1.5x the
+      single-stream warpgroup kernel, 2.2x the Triton kernel at 128 heads);
     * up to 16 rows: the Triton kernel (memory-bound there; the warpgroup
       kernels pad the QK product's N to 16 rows and are no faster).
     """
     if fp8:
-        narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
         return {
-            "16": narrow,
-            "32": DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
-            "64": DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+            "16": DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2),
+            "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
+            "64": DecodeLaunchConfig(64, 64, 4, 2, programs_per_cu=1, kernel="wgmma_rm"),
         }
     return {
         "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2),
@@ -307,6 +307,15 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
 
 
 WGMMA_DECODE_DIMS = (512, 64)
+
+
+# The single-stream sm_90 warpgroup kernel: measured (bench/RESULTS.md) and
+# slower than the warp-specialised ones it led to, so no table selects it; a
+# caller may still pass it as `config=`, and the compile check builds it.
+SM90_SINGLE_STREAM_DECODE_CONFIGS = (
+    DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+    DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
+)
 
 
 def decode_config(
@@ -342,7 +351,10 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     tables = (False, True) if fp8 is None else (fp8,)
     for table in tables:
         for wgmma in (True, False):
-            for config in _decode_table(platform, fp8=table, wgmma=wgmma).values():
+            configs = list(_decode_table(platform, fp8=table, wgmma=wgmma).values())
+            if wgmma and any(c.kernel != "triton" for c in configs):
+                configs += SM90_SINGLE_STREAM_DECODE_CONFIGS
+            for config in configs:
                 if config not in seen:
                     seen.append(config)
     return seen
