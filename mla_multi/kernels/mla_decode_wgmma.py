@@ -3,42 +3,40 @@
 The Triton decode kernel (`mla_decode`) gives a 64-row tile's QK product all
 eight warps along the rows, so both warpgroups compute the whole 576-deep QK
 (53 % of the FLOPs) and the rate stops near 38 % of the matmul peak on an H200.
-This kernel states the split itself, with Gluon's explicit layouts and
-warpgroup MMA (`triton.experimental.gluon`, Triton >= 3.6):
+These kernels state the split themselves, with Gluon's explicit layouts,
+warpgroup MMA and warp specialisation (`triton.experimental.gluon`, Triton >= 3.6).
+Three kernels, chosen by `DecodeLaunchConfig.kernel` (bench/RESULTS.md has
+their measurements):
 
-* The products are computed transposed, with the cache tokens as the MMA's M
-  dimension and the query rows (heads, and folded query tokens for multi-token
-  decode: row = token * N + head) as its N dimension::
+* ``wgmma_rm`` (`_mla_decode_ws_kernel` with ROWS_AS_M; 33+ rows, FlashMLA's
+  split): three warpgroups of their own.  The first computes
+  ``S = Q K^T [BLOCK_H, BLOCK_N]`` with the query rows (heads, and folded
+  query tokens: row = token * N + head) as the MMA's M, so the softmax reduces
+  inside each warp; its P feeds its own ``O[:, :256] += P V`` from registers
+  and goes, with the rescale, through shared memory to the second, which
+  computes ``O[:, 256:]``; the third fills the cache stages.  mbarriers join
+  them; there is no CTA-wide barrier in the loop.
+* ``wgmma_ws`` (the same kernel, tokens as M: ``S^T = K Q^T``, 17-32 rows,
+  where the rows are the MMA's N and need no padding to 64).
+* ``wgmma`` (`_mla_decode_wgmma_kernel`, a single stream of 8 warps, tokens as
+  M): the warpgroups split the rows for QK and the 512 latent columns for PV,
+  with P^T through shared memory behind CTA barriers.  The first of the three;
+  measured slower, selected by no table, kept as a launchable configuration.
 
-      S^T [BLOCK_N, BLOCK_H] = K [BLOCK_N, 576] @ Q^T [576, BLOCK_H]
-      O^T [512, BLOCK_H]    += V^T [512, BLOCK_N] @ P^T [BLOCK_N, BLOCK_H]
-
-  so 16, 32 or 64 query rows fill an MMA without padding rows (wgmma's M is at
-  least 64 per warpgroup, its N as small as 8).
-* QK once: the S^T layout puts the two warpgroups side by side along the query
-  rows (``warps_per_cta=[4, 2]``), each computes the scores of half the rows
-  over the whole tile; nothing is computed twice.
-* P exchanged through shared memory: each warpgroup writes its half of P^T,
-  and after one barrier both read all of it.
-* The 512 output columns shared: the O^T layout puts the warpgroups one above
-  the other along the 512 latent columns (``warps_per_cta=[8, 1]``), 256 each,
-  64 x 256 float32 per warpgroup (128 registers a thread at 64 rows).
-* Loads: the cache tile is copied to shared memory with ``cp.async`` (any page
-  size: one block-table entry per tile when the page is a multiple of the
-  tile, one per token otherwise), STAGES tiles deep, the next tile's copy in
-  flight while the current one is computed.  The query sits in shared memory
-  for the whole split (it is the B operand of QK).
-* FP8 caches: the tile arrives as FP8 bytes (half the bytes of bfloat16) and is
-  converted once per element into a bfloat16 tile in shared memory that both
-  products read; e4m3 converts to bfloat16 exactly, so the FP8 path has the
-  bfloat16 path's accuracy on the dequantised cache.
-* Everything else is the Triton kernel's contract: the same workspace
-  (`attn_logits`, merged by `mla_decode`'s reduce kernel), natural-log LSE,
-  bad index data read in bounds and reported through the error flag with NaN
-  rows, no host synchronisation.
+Common to all: the cache tile is copied to shared memory with ``cp.async``
+(any page size: one block-table entry per tile when the page is a multiple of
+the tile, one per token otherwise), two 64-token stages; the query sits in
+shared memory for the whole split.  FP8 caches: the tile is converted once per
+element into a bfloat16 tile that both products read (in the loader
+warpgroup, from registers loaded before the stage is free, for the
+warp-specialised kernels); e4m3 converts to bfloat16 exactly, so FP8 has the
+bfloat16 path's accuracy on the dequantised cache.  Everything else is the
+Triton kernel's contract: the same workspace (`attn_logits`, merged by
+`mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
+and reported through the error flag with NaN rows, no host synchronisation.
 
 The module imports on any Triton; `gluon_available()` says whether the
-installed one can build this kernel (and why not).
+installed one can build these kernels (and why not).
 """
 
 from __future__ import annotations
