@@ -61,10 +61,7 @@ except Exception as error:  # pragma: no cover - depends on the installed Triton
     gluon = None
     _GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["gluon_available", "launch_split_kernel", "split_kernel", "BLOCK_INDEX_ERROR", "SEQ_RANGE_ERROR"]
-
-BLOCK_INDEX_ERROR = errors.BLOCK_INDEX
-SEQ_RANGE_ERROR = errors.SEQ_RANGE
+__all__ = ["gluon_available", "launch_split_kernel", "split_kernel", "ws_split_kernel"]
 
 
 def gluon_available() -> tuple[bool, str]:
@@ -79,8 +76,6 @@ def gluon_available() -> tuple[bool, str]:
 
 
 if gluon is not None:
-    # names that moved between Triton releases (3.6: thread_barrier and
-    # async_copy_global_to_shared; later: barrier and async_load)
     # the warp-specialised kernel's worker partitions: the second compute
     # warpgroup and the loader, with their register budgets (setmaxnreg)
     WS_LOAD_WARPS = gl.constexpr(4)
@@ -92,6 +87,8 @@ if gluon is not None:
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
     _SEQ_RANGE_ERROR = gl.constexpr(errors.SEQ_RANGE)
+    # names that moved between Triton releases (3.6: thread_barrier and
+    # async_copy_global_to_shared; later: barrier and async_load)
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
@@ -447,22 +444,36 @@ if gluon is not None:
             stride_al_row, stride_al_h, stride_al_split, Q_LEN, KV_LORA_RANK, DIRECT_OUTPUT,
         )
 
-    # -- warp-specialised variant ------------------------------------------------
+    # -- warp-specialised kernel ---------------------------------------------------
     # Three warpgroups with their own instruction streams (FlashMLA's split):
-    # the first computes QK for all the program's rows (one A-operand pass over
-    # the cache tile, N = BLOCK_H), the softmax, and P V for latent columns
-    # [0, 256); the second computes P V for columns [256, 512) from the P^T and
-    # rescale the first leaves in shared memory, while the first goes on to the
-    # next tile's QK; the third fills the cache stages with cp.async.
+    # the first computes QK for all the program's rows (one pass over the cache
+    # tile), the softmax, and P V for latent columns [0, 256); the second
+    # computes P V for columns [256, 512) from the P and rescale the first
+    # leaves in shared memory, while the first goes on to the next tile's QK;
+    # the third fills the cache stages.  ROWS_AS_M puts the query rows on the
+    # MMA's M (S = Q K^T: the softmax reduces inside each warp and P feeds the
+    # first warpgroup's PV from registers; 64 rows); otherwise the cache tokens
+    # are M (S^T = K Q^T: any row count from 8, the reductions cross warps).
+
+    @gluon.constexpr_function
+    def _ws_layouts(rows_as_m, block_h, block_n, half_cols):
+        """(S layout, output layout, the slice of S holding one value per query row, the slice holding one per
+        cache token, the output's slice of one value per query row)."""
+        if rows_as_m:
+            s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+            o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half_cols, 16])
+            return s_layout, o_layout, gl.SliceLayout(1, s_layout), gl.SliceLayout(0, s_layout), gl.SliceLayout(1, o_layout)
+        s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, 16])
+        return s_layout, s_layout, gl.SliceLayout(0, s_layout), gl.SliceLayout(1, s_layout), gl.SliceLayout(0, s_layout)
 
     @gluon.jit
     def _ws_softmax_partition(
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
     ):
-        """QK, softmax, P^T and the rescale to the second warpgroup, PV for the first half of the columns."""
+        """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns."""
         q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
@@ -474,9 +485,12 @@ if gluon is not None:
         split = gl.program_id(1)
         batch = gl.program_id(2)
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
-        o_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
-        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        rows_s: gl.constexpr = layouts[2]
+        tokens_s: gl.constexpr = layouts[3]
+        rows_o: gl.constexpr = layouts[4]
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
@@ -497,7 +511,10 @@ if gluon is not None:
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
-        acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
+        if ROWS_AS_M:
+            acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+        else:
+            acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
         bad_block = batch < 0
         # nothing hoisted out of the loop: the shared-memory descriptors of the
         # query's 36 wgmma k-steps would otherwise be held across it (spilled)
@@ -510,27 +527,46 @@ if gluon is not None:
                 page = gl.load(block_table_row + start // PAGE_SIZE)
                 bad_block = bad_block | (page < 0) | (page >= num_cache_blocks)
             else:
-                pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+                pos = start + gl.arange(0, BLOCK_N, layout=tokens_s)
                 pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
                 bad_block = bad_block | (gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0)
             mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
             # cp.async wrote the tile through the generic proxy; the tensor cores read it through the async one
             fence_async_shared()
             kv_tile = kv_smem.index(slot)
-            s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
-            s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(kpe_smem.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N)
-            # the second warpgroup is done with the previous P^T and rescale
+            if ROWS_AS_M:
+                s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+                s = warpgroup_mma(q_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(qpe_smem, kpe_smem.index(slot).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, m_i, l_i, alpha = _online_softmax_rows(
+                    s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+                )
+                p16 = p.to(dtype)
+            else:
+                s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+                s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(kpe_smem.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, m_i, l_i, alpha = _online_softmax(
+                    s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+                )
+            # the second warpgroup is done with the previous P and rescale
             mbarrier.wait(p_empty, (tile & 1) ^ 1)
-            p_smem.store(p.to(dtype))
+            if not ROWS_AS_M:
+                p16 = p.to(dtype)
+            p_smem.store(p16)
             row_smem.store(alpha)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(p_ready, count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-            acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+            if ROWS_AS_M:
+                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                p_regs = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+                acc = warpgroup_mma(p_regs, kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
+            else:
+                acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
+                acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _cta_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
@@ -543,8 +579,12 @@ if gluon is not None:
         row_smem.store(inv_l)
         _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
+        if ROWS_AS_M:
+            out_t = gl.permute(acc, (1, 0))
+        else:
+            out_t = acc
         _store_rows(
-            acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            out_t, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
             stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
             stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True, KV_LORA_RANK,
         )
@@ -554,9 +594,9 @@ if gluon is not None:
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
     ):
-        """PV for the second half of the latent columns, from the first warpgroup's P^T and rescale."""
+        """PV for the second half of the latent columns, from the first warpgroup's P and rescale."""
         q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
@@ -567,164 +607,28 @@ if gluon is not None:
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        o_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, 1)
-        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS)
+        o_layout: gl.constexpr = layouts[1]
+        rows_o: gl.constexpr = layouts[4]
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
-        acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
+        if ROWS_AS_M:
+            acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+        else:
+            acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
         for tile in tl.range(0, num_tiles, disable_licm=True):
             slot = tile % STAGES
             mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
             mbarrier.wait(p_ready, tile & 1)
             fence_async_shared()
-            alpha = row_smem.load(rows_o)
-            acc = acc * alpha[None, :]
-            kv_tile = kv_smem.index(slot)
-            acc = warpgroup_mma(kv_tile.slice(HALF_COLS, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _cta_barrier()
-            mbarrier.arrive(p_empty, count=1)
-            mbarrier.arrive(empty_bars.index(slot), count=1)
-        mbarrier.wait(p_ready, num_tiles & 1)
-        inv_l = row_smem.load(rows_o)
-        _cta_barrier()
-        mbarrier.arrive(p_empty, count=1)
-        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
-        _store_rows(
-            acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
-            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
-        )
-
-    # -- the same split with the query rows as the MMA's M (FlashMLA's orientation) --
-    # S = Q K^T [BLOCK_H, BLOCK_N]: the softmax reduces along each row inside
-    # its warp (no shared memory, no barrier), and the first warpgroup's P
-    # feeds its own PV from registers; the second reads P from shared memory.
-
-    @gluon.jit
-    def _rm_softmax_partition(
-        bufs, ptrs, scalars, strides,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
-    ):
-        """QK (rows as M), softmax in registers, P and the rescale to the second warpgroup, PV for columns [0, 256)."""
-        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
-        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
-        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
-        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
-         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
-         stride_lse_b, stride_lse_t, stride_lse_h) = strides
-        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
-        head_block = gl.program_id(0)
-        split = gl.program_id(1)
-        batch = gl.program_id(2)
-        dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_COLS, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
-            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
-        )
-        first_row = head_block * BLOCK_H
-        _load_query(
-            q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
-            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
-        )
-        fence_async_shared()
-        _cta_barrier()
-        qk_scale = sm_scale * 1.4426950408889634
-        if HAS_K_SCALE:
-            qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
-        s_rows = first_row + gl.arange(0, BLOCK_H, layout=rows_s)
-        row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
-        block_table_row = Block_table + batch * stride_bt_b
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
-        acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
-        bad_block = batch < 0
-        for tile in tl.range(0, num_tiles, disable_licm=True):
-            slot = tile % STAGES
-            start = split_start + tile * BLOCK_N
-            if PAGE_SIZE % BLOCK_N == 0:
-                page = gl.load(block_table_row + start // PAGE_SIZE)
-                bad_block = bad_block | (page < 0) | (page >= num_cache_blocks)
+            v_tile = kv_smem.index(slot).slice(HALF_COLS, HALF_COLS, dim=1)
+            if ROWS_AS_M:
+                acc = acc * row_smem.load(rows_o)[:, None]
+                acc = warpgroup_mma(p_smem, v_tile, acc, is_async=True)
             else:
-                pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
-                bad_block = bad_block | (gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0)
-            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
-            fence_async_shared()
-            kv_tile = kv_smem.index(slot)
-            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-            s = warpgroup_mma(q_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(qpe_smem, kpe_smem.index(slot).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, m_i, l_i, alpha = _online_softmax_rows(
-                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
-            )
-            p16 = p.to(dtype)
-            # the second warpgroup is done with the previous P and rescale
-            mbarrier.wait(p_empty, (tile & 1) ^ 1)
-            p_smem.store(p16)
-            row_smem.store(alpha)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(p_ready, count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _cta_barrier()
-            mbarrier.arrive(empty_bars.index(slot), count=1)
-
-        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
-        gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
-        inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
-        mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
-        row_smem.store(inv_l)
-        _cta_barrier()
-        mbarrier.arrive(p_ready, count=1)
-        _store_rows(
-            gl.permute(acc, (1, 0)), inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
-            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True, KV_LORA_RANK,
-        )
-
-    @gluon.jit
-    def _rm_pv_partition(
-        bufs, ptrs, scalars, strides,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
-    ):
-        """PV for latent columns [256, 512) from the first warpgroup's P (rows as M) and rescale."""
-        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
-        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
-        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
-        (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
-         stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
-         stride_lse_b, stride_lse_t, stride_lse_h) = strides
-        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
-        head_block = gl.program_id(0)
-        split = gl.program_id(1)
-        batch = gl.program_id(2)
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_COLS, 16])
-        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
-            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
-        )
-        acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
-        for tile in tl.range(0, num_tiles, disable_licm=True):
-            slot = tile % STAGES
-            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
-            mbarrier.wait(p_ready, tile & 1)
-            fence_async_shared()
-            acc = acc * row_smem.load(rows_o)[:, None]
-            acc = warpgroup_mma(p_smem, kv_smem.index(slot).slice(HALF_COLS, HALF_COLS, dim=1), acc, is_async=True)
+                acc = acc * row_smem.load(rows_o)[None, :]
+                acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _cta_barrier()
             mbarrier.arrive(p_empty, count=1)
@@ -734,8 +638,12 @@ if gluon is not None:
         _cta_barrier()
         mbarrier.arrive(p_empty, count=1)
         s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
+        if ROWS_AS_M:
+            out_t = gl.permute(acc, (1, 0))
+        else:
+            out_t = acc
         _store_rows(
-            gl.permute(acc, (1, 0)), inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            out_t, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
             stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
             stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
         )
@@ -791,7 +699,7 @@ if gluon is not None:
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
     ):
         """The loader warpgroup: wait until both compute partitions released a stage, copy the next tile
         into it with cp.async, and mark the previous tile ready once its copies are done.  An FP8 cache
@@ -895,32 +803,18 @@ if gluon is not None:
             stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         )
         # (the argument tuples are written out: a constexpr kept in a tuple variable arrives as a tensor)
-        if ROWS_AS_M:
-            gl.warp_specialize(
-                [
-                    (_rm_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                         BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                    (_rm_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                          BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                    (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                ],
-                [4, WS_LOAD_WARPS],
-                [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
-            )
-        else:
-            gl.warp_specialize(
-                [
-                    (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                         BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                    (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                          BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                    (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_H,
-                                BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT)),
-                ],
-                [4, WS_LOAD_WARPS],
-                [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
-            )
+        gl.warp_specialize(
+            [
+                (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                                         BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+                (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                                    BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+                (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                            BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+            ],
+            [4, WS_LOAD_WARPS],
+            [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
+        )
 
     split_kernel = _mla_decode_wgmma_kernel
     ws_split_kernel = _mla_decode_ws_kernel
