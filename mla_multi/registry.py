@@ -112,7 +112,9 @@ class SelectionRule:
         if self.needs_wgmma:
             from mla_multi.kernels.launch_config import wgmma_decode_reason
 
-            if wgmma_decode_reason(platform, kv_dtype if kv_dtype is not None else torch.bfloat16):
+            dims = config.dims
+            kv = kv_dtype if kv_dtype is not None else torch.bfloat16
+            if wgmma_decode_reason(platform, kv, dims.kv_lora_rank, dims.qk_rope_head_dim):
                 return False
         return True
 

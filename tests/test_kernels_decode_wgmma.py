@@ -87,6 +87,7 @@ def test_other_latent_dims_keep_the_triton_kernel():
     platform = SPECS["H200"]
     assert decode_config(platform, 128, 1, torch.bfloat16, kv_lora_rank=256, rope_dim=64).kernel == "triton"
     assert decode_config(platform, 128, 1, torch.bfloat16, kv_lora_rank=512, rope_dim=32).kernel == "triton"
+    assert "kv_lora_rank=256" in wgmma_decode_reason(platform, torch.bfloat16, 256, 64)
 
 
 def test_forcing_the_warpgroup_kernel_where_it_cannot_run_is_an_error():

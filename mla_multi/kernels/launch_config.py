@@ -132,13 +132,12 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         disable_licm: keep the tile loop's invariants inside it (``tl.range(...,
             disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
             keeps the sm_90 64-row tiles free of spills (`_decode_table`).
-        kernel: ``"triton"`` (the Triton split kernel, `mla_decode`) or
-            ``"wgmma"`` (the sm_90 Gluon kernel, `mla_decode_wgmma`: QK once per
-            tile, the 512 output columns shared between the two warpgroups) or
-            ``"wgmma_ws"`` (its warp-specialised form: two compute warpgroups of
-            half the rows each and a loader warpgroup; 16-bit caches;
-            ``num_warps`` = 4, the first compute warpgroup).  ``num_stages`` is
-            their cp.async depth.
+        kernel: ``"triton"`` (the Triton split kernel, `mla_decode`), or one of
+            the sm_90 Gluon kernels of `mla_decode_wgmma`: ``"wgmma"`` (single
+            stream, 8 warps), ``"wgmma_ws"`` (warp-specialised, the cache
+            tokens as the MMA's M) or ``"wgmma_rm"`` (warp-specialised, the
+            query rows as M); for the warp-specialised ones ``num_warps`` = 4
+            is the first warpgroup's.  ``num_stages`` is their cp.async depth.
     """
 
     block_h: int
@@ -159,6 +158,11 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             text += "nolicm"
         text += {"wgmma": "wg", "wgmma_ws": "ws", "wgmma_rm": "rm"}.get(self.kernel, "")
         return text + self._amd_suffix()
+
+    @property
+    def warpgroup(self) -> bool:
+        """Whether this configuration runs one of the sm_90 warpgroup kernels (`mla_decode_wgmma`)."""
+        return self.kernel != "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +337,7 @@ def decode_config(
     rows = num_heads * q_len
     # float8_e4m3fnuz on sm_90, say, or other than DeepSeek's latent dims (the
     # warpgroup kernels are built and measured for 512 + 64): the Triton kernel's table
-    wgmma = (kv_lora_rank, rope_dim) == WGMMA_DECODE_DIMS and not wgmma_decode_reason(platform, kv_dtype)
+    wgmma = not wgmma_decode_reason(platform, kv_dtype, kv_lora_rank, rope_dim)
     table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma)
     if rows <= 16:
         return table["16"]
@@ -352,7 +356,7 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     for table in tables:
         for wgmma in (True, False):
             configs = list(_decode_table(platform, fp8=table, wgmma=wgmma).values())
-            if wgmma and any(c.kernel != "triton" for c in configs):
+            if wgmma and any(c.warpgroup for c in configs):
                 configs += SM90_SINGLE_STREAM_DECODE_CONFIGS
             for config in configs:
                 if config not in seen:
@@ -425,14 +429,20 @@ def fp8_bit_decode_needed(platform, kv_dtype: torch.dtype) -> bool:
     return True
 
 
-def wgmma_decode_reason(platform, kv_dtype: torch.dtype) -> str:
-    """Why the sm_90 warpgroup decode kernel (`mla_decode_wgmma`) cannot run here ("" when it can).
+def wgmma_decode_reason(platform, kv_dtype: torch.dtype, kv_lora_rank: int = 512, rope_dim: int = 64) -> str:
+    """Why the sm_90 warpgroup decode kernels (`mla_decode_wgmma`) cannot run here ("" when they can).
 
-    It needs an sm_90 device (warpgroup MMA exists on Hopper only), a Triton
-    whose Gluon has Hopper's warpgroup MMA and cp.async (3.6 and later), and a
+    They need an sm_90 device (warpgroup MMA exists on Hopper only), a Triton
+    whose Gluon has Hopper's warpgroup MMA and cp.async (3.6 and later), a
     16-bit or ``float8_e4m3fn`` cache (the NVIDIA backend has no conversion
-    for ``float8_e4m3fnuz``, which the Triton kernel decodes by bits).
+    for ``float8_e4m3fnuz``, which the Triton kernel decodes by bits), and
+    DeepSeek's latent dims, for which they are built and measured.
     """
+    if (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
+        return (
+            f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; the warpgroup decode kernels take "
+            f"{WGMMA_DECODE_DIMS[0]} and {WGMMA_DECODE_DIMS[1]}"
+        )
     if not platform.is_cuda() or platform.arch != "sm_90":
         return f"the warpgroup decode kernel needs sm_90 (Hopper), not {platform.arch}"
     if kv_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):

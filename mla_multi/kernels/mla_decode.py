@@ -66,7 +66,6 @@ from mla_multi.kernels.launch_config import (
     load_k_transposed,
     tl_range_disables_licm,
     wgmma_decode_reason,
-    WGMMA_DECODE_DIMS,
 )
 
 __all__ = ["mla_decode_fwd", "attn_logits_width", "compile_specs", "FP8_DTYPES", "SUPPORTED_KV_LORA_RANKS"]
@@ -643,10 +642,8 @@ def mla_decode_fwd(
         *o_strides,
         *lse_strides,
     )
-    if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
-        reason = wgmma_decode_reason(platform, kv_cache.dtype)
-        if not reason and (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
-            reason = f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; the warpgroup kernels take 512 and 64"
+    if config.warpgroup:
+        reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
         from mla_multi.kernels import mla_decode_wgmma
@@ -772,25 +769,14 @@ def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
     return signature
 
 
-def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype, page_size: int, direct: bool):
-    """The sm_90 Gluon split kernel (`mla_decode_wgmma`) at one configuration, as the launch would build it."""
+def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype, constexprs: dict) -> CompileSpec:
+    """The sm_90 Gluon split kernel (`mla_decode_wgmma`) at one configuration, as the launch would build it;
+    `constexprs` holds those it shares with the Triton split kernel."""
     from mla_multi.kernels import mla_decode_wgmma
 
     fp8 = cache_dtype in FP8_DTYPES
     signature = {k: v for k, v in _split_kernel_signature(torch.bfloat16, cache_dtype, fp8).items() if v != "constexpr"}
-    constexprs = {
-        "Q_LEN": 1,
-        "KV_LORA_RANK": 512,
-        "ROPE_DIM": 64,
-        "PAGE_SIZE": page_size,
-        "BLOCK_H": config.block_h,
-        "BLOCK_N": config.block_n,
-        "STAGES": config.num_stages,
-        "HAS_K_SCALE": fp8,
-        "FP8_CACHE": fp8,
-        "DIRECT_OUTPUT": direct,
-        "num_warps": config.num_warps,
-    }
+    constexprs = {**constexprs, "STAGES": config.num_stages, "FP8_CACHE": fp8, "num_warps": config.num_warps}
     for key in constexprs:
         signature[key] = "constexpr"
     ws = config.kernel in ("wgmma_ws", "wgmma_rm")
@@ -832,10 +818,6 @@ def compile_specs(platform) -> list[CompileSpec]:
             for page_size, direct in ((64, False), (1, True)):
                 kv_name = {torch.bfloat16: "bf16"}.get(cache_dtype, str(cache_dtype).replace("torch.float8_", ""))
                 name = f"mla_decode_split[{config.name},kv={kv_name},page={page_size},{'direct' if direct else 'partial'}]"
-                if config.kernel in ("wgmma", "wgmma_ws", "wgmma_rm"):
-                    if not wgmma_decode_reason(platform, cache_dtype):
-                        specs.append(_wgmma_spec(name, config, cache_dtype, page_size, direct))
-                    continue
                 constexprs = {
                     "Q_LEN": 1,
                     "KV_LORA_RANK": 512,
@@ -844,10 +826,16 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n,
                     "HAS_K_SCALE": cache_dtype in FP8_DTYPES,
+                    "DIRECT_OUTPUT": direct,
+                }
+                if config.warpgroup:
+                    if not wgmma_decode_reason(platform, cache_dtype):
+                        specs.append(_wgmma_spec(name, config, cache_dtype, constexprs))
+                    continue
+                constexprs |= {
                     "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype),
                     "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
-                    "DIRECT_OUTPUT": direct,
                     "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
                 }
                 specs.append(

@@ -41,9 +41,11 @@ installed one can build these kernels (and why not).
 
 from __future__ import annotations
 
-from mla_multi import errors
+import functools
 
 import triton.language as tl
+
+from mla_multi import errors
 
 try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python side
     from triton.experimental import gluon
@@ -64,6 +66,7 @@ except Exception as error:  # pragma: no cover - depends on the installed Triton
 __all__ = ["gluon_available", "launch_split_kernel", "split_kernel", "ws_split_kernel"]
 
 
+@functools.lru_cache(maxsize=1)
 def gluon_available() -> tuple[bool, str]:
     """(True, "") when the installed Triton can build the warpgroup decode kernel, else (False, reason)."""
     if gluon is None:
