@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sm_90 warpgroup decode kernel on one Hopper GPU, in one run: its GPU
+# The sm_90 warpgroup decode kernels on one Hopper GPU, in one run: its GPU
 # tests (and the decode kernel's), then the decode benchmarks beside the Triton
 # kernel and every other installed backend (FlashInfer from .whl/ if present).
 #
@@ -50,7 +50,7 @@ if has fp8; then
   bench 200 --backends all --no-ceilings --kv-dtype float8_e4m3fn --heads 16,32,64,128 --cases 32x4096,128x4096 \
     --json "$OUT/decode_fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -10
   bench 100 --no-ceilings --kv-dtype float8_e4m3fn --heads 32 --cases 32x4096,128x4096 \
-    --configs h16n64w8s2,h32n64w8s2wg --json "$OUT/fp8_ab32.json" 2>&1 | tee -a "$OUT/fp8.txt" | tail -5
+    --configs h16n64w8s2,h32n64w8s2wg,h32n64w4s2ws --json "$OUT/fp8_ab32.json" 2>&1 | tee -a "$OUT/fp8.txt" | tail -7
 fi
 echo "== summary"
 grep -hE "passed|failed|error" "$OUT/tests.txt" 2>/dev/null | tail -3
