@@ -3,7 +3,7 @@
 # tests (and the decode kernel's), then the decode benchmarks beside the Triton
 # kernel and every other installed backend (FlashInfer from .whl/ if present).
 #
-#   bash bench/gpu_check_wgmma.sh [tests|ab|backends|fp8|all]...
+#   bash bench/gpu_check_wgmma.sh [tests|ab|backends|fp8|fp8ab|all]...
 #
 # Logs and JSON go to $OUT (default ./gpu-logs); a summary is printed last.
 set -uo pipefail
@@ -47,10 +47,16 @@ if has backends; then
     --json "$OUT/decode_mtp.json" 2>&1 | tee -a "$OUT/backends.txt" | tail -6
 fi
 if has fp8; then
-  bench 200 --backends all --no-ceilings --kv-dtype float8_e4m3fn --heads 16,32,64,128 --cases 32x4096,128x4096 \
-    --json "$OUT/decode_fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -10
-  bench 100 --no-ceilings --kv-dtype float8_e4m3fn --heads 32 --cases 32x4096,128x4096 \
-    --configs h16n64w8s2,h32n64w8s2wg,h32n64w4s2ws --json "$OUT/fp8_ab32.json" 2>&1 | tee -a "$OUT/fp8.txt" | tail -7
+  # bf16 and FP8 caches in one process: every installed backend, the registry's choice marked
+  bench 300 --backends all --no-ceilings --kv-dtype bfloat16,float8_e4m3fn --heads 16,32,64,128 \
+    --cases 32x4096,128x4096 --json "$OUT/decode_fp8.json" 2>&1 | tee "$OUT/fp8.txt" | tail -18
+fi
+if has fp8ab; then
+  # the FP8 kernels side by side (bf16 beside them, same process)
+  bench 200 --no-ceilings --kv-dtype bfloat16,float8_e4m3fn --heads 16 --cases 32x4096,128x4096 \
+    --configs h16n64w8s2,h16n64w4s2ws --json "$OUT/fp8_ab16.json" 2>&1 | tee "$OUT/fp8ab.txt" | tail -9
+  bench 200 --no-ceilings --kv-dtype bfloat16,float8_e4m3fn --heads 128 --cases 32x4096,128x4096 \
+    --configs h64n64w4s2rm --json "$OUT/fp8_ab128.json" 2>&1 | tee -a "$OUT/fp8ab.txt" | tail -5
 fi
 echo "== summary"
 grep -hE "passed|failed|error" "$OUT/tests.txt" 2>/dev/null | tail -3

@@ -142,9 +142,31 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
         result = _errors(tensors, out, lse, scale)
         assert not result["nan"], (splits, result)
         assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
-        # e4m3 converts to bfloat16 exactly: the FP8 path has the bf16 bound
+        # e4m3 converts to float16 exactly and the query's power-of-two scaling
+        # is exact: the FP8 path has the bf16 bound
         assert result["rel_err"] <= 1e-2, (splits, result)
         assert result["lse_err"] <= 2e-2, (splits, result)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("factor", [2.0**17, 2.0**-30], ids=["beyond-float16-max", "below-float16-min"])
+@pytest.mark.parametrize("kernel", ["triton", "wgmma_ws", "wgmma_rm"])
+def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
+    """FP8 caches take float16 products: a bfloat16 query far outside float16's range both ways is scaled
+    by a power of two first (the softmax scale compensates: the usual scores)."""
+    heads = 64
+    tensors = _make_case(3, heads, 1, 512, 64, 64, [1, 700, 3000], torch.float8_e4m3fn, torch.bfloat16, "cuda", 3)
+    tensors["q_nope"] = tensors["q_nope"] * factor
+    tensors["q_pe"] = tensors["q_pe"] * factor
+    scale = 576**-0.5 / factor
+    config = DecodeLaunchConfig(16, 64, 8, 2) if kernel == "triton" else _config_for(heads, kernel=kernel)
+    for splits in (1, 3):
+        out, lse = _run_decode(tensors, scale, splits, max_splits=4, config=config)
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, scale)
+        assert not result["nan"], (splits, result)
+        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
 
 
 @pytest.mark.gpu

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="16,128")
     parser.add_argument("--cases", default=DEFAULT_CASES, help="comma list of BxS")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--kv-dtype", default="bfloat16", help="bfloat16 | float8_e4m3fn | float8_e4m3fnuz")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="comma list of bfloat16 | float8_e4m3fn | "
+                        "float8_e4m3fnuz (several: measured in one process, each case in each dtype)")
     parser.add_argument("--configs", default="", help="comma list like h16n64w4s2 (default: the package's choice)")
     parser.add_argument("--splits", default="", help="comma list of fixed num_kv_splits (default: heuristic)")
     parser.add_argument("--reduce", default="", help="merge config as BLOCK_DV,BLOCK_SPLITS,WARPS (default: the package's)")
@@ -338,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if ceilings:
         print(f"device: {torch.cuda.get_device_name()}  HBM copy {ceilings['hbm_tb_s']:.2f} TB/s  "
               f"bf16 matmul {ceilings['bf16_tflop_s']:.0f} TFLOP/s", flush=True)
-    cache_dtype = getattr(torch, args.kv_dtype)
+    cache_dtypes = [getattr(torch, name) for name in args.kv_dtype.split(",") if name]
     if args.backends:
         chosen_backends = None if args.backends == "all" else args.backends.upper().split(",")
         backend_rows = []
         for heads in [int(h) for h in args.heads.split(",")]:
             for q_len in [int(q) for q in args.q_len.split(",")]:
-                for case in args.cases.split(","):
+                for case, cache_dtype in [(c, d) for c in args.cases.split(",") for d in cache_dtypes]:
                     batch, seq_len = map(int, case.lower().split("x"))
                     row = bench_backends_case(batch, seq_len, heads, args.block_size, cache_dtype, q_len,
                                               chosen_backends)
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     for heads in [int(h) for h in args.heads.split(",")]:
         for case in args.cases.split(","):
             batch, seq_len = map(int, case.lower().split("x"))
-            for config, splits in [(c, s) for c in configs for s in split_choices]:
+            for cache_dtype, config, splits in [(d, c, s) for d in cache_dtypes for c in configs for s in split_choices]:
                 try:
                     row = bench_case(batch, seq_len, heads, args.block_size, cache_dtype, config, splits, ceilings,
                                      kernel_times=args.kernel_times)
