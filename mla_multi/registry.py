@@ -126,14 +126,14 @@ class SelectionRule:
 # matches a configuration gives its priority. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
     SelectionRule(
-        name="nvidia-sm90-decode-up-to-32-heads",
+        name="nvidia-sm90-decode-up-to-64-heads",
         phase="decode",
         vendor="cuda",
         arch="sm_90",
-        num_heads=(1, 32),
+        num_heads=(1, 64),
         needs_wgmma=True,
         priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
-        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (32 heads)",
+        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (32 and 64 heads)",
     ),
     SelectionRule(
         name="nvidia-sm90-decode-fp8",

@@ -26,11 +26,14 @@ their measurements):
 Common to all: the cache tile is copied to shared memory with ``cp.async``
 (any page size: one block-table entry per tile when the page is a multiple of
 the tile, one per token otherwise), two 64-token stages; the query sits in
-shared memory for the whole split.  FP8 caches: the tile is converted once per
-element into a bfloat16 tile that both products read (in the loader
-warpgroup, from registers loaded before the stage is free, for the
-warp-specialised kernels); e4m3 converts to bfloat16 exactly, so FP8 has the
-bfloat16 path's accuracy on the dequantised cache.  Everything else is the
+shared memory for the whole split.  FP8 caches: the products run in float16
+(e4m3 converts to float16 exactly, one instruction per pair; bfloat16 takes
+three), the query multiplied by the power of two that puts its largest
+magnitude in [2^12, 2^13) and the scores by its inverse (both exact), so FP8
+has the bfloat16 path's accuracy on the dequantised cache.  The tile is
+converted once per element into the float16 tile both products read (in the
+loader warpgroup of the warp-specialised kernels, which keeps the next tile's
+bytes in flight in its registers while it stores this one).  Everything else is the
 Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
