@@ -178,6 +178,16 @@ def _interpreter_main() -> None:
         kwargs = {"platform": SPECS[platform]} if platform else {}
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, **kwargs)
         results[case_id] = _errors(tensors, out, lse, scale)
+    # FP8 caches take float16 products: a bfloat16 query far outside float16's
+    # range (both ways) is scaled by a power of two first (the softmax scale
+    # compensates, so these are the usual scores)
+    for case_id, factor in (("fp8-query-beyond-float16-max", 2.0**17), ("fp8-query-below-float16-min", 2.0**-30)):
+        tensors = _make_case(2, 4, 1, 64, 16, 16, [40, 19], torch.float8_e4m3fn, torch.bfloat16, "cpu", 5)
+        tensors["q_nope"] = tensors["q_nope"] * factor
+        tensors["q_pe"] = tensors["q_pe"] * factor
+        scale = 80**-0.5 / factor
+        out, lse = _run_decode(tensors, scale, 2, max_splits=3)
+        results[case_id] = _errors(tensors, out, lse, scale)
     # the tile loop without loop-invariant code motion (the sm_90 64-row tiles' loop)
     tensors = _make_case(2, 40, 1, 64, 16, 16, [45, 70], torch.float16, torch.float16, "cpu", 11)
     config = DecodeLaunchConfig(64, 16, 4, 1, disable_licm=True)
@@ -201,6 +211,16 @@ def test_decode_interpreter(interpreter_results, case_id):
     # float16 output and float16 products: ~1e-3 relative; FP8 values are exact in float16
     assert result["rel_err"] <= 3e-3, result
     assert result["lse_err"] <= 2e-3, result
+
+
+@pytest.mark.parametrize("case_id", ["fp8-query-beyond-float16-max", "fp8-query-below-float16-min"])
+def test_decode_interpreter_fp8_query_range(interpreter_results, case_id):
+    result = interpreter_results[case_id]
+    assert not result["nan"], result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+    # bfloat16 query and output: the bf16 bound
+    assert result["rel_err"] <= 1e-2, result
+    assert result["lse_err"] <= 2e-2, result
 
 
 def _inputs(**overrides):
@@ -294,6 +314,39 @@ def test_decode_gpu(kv, heads, block_size):
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
     assert result["rel_err"] <= (1e-2 if kv == "bf16" else 6e-2), result
     assert result["lse_err"] <= 2e-2, result
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_gpu_every_triton_kernel_config(kv):
+    """Each configuration of the Triton kernel that the device's tables hold (on sm_90 also the ones
+    used where Gluon is missing, e.g. the one-stage 64-row FP8 tile), one split and several, block
+    sizes 1 and 64, heads that fill and that pad the row block."""
+    from mla_multi.kernels.launch_config import _decode_table
+    from mla_multi.platforms import current_platform
+
+    platform = current_platform()
+    cache_dtype = torch.bfloat16 if kv == "bf16" else _gpu_fp8_dtype()
+    configs = []
+    for wgmma in (True, False):
+        for config in _decode_table(platform, fp8=kv == "fp8", wgmma=wgmma).values():
+            if config.kernel == "triton" and config not in configs:
+                configs.append(config)
+    assert configs
+    for config in configs:
+        for heads, block_size in ((config.block_h, 64), (max(1, config.block_h - 3), 1)):
+            tensors = _make_case(
+                3, heads, 1, 512, 64, block_size, [1, 700, 3000], cache_dtype, torch.bfloat16, "cuda", heads
+            )
+            for splits in (1, 3):
+                out, lse = _run_decode(tensors, 576**-0.5, splits, max_splits=4, config=config)
+                torch.cuda.synchronize()
+                result = _errors(tensors, out, lse, 576**-0.5)
+                where = (config.name, heads, block_size, splits, result)
+                assert not result["nan"] and result["inf_pattern_ok"], where
+                # float16 products for FP8 (exact conversions, the query scaled by a power of two)
+                assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, where
 
 
 @pytest.mark.gpu

@@ -62,13 +62,12 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
     ):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)
-    # FP8 (e4m3fn): the warp-specialised kernels past 16 rows, as for 16-bit caches
-    for heads, kernel, block_h in ((32, "wgmma_ws", 32), (128, "wgmma_rm", 64)):
+    # FP8 (e4m3fn): the warp-specialised kernels at every row count (tokens as M up to 32 rows)
+    for heads, kernel, block_h in ((1, "wgmma_ws", 16), (16, "wgmma_ws", 16), (32, "wgmma_ws", 32), (128, "wgmma_rm", 64)):
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, config)
-    # up to 16 rows: the Triton kernel
-    for kv in (torch.bfloat16, torch.float8_e4m3fn):
-        assert decode_config(platform, 16, 1, kv).kernel == "triton"
+    # 16-bit caches up to 16 rows: the Triton kernel
+    assert decode_config(platform, 16, 1, torch.bfloat16).kernel == "triton"
 
 
 @pytest.mark.parametrize("spec", ["H100", "A100", "B200", "MI300X", "MI355X", "CPU"])
@@ -142,9 +141,35 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
         result = _errors(tensors, out, lse, scale)
         assert not result["nan"], (splits, result)
         assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
-        # e4m3 converts to bfloat16 exactly: the FP8 path has the bf16 bound
+        # e4m3 converts to float16 exactly and the query's power-of-two scaling
+        # is exact: the FP8 path has the bf16 bound
         assert result["rel_err"] <= 1e-2, (splits, result)
         assert result["lse_err"] <= 2e-2, (splits, result)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("factor", [2.0**17, 2.0**-30], ids=["beyond-float16-max", "below-float16-min"])
+@pytest.mark.parametrize("kernel", ["triton", "triton-wide", "wgmma_ws", "wgmma_rm"])
+def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
+    """FP8 caches take float16 products: a bfloat16 query far outside float16's range both ways is scaled
+    by a power of two first (the softmax scale compensates: the usual scores)."""
+    heads = 64
+    tensors = _make_case(3, heads, 1, 512, 64, 64, [1, 700, 3000], torch.float8_e4m3fn, torch.bfloat16, "cuda", 3)
+    tensors["q_nope"] = tensors["q_nope"] * factor
+    tensors["q_pe"] = tensors["q_pe"] * factor
+    scale = 576**-0.5 / factor
+    config = {
+        "triton": DecodeLaunchConfig(16, 64, 8, 2),
+        # the sm_90 FP8 64-row tile where Gluon is missing
+        "triton-wide": DecodeLaunchConfig(64, 32, 8, 1, disable_licm=True),
+    }.get(kernel) or _config_for(heads, kernel=kernel)
+    for splits in (1, 3):
+        out, lse = _run_decode(tensors, scale, splits, max_splits=4, config=config)
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, scale)
+        assert not result["nan"], (splits, result)
+        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
 
 
 @pytest.mark.gpu

@@ -221,9 +221,10 @@ def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, 
     if platform.is_cuda() and fp8:
         if smem >= 200 * 1024:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
-            # 139 TFLOP/s at N=128 against 81 for the 16-row tile (H200); no
-            # spill without loop-invariant code motion, as the bf16 64-row tile
-            wide = DecodeLaunchConfig(64, 32, 8, 2, programs_per_cu=1, disable_licm=True)
+            # no spill without loop-invariant code motion, as the bf16 64-row
+            # tile, and with one stage: the query scaled into float16's range is
+            # a register operand, which two stages spill (336-728 bytes)
+            wide = DecodeLaunchConfig(64, 32, 8, 1, programs_per_cu=1, disable_licm=True)
             if arch != "sm_90":
                 wide = narrow
         else:  # sm_80 decodes FP8 by bits: more registers per tile element
@@ -291,15 +292,18 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
       the MMA's M (the softmax stays inside each warp, P feeds the first
       warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
       1.36x the single-stream warpgroup kernel at 128 heads;
-    * FP8 caches past 16 rows: the same two warp-specialised kernels, whose
-      loader converts each tile once into the 16-bit stage (1.4-1.5x the
-      single-stream warpgroup kernel, 2.2x the Triton kernel at 128 heads);
-    * up to 16 rows: the Triton kernel (memory-bound there; the warpgroup
-      kernels pad the QK product's N to 16 rows and are no faster).
+    * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
+      from 1 to 32 rows, whose loader converts each tile once into a float16
+      stage (one instruction per pair) with the next tile's loads in flight;
+      float16 products, the query scaled by a power of two.  At 128 heads FP8
+      takes 0.99x the bf16 time (128 x 4096); at 16 heads 1.4x less than the
+      Triton kernel's FP8 path, which converts each element twice;
+    * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
+      warpgroup kernels pad the QK product's N to 16 rows and are no faster).
     """
     if fp8:
         return {
-            "16": DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2),
+            "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
             "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
             "64": DecodeLaunchConfig(64, 64, 4, 2, programs_per_cu=1, kernel="wgmma_rm"),
         }

@@ -124,12 +124,24 @@ def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
 
 
 @triton.jit
+def _row_power_of_two_scales(amax):
+    """(2^(12 - e), 2^(e - 12)) per row, e = floor(log2 amax), built from the
+    exponent bits (exact); e is clamped to [-100, 100] so that an all-zero,
+    subnormal, infinite or NaN row still gets a finite power of two."""
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.minimum(tl.maximum(exponent, -100), 100)
+    up = ((127 + 12 - exponent) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - 12 + exponent) << 23).to(tl.float32, bitcast=True)
+    return up, down
+
+
+@triton.jit
 def _decode_tile(
     start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block,
     KV_cache, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale,
     rows, row_limit,
     Q_LEN: tl.constexpr, KV_LORA_RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr,
+    LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr,
 ):
     """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv.
 
@@ -188,7 +200,10 @@ def _decode_tile(
         qk = tl.dot(q_lo, tl.trans(kv_lo))
         qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
     qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
-    qk = qk * qk_scale
+    if ROW_SCALED:
+        qk = qk * qk_scale[:, None]
+    else:
+        qk = qk * qk_scale
     if Q_LEN > 1:
         visible = pos_valid[None, :] & (pos[None, :] < row_limit[:, None])
     else:
@@ -284,19 +299,25 @@ def _mla_decode_split_kernel(
     q_hi = tl.load(q_nope_ptrs[:, None] + offs_hi[None, :], mask=row_valid[:, None], other=0.0)
     q_pe_ptrs = Q_pe + batch * stride_qp_b + token * stride_qp_t + head * stride_qp_h
     q_pe = tl.load(q_pe_ptrs[:, None] + offs_r[None, :], mask=row_valid[:, None], other=0.0)
-    if FP8_COMPUTE_FP16:
-        # FP8 tiles convert to float16 in one instruction per pair (bfloat16
-        # takes a detour through float32); float16 holds e4m3 exactly and the
-        # absorbed query comfortably (|q| < 65504)
-        q_lo = q_lo.to(tl.float16)
-        q_hi = q_hi.to(tl.float16)
-        q_pe = q_pe.to(tl.float16)
-
     # scores in the log2 domain: exp2 is the native instruction
     qk_scale = sm_scale * 1.4426950408889634
     if HAS_K_SCALE:
         k_scale = tl.load(K_scale).to(tl.float32)
         qk_scale = qk_scale * k_scale
+    if FP8_COMPUTE_FP16:
+        # FP8 tiles convert to float16 in one instruction per pair (bfloat16
+        # takes a detour through float32), and float16 holds e4m3 exactly.  The
+        # query is scaled per row by a power of two that puts its largest
+        # magnitude in [2^12, 2^13): float16 then holds every bfloat16 value of
+        # the row exactly (down to 2^-26 of its maximum) and nothing overflows;
+        # the scores undo the factor.
+        amax = tl.maximum(tl.max(tl.abs(q_lo.to(tl.float32)), 1), tl.max(tl.abs(q_hi.to(tl.float32)), 1))
+        amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+        up, down = _row_power_of_two_scales(amax)
+        q_lo = (q_lo.to(tl.float32) * up[:, None]).to(tl.float16)
+        q_hi = (q_hi.to(tl.float32) * up[:, None]).to(tl.float16)
+        q_pe = (q_pe.to(tl.float32) * up[:, None]).to(tl.float16)
+        qk_scale = qk_scale * down
     # bottom-right causal limit of each folded query token
     row_limit = seq_len - Q_LEN + 1 + token
 
@@ -320,6 +341,7 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+                FP8_COMPUTE_FP16,
             )
     else:
         for start in range(split_start, split_end, BLOCK_N):
@@ -327,6 +349,7 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
+                FP8_COMPUTE_FP16,
             )
 
     if PAGE_SIZE % BLOCK_N != 0:

@@ -26,11 +26,14 @@ their measurements):
 Common to all: the cache tile is copied to shared memory with ``cp.async``
 (any page size: one block-table entry per tile when the page is a multiple of
 the tile, one per token otherwise), two 64-token stages; the query sits in
-shared memory for the whole split.  FP8 caches: the tile is converted once per
-element into a bfloat16 tile that both products read (in the loader
-warpgroup, from registers loaded before the stage is free, for the
-warp-specialised kernels); e4m3 converts to bfloat16 exactly, so FP8 has the
-bfloat16 path's accuracy on the dequantised cache.  Everything else is the
+shared memory for the whole split.  FP8 caches: the products run in float16
+(e4m3 converts to float16 exactly, one instruction per pair; bfloat16 takes
+three), the query multiplied by the power of two that puts its largest
+magnitude in [2^12, 2^13) and the scores by its inverse (both exact), so FP8
+has the bfloat16 path's accuracy on the dequantised cache.  The tile is
+converted once per element into the float16 tile both products read (in the
+loader warpgroup of the warp-specialised kernels, which keeps the next tile's
+bytes in flight in its registers while it stores this one).  Everything else is the
 Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
@@ -84,8 +87,8 @@ if gluon is not None:
     WS_LOAD_WARPS = gl.constexpr(4)
     WS_PV_REGS = gl.constexpr(168)
     WS_LOAD_REGS = gl.constexpr(56)
-    # an FP8 loader holds a whole tile's bytes in registers before its stage is free
-    WS_LOAD_REGS_FP8 = gl.constexpr(112)
+    # an FP8 loader holds a whole tile's bytes in registers (the next tile's, while it stores this one)
+    WS_LOAD_REGS_FP8 = gl.constexpr(128)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
@@ -111,6 +114,11 @@ if gluon is not None:
             if swizzle == 0 and row_bytes % width == 0:
                 swizzle = width
         return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2)
+
+    @gluon.constexpr_function
+    def _operand_dtype(query_dtype, cache_dtype):
+        """The warp-specialised kernel's MMA operand type: the query's, float16 for an FP8 cache."""
+        return gl.float16 if cache_dtype.primitive_bitwidth == 8 else query_dtype
 
     @gluon.constexpr_function
     def _tile_layout(cols, bits, num_warps):
@@ -200,32 +208,63 @@ if gluon is not None:
         return seq_len, bad_seq_len, split_start, split_end, num_tiles
 
     @gluon.jit
+    def _power_of_two_scales(amax):
+        """(2^(12 - e), 2^(e - 12)), e = floor(log2 amax), built from the exponent bits (exact; e is
+        clamped to [-100, 100] so that all zeros, subnormals, infinities or NaN still get a finite power
+        of two)."""
+        exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        exponent = gl.minimum(gl.maximum(exponent, -100), 100)
+        up = ((127 + 12 - exponent) << 23).to(gl.float32, bitcast=True)
+        down = ((127 - 12 + exponent) << 23).to(gl.float32, bitcast=True)
+        return up, down
+
+    @gluon.jit
     def _load_query(
         q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
         stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
         Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, SCALE_ROWS: gl.constexpr = False,
     ):
         """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head) into shared memory,
-        128 columns at a time (a whole 64 x 512 tile would take 128 registers a thread on one warpgroup)."""
+        128 columns at a time (a whole 64 x 512 tile would take 128 registers a thread on one warpgroup).
+
+        SCALE_ROWS (a float16 query for an FP8 cache): the rows are multiplied by the power of two that
+        puts their largest magnitude in [2^12, 2^13), so that nothing overflows float16 and every
+        bfloat16 value down to 2^-26 of that maximum converts exactly (what lies below is rounded to
+        float16's subnormal spacing, 2^-37 of the maximum: far below the query's own bfloat16
+        rounding); returns the factor that undoes it on the scores (1.0 without SCALE_ROWS)."""
         CHUNK: gl.constexpr = 128 if KV_LORA_RANK > 128 else KV_LORA_RANK
         q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
         ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
-        for c in gl.static_range(KV_LORA_RANK // CHUNK):
-            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
-            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(
-                gl.load(ptrs[:, None] + cols[None, :], mask=(rows < Q_LEN * num_heads)[:, None], other=0.0)
-            )
+        mask = (rows < Q_LEN * num_heads)[:, None]
         qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
         rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
         cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
         ptrs_pe = (
             Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
         )
-        qpe_smem.store(
-            gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=(rows_pe < Q_LEN * num_heads)[:, None], other=0.0)
-        )
+        mask_pe = (rows_pe < Q_LEN * num_heads)[:, None]
+        if SCALE_ROWS:
+            q_pe = gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0).to(gl.float32)
+            amax = gl.convert_layout(gl.max(gl.abs(q_pe), 1), gl.SliceLayout(1, q_layout))
+            for c in gl.static_range(KV_LORA_RANK // CHUNK):
+                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+                q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+                amax = gl.maximum(amax, gl.max(gl.abs(q), 1))
+            up, down = _power_of_two_scales(gl.max(amax, 0))
+            qpe_smem.store((q_pe * up).to(qpe_smem.dtype))
+        else:
+            qpe_smem.store(gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0))
+            down = 1.0
+        for c in gl.static_range(KV_LORA_RANK // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+            # volatile: a second read, not the first pass's values kept in registers (64 x 512 of them)
+            q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0, volatile=SCALE_ROWS)
+            if SCALE_ROWS:
+                q = (q.to(gl.float32) * up).to(q_smem.dtype)
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(q)
+        return down
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale,
@@ -337,7 +376,8 @@ if gluon is not None:
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        dtype: gl.constexpr = Q_nope.dtype.element_ty
+        # the products' operand type: float16 for an FP8 cache (the query scaled by a power of two)
+        dtype: gl.constexpr = _operand_dtype(Q_nope.dtype.element_ty, KV_cache.dtype.element_ty)
         cache_dtype: gl.constexpr = KV_cache.dtype.element_ty
         cache_bits: gl.constexpr = cache_dtype.primitive_bitwidth
 
@@ -355,10 +395,10 @@ if gluon is not None:
         # the query rows of this program, in shared memory for the whole split
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        _load_query(
+        q_down = _load_query(
             q_smem, qpe_smem, Q_nope, Q_pe, batch, head_block * BLOCK_H, num_heads,
             stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, num_warps,
+            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, num_warps, FP8_CACHE,
         )
         kv_smem = gl.allocate_shared_memory(
             cache_dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, cache_bits)
@@ -370,7 +410,7 @@ if gluon is not None:
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
 
         # scores in the log2 domain: exp2 is the native instruction
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * 1.4426950408889634 * q_down
         if HAS_K_SCALE:
             qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
         s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_s)
@@ -393,7 +433,7 @@ if gluon is not None:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
         acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
-        for tile in range(num_tiles):
+        for tile in tl.range(0, num_tiles, disable_licm=True):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             # this tile's copies are done (this thread's), then visible to all
@@ -498,14 +538,17 @@ if gluon is not None:
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
         first_row = head_block * BLOCK_H
-        _load_query(
+        # an FP8 cache: float16 products (the tile converts to float16 in one instruction per pair),
+        # the query scaled by a power of two, undone on the scores
+        FP8: gl.constexpr = KV_cache.dtype.element_ty.primitive_bitwidth == 8
+        q_down = _load_query(
             q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
             stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
+            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, FP8,
         )
         fence_async_shared()
         _cta_barrier()
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * 1.4426950408889634 * q_down
         if HAS_K_SCALE:
             qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
         s_rows = first_row + gl.arange(0, BLOCK_H, layout=rows_s)
@@ -778,7 +821,8 @@ if gluon is not None:
         registers, converted once into the 16-bit stages).
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
-        dtype: gl.constexpr = Q_nope.dtype.element_ty
+        # the products' operand type: float16 for an FP8 cache (see the softmax partition)
+        dtype: gl.constexpr = _operand_dtype(Q_nope.dtype.element_ty, KV_cache.dtype.element_ty)
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
         qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
         if ROWS_AS_M:
