@@ -294,10 +294,10 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
       1.36x the single-stream warpgroup kernel at 128 heads;
     * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
       from 1 to 32 rows, whose loader converts each tile once into a float16
-      stage (one instruction per pair) with the next tile's loads in flight;
-      float16 products, the query scaled by a power of two.  At 128 heads FP8
-      takes 0.99x the bf16 time (128 x 4096); at 16 heads 1.4x less than the
-      Triton kernel's FP8 path, which converts each element twice;
+      stage (one instruction per pair); float16 products, the query scaled by
+      a power of two.  FP8 takes 0.77-1.14x the bf16 time (0.91 at 128 heads,
+      B = 128, S = 4096; 0.96 at 16 heads); the Triton kernel's FP8 path
+      takes 1.85x as long at 16 heads;
     * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
       warpgroup kernels pad the QK product's N to 16 rows and are no faster).
     """

@@ -32,8 +32,8 @@ three), the query multiplied by the power of two that puts its largest
 magnitude in [2^12, 2^13) and the scores by its inverse (both exact), so FP8
 has the bfloat16 path's accuracy on the dequantised cache.  The tile is
 converted once per element into the float16 tile both products read (in the
-loader warpgroup of the warp-specialised kernels, which keeps the next tile's
-bytes in flight in its registers while it stores this one).  Everything else is the
+loader warpgroup of the warp-specialised kernels, which loads a tile's bytes
+into its registers before the tile's stage is free).  Everything else is the
 Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
