@@ -16,8 +16,9 @@ their measurements):
   and goes, with the rescale, through shared memory to the second, which
   computes ``O[:, 256:]``; the third fills the cache stages.  mbarriers join
   them; there is no CTA-wide barrier in the loop.
-* ``wgmma_ws`` (the same kernel, tokens as M: ``S^T = K Q^T``, 17-32 rows,
-  where the rows are the MMA's N and need no padding to 64).
+* ``wgmma_ws`` (the same kernel, tokens as M: ``S^T = K Q^T``; 17-32 rows of a
+  16-bit cache, up to 16 of an FP8 one, where the rows are the MMA's N and
+  need no padding to 64).
 * ``wgmma`` (`_mla_decode_wgmma_kernel`, a single stream of 8 warps, tokens as
   M): the warpgroups split the rows for QK and the 512 latent columns for PV,
   with P^T through shared memory behind CTA barriers.  The first of the three;
