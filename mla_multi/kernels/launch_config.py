@@ -293,9 +293,9 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
       warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
       1.36x the single-stream warpgroup kernel at 128 heads;
     * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
-      up to 16 rows and the rows-as-M one from 17, whose loader converts each tile once into a float16
-      stage (one instruction per pair); float16 products, the query scaled by
-      a power of two.  FP8 takes 0.77-1.14x the bf16 time (0.91 at 128 heads,
+      up to 16 rows and the rows-as-M one from 17, whose loader converts each
+      tile once into a float16 stage (one instruction per pair); float16
+      products, the query scaled by a power of two.  FP8 takes 0.77-1.14x the bf16 time (0.91 at 128 heads,
       B = 128, S = 4096; 0.96 at 16 heads); the Triton kernel's FP8 path
       takes 1.85x as long at 16 heads;
     * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
