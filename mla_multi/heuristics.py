@@ -19,8 +19,12 @@ stream one cache token (576 values) through the tile loop.
 * stage 2 (only when ``s > 1``): the partial outputs, ``B * rows * s * (Lkv + 1)``
   float32 values, are written once and read once; at the rate the whole device
   streams cache rows this costs ``B * rows * s * (Lkv + 1) * 8 / (slots * (Lkv + R) * elem)``
-  token slots; plus the merge kernel's launch and its chain of dependent steps
-  (64 splits per step), ``REDUCE_FIXED_TOKENS + ceil(s / 64) * REDUCE_STEP_TOKENS``
+  token slots, with ``elem`` at least 2 bytes (the kernels convert an FP8 tile
+  to 16 bits before its products, and its token slot lasts as long as a 16-bit
+  one: on an H200, 2.4-2.6 µs per 64-token tile either way; B=1, N=64,
+  S=32768, FP8: 128 splits 28.9 µs, 64 splits 33.1 µs); plus the merge
+  kernel's launch and its chain of dependent steps (64 splits per step),
+  ``REDUCE_FIXED_TOKENS + ceil(s / 64) * REDUCE_STEP_TOKENS``
   (a token slot is about 70 ns on an H200 at full occupancy, so these are ~3 µs
   and ~4 µs; measured on an H200, B=1, N=16, S=32768: 128 splits 27.9 µs,
   256 splits 30.5 µs, 64 splits 34.0 µs; B=32, S=4096: 4 / 8 / 16 splits
@@ -140,7 +144,8 @@ def num_kv_splits(
     rows = num_heads * q_len
     head_blocks = -(-rows // config.block_h)
     slots = max(1, platform.num_compute_units * config.programs_per_cu)
-    row_bytes = (kv_lora_rank + qk_rope_head_dim) * _element_size(kv_cache_dtype)
+    # an FP8 tile is converted to 16 bits before its products: its token slot lasts as long as a 16-bit one
+    row_bytes = (kv_lora_rank + qk_rope_head_dim) * max(2, _element_size(kv_cache_dtype))
     partial_bytes_per_split = batch_size * rows * (kv_lora_rank + 1) * 4 * 2
 
     limit = min(max_num_kv_splits, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
