@@ -163,17 +163,18 @@ def _sm90_warpgroup_kernels() -> bool:
 
 
 # where the installed Triton builds the sm_90 warpgroup decode kernels, TRITON
-# is chosen for FP8 caches and up to 64 heads on sm_90 (measured); elsewhere
-# the FlashInfer-first rules stand
+# is chosen on sm_90 for every head count (measured); elsewhere the
+# FlashInfer-first rules stand
 _WG = "TRITON" if _sm90_warpgroup_kernels() else "FLASHINFER"
 
 
 @pytest.mark.parametrize(
     "spec, config, expected",
     [
-        ("H200", dconfig(num_heads=128), "FLASHINFER"),
+        ("H200", dconfig(num_heads=128), _WG),
         ("H100", dconfig(num_heads=64), _WG),
-        ("H100", dconfig(num_heads=65), "FLASHINFER"),
+        ("H100", dconfig(num_heads=65), _WG),
+        ("H200", dconfig(num_heads=128, max_query_len=4), _WG),
         ("H200", dconfig(num_heads=16), "TRITON"),
         ("H200", dconfig(num_heads=32), _WG),
         ("H200", dconfig(num_heads=128, kv=FP8), _WG),
