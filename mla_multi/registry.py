@@ -134,17 +134,7 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         arch="sm_90",
         needs_wgmma=True,
         priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
-        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (16-128 heads)",
-    ),
-    SelectionRule(
-        name="nvidia-sm90-decode-fp8",
-        phase="decode",
-        vendor="cuda",
-        arch="sm_90",
-        kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
-        needs_wgmma=True,
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
-        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (FP8 caches)",
+        measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (16-128 heads, bf16 and FP8)",
     ),
     SelectionRule(
         name="nvidia-decode-few-heads",

@@ -41,6 +41,19 @@ RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
 # ---------------------------------------------------------------------------
 
 
+def test_benchmark_parses_every_sm90_config_name():
+    """`mla-multi bench decode --configs` takes back the name of every configuration the sm_90 tables can run."""
+    from mla_multi.benchmarks.decode import parse_config
+
+    for config in all_decode_configs(SPECS["H100"]):
+        parsed = parse_config(config.name)
+        assert (parsed.name, parsed.kernel, parsed.warp_specialised) == (
+            config.name, config.kernel, config.warp_specialised
+        )
+    with pytest.raises(ValueError, match="h64n64w4s2xx"):
+        parse_config("h64n64w4s2xx")
+
+
 def test_config_name_marks_the_warpgroup_kernel():
     assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"

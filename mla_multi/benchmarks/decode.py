@@ -57,16 +57,17 @@ def parse_config(text: str):
     """'h16n64w4s2' -> DecodeLaunchConfig(block_h=16, block_n=64, num_warps=4, num_stages=2)."""
     import re
 
-    from mla_multi.kernels.launch_config import DecodeLaunchConfig
+    from mla_multi.kernels.launch_config import DECODE_KERNEL_SUFFIXES, DecodeLaunchConfig
 
-    match = re.fullmatch(r"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?(wg|ws|rm)?", text)
+    kernels = {suffix: kernel for kernel, suffix in DECODE_KERNEL_SUFFIXES.items()}
+    match = re.fullmatch(rf"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?({'|'.join(kernels)})?", text)
     if not match:
         raise ValueError(
             f"config {text!r}; accepted: like h16n64w4s2 (BLOCK_H, BLOCK_N, warps, stages), optionally "
             "followed by nolicm (nothing hoisted out of the tile loop) or wg / ws / rm (the sm_90 warpgroup kernel; warp-specialised; warp-specialised with rows as M)"
         )
     return DecodeLaunchConfig(
-        *map(int, match.groups()[:4]), disable_licm=bool(match.group(5)), kernel={"wg": "wgmma", "ws": "wgmma_ws", "rm": "wgmma_rm"}.get(match.group(6), "triton")
+        *map(int, match.groups()[:4]), disable_licm=bool(match.group(5)), kernel=kernels.get(match.group(6), "triton")
     )
 
 

@@ -118,6 +118,10 @@ class _MatrixTileLaunch:
         return options
 
 
+# config-name suffix of each sm_90 warpgroup kernel (`DecodeLaunchConfig.kernel`)
+DECODE_KERNEL_SUFFIXES = {"wgmma": "wg", "wgmma_ws": "ws", "wgmma_rm": "rm"}
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunchConfig(_MatrixTileLaunch):
     """Tile and launch options of the split-KV decode kernel.
@@ -156,13 +160,18 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
-        text += {"wgmma": "wg", "wgmma_ws": "ws", "wgmma_rm": "rm"}.get(self.kernel, "")
+        text += DECODE_KERNEL_SUFFIXES.get(self.kernel, "")
         return text + self._amd_suffix()
 
     @property
     def warpgroup(self) -> bool:
         """Whether this configuration runs one of the sm_90 warpgroup kernels (`mla_decode_wgmma`)."""
         return self.kernel != "triton"
+
+    @property
+    def warp_specialised(self) -> bool:
+        """Whether this configuration runs the warp-specialised warpgroup kernel (``wgmma_ws`` or ``wgmma_rm``)."""
+        return self.kernel in ("wgmma_ws", "wgmma_rm")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -802,7 +802,7 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs = {**constexprs, "STAGES": config.num_stages, "FP8_CACHE": fp8, "num_warps": config.num_warps}
     for key in constexprs:
         signature[key] = "constexpr"
-    ws = config.kernel in ("wgmma_ws", "wgmma_rm")
+    ws = config.warp_specialised
     if ws:
         constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
         signature["ROWS_AS_M"] = "constexpr"

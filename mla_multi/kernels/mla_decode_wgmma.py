@@ -881,7 +881,7 @@ else:  # pragma: no cover - depends on the installed Triton
 
 def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
-    ws = config.kernel in ("wgmma_ws", "wgmma_rm")
+    ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm"} if ws else {}
     kernel[grid](
