@@ -108,6 +108,29 @@ def test_forcing_the_warpgroup_kernel_where_it_cannot_run_is_an_error():
         _run_decode(tensors, 576**-0.5, 1, config=WG64, platform=SPECS["A100"])
 
 
+def _unaligned_fp8_copy(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` (FP8) copied into a view whose data starts one byte past an allocation's start."""
+    storage = torch.zeros(cache.numel() + 1, dtype=torch.uint8, device=cache.device)
+    view = storage[1:].view(cache.dtype).view(cache.shape)
+    view.copy_(cache)
+    assert view.data_ptr() % 4 == 1
+    return view
+
+
+def test_an_fp8_cache_off_4_byte_boundaries_keeps_the_triton_kernel():
+    """The warpgroup kernels read an FP8 cache as 4-byte words: a cache view that starts off a 4-byte
+    boundary takes the Triton kernel by default, and forcing a warpgroup configuration on it is an error."""
+    platform = SPECS["H100"]
+    if wgmma_decode_reason(platform, torch.float8_e4m3fn):
+        pytest.skip(wgmma_decode_reason(platform, torch.float8_e4m3fn))
+    assert decode_config(platform, 128, 1, torch.float8_e4m3fn).warpgroup
+    assert not decode_config(platform, 128, 1, torch.float8_e4m3fn, warpgroup=False).warpgroup
+    tensors = _make_case(2, 16, 1, 512, 64, 16, [20, 5], torch.float8_e4m3fn, torch.bfloat16, "cpu", 0)
+    tensors["kv_cache"] = _unaligned_fp8_copy(tensors["kv_cache"])
+    with pytest.raises(ValueError, match=r"h64n64w4s2rm.*cannot run here.*4-byte boundaries"):
+        _run_decode(tensors, 576**-0.5, 1, config=RM64, platform=platform)
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
@@ -158,6 +181,23 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
         # is exact: the FP8 path has the bf16 bound
         assert result["rel_err"] <= 1e-2, (splits, result)
         assert result["lse_err"] <= 2e-2, (splits, result)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_decode_gpu_cache_off_4_byte_boundaries(heads):
+    """An FP8 cache view one byte off an allocation's start: the default selection (the Triton kernel)
+    gives the float64 reference's result, as the aligned cache does through the warpgroup kernels."""
+    tensors = _make_case(3, heads, 1, 512, 64, 64, [0, 17, 3000], torch.float8_e4m3fn, torch.bfloat16, "cuda", 7)
+    aligned, _ = _run_decode(tensors, 576**-0.5, 1)
+    tensors["kv_cache"] = _unaligned_fp8_copy(tensors["kv_cache"])
+    for splits in (1, 3):
+        out, lse = _run_decode(tensors, 576**-0.5, splits, max_splits=4)
+        torch.cuda.synchronize()
+        result = _errors(tensors, out, lse, 576**-0.5)
+        assert not result["nan"] and result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+    assert torch.allclose(out.float(), aligned.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -338,21 +338,28 @@ SM90_SINGLE_STREAM_DECODE_CONFIGS = (
 
 
 def decode_config(
-    platform, num_heads: int, q_len: int, kv_dtype: torch.dtype, kv_lora_rank: int = 512, rope_dim: int = 64
+    platform,
+    num_heads: int,
+    q_len: int,
+    kv_dtype: torch.dtype,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    warpgroup: bool = True,
 ) -> DecodeLaunchConfig:
     """The decode launch configuration for `num_heads` heads x `q_len` query tokens.
 
     Rows (num_heads * q_len) up to 16 take a 16-row tile (MMA minimum, padded),
     up to 32 a 32-row tile, more the platform's large tile (several head blocks
     when the rows exceed it).
-    FP8 caches (`kv_dtype`) have their own table.
+    FP8 caches (`kv_dtype`) have their own table.  warpgroup=False: the Triton
+    kernel's table even where the sm_90 warpgroup kernels could run.
     """
     if num_heads < 1 or q_len < 1:
         raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
     rows = num_heads * q_len
     # float8_e4m3fnuz on sm_90, say, or other than DeepSeek's latent dims (the
     # warpgroup kernels are built and measured for 512 + 64): the Triton kernel's table
-    wgmma = not wgmma_decode_reason(platform, kv_dtype, kv_lora_rank, rope_dim)
+    wgmma = warpgroup and not wgmma_decode_reason(platform, kv_dtype, kv_lora_rank, rope_dim)
     table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma)
     if rows <= 16:
         return table["16"]

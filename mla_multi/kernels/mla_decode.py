@@ -612,8 +612,14 @@ def mla_decode_fwd(
         from mla_multi.platforms import current_platform
 
         platform = current_platform()
+    # the warpgroup kernels read an FP8 cache as 4-byte words: rows must start on 4-byte boundaries
+    fp8_rows_unaligned = kv_cache.dtype in FP8_DTYPES and any(
+        value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
+    )
     if config is None:
-        config = decode_config(platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim)
+        config = decode_config(
+            platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
+        )
 
     cache = kv_cache
     fp8_bits_bias = 0
@@ -667,6 +673,11 @@ def mla_decode_fwd(
     )
     if config.warpgroup:
         reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
+        if not reason and fp8_rows_unaligned:
+            reason = (
+                f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
+                f"{tuple(kv_cache.stride())}); accepted: a data pointer and block/token strides that are multiples of 4"
+            )
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
         from mla_multi.kernels import mla_decode_wgmma

@@ -84,12 +84,15 @@ def gluon_available() -> tuple[bool, str]:
 
 if gluon is not None:
     # the warp-specialised kernel's worker partitions: the second compute
-    # warpgroup and the loader, with their register budgets (setmaxnreg)
+    # warpgroup and the loader, with their register budgets (setmaxnreg; the
+    # first warpgroup gets the rest of 3 x 168)
     WS_LOAD_WARPS = gl.constexpr(4)
     WS_PV_REGS = gl.constexpr(168)
     WS_LOAD_REGS = gl.constexpr(56)
-    # an FP8 loader holds a whole tile's bytes in registers (the next tile's, while it stores this one)
-    WS_LOAD_REGS_FP8 = gl.constexpr(128)
+    # an FP8 loader holds three quarters of a tile ahead in registers (54 words a thread) and the quarter
+    # it converts; 160 / 144 / 200 is the split with which no partition spills under Triton 3.6 and 3.9
+    WS_PV_REGS_FP8 = gl.constexpr(160)
+    WS_LOAD_REGS_FP8 = gl.constexpr(144)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
@@ -137,20 +140,25 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _tile_page(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr):
+    def _tile_page(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr = 0):
         """The block-table entry of a tile that lies inside one page (0 for a tile past the split), loaded
-        a tile ahead of its copies so that their addresses do not wait on it."""
+        a tile ahead of its copies so that their addresses do not wait on it.  With BLOCK_N given, a page
+        smaller than the tile (whose rows look up their own entries) reads nothing."""
+        if BLOCK_N > 0 and PAGE_SIZE % BLOCK_N != 0:
+            return 0
         return gl.load(block_table_row + start // PAGE_SIZE, mask=start < split_end, other=0)
 
     @gluon.jit
     def _tile_rows(
         start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
         PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+        FIRST: gl.constexpr = 0, COUNT: gl.constexpr = 0,
     ):
         """Cache row offsets of tile positions [start, start + BLOCK_N) (in `layout`), their validity
         and whether a block-table entry the tile needed lay outside [0, num_cache_blocks) (read as 0).
-        `page`: the tile's block-table entry (`_tile_page`) when the page is a multiple of the tile."""
-        pos = start + gl.arange(0, BLOCK_N, layout=layout)
+        `page`: the tile's block-table entry (`_tile_page`) when the page is a multiple of the tile.
+        COUNT > 0: only the tile's positions [start + FIRST, start + FIRST + COUNT)."""
+        pos = start + FIRST + gl.arange(0, COUNT if COUNT > 0 else BLOCK_N, layout=layout)
         valid = pos < split_end
         if PAGE_SIZE % BLOCK_N == 0:
             # the tile lies inside one page: one block-table entry
@@ -702,53 +710,110 @@ if gluon is not None:
         )
 
     @gluon.jit
+    def _e4m3_words_to_f16(words):
+        """int32 words of four e4m3 bytes -> int32 words of two float16 (the first and second byte pair of
+        each word, in memory order): two conversions a word, nothing unpacked to single bytes."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+        )
+
+    @gluon.jit
+    def _as_words_reinterpret(desc, shape: gl.constexpr, layout: gl.constexpr):
+        return desc.reinterpret(gl.int32, shape, layout)
+
+    @gluon.jit
+    def _as_words_private(desc, shape: gl.constexpr, layout: gl.constexpr):
+        return desc._reinterpret(gl.int32, shape, layout)
+
+    # a 16-bit shared tile viewed as int32 words (the method's name before Triton 3.7: _reinterpret)
+    _as_words = _as_words_reinterpret if hasattr(gl.shared_memory_descriptor, "reinterpret") else _as_words_private
+
+    @gluon.jit
+    def _fp8_piece_load(
+        src, page, PIECE: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr, kv_layout: gl.constexpr, pe_layout: gl.constexpr, FIRST: gl.constexpr,
+    ):
+        """Rows [FIRST, FIRST + PIECE) of the FP8 tile at `tile_start` as int32 words (zero past split_end):
+        the latent part [PIECE, KV_LORA_RANK / 4] and the rotary part [PIECE, ROPE_DIM / 4].
+        src: (the cache as int32 words, tile start, split end, block-table row, blocks, block and token strides)."""
+        KV_words, tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token = src
+        rows, valid, bad = _tile_rows(
+            tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kv_layout), FIRST, PIECE,
+        )
+        cols = gl.arange(0, KV_LORA_RANK // 4, layout=gl.SliceLayout(0, kv_layout))
+        kv = gl.load(KV_words + (rows >> 2)[:, None] + cols[None, :], mask=valid[:, None], other=0)
+        # the same rows in the rotary part's layout (which spreads each row over the same threads)
+        rows_pe = gl.convert_layout(rows, gl.SliceLayout(1, pe_layout))
+        valid_pe = gl.convert_layout(valid, gl.SliceLayout(1, pe_layout))
+        cols_pe = KV_LORA_RANK // 4 + gl.arange(0, ROPE_DIM // 4, layout=gl.SliceLayout(0, pe_layout))
+        pe = gl.load(KV_words + (rows_pe >> 2)[:, None] + cols_pe[None, :], mask=valid_pe[:, None], other=0)
+        return kv, pe
+
+    @gluon.jit
+    def _fp8_piece_store(kv_words, pe_words, kv, pe, FIRST: gl.constexpr, PIECE: gl.constexpr):
+        """Convert a piece's words to float16 pairs and store them at rows [FIRST, FIRST + PIECE) of the
+        stage's word views."""
+        lo, hi = _e4m3_words_to_f16(kv)
+        out = gl.reshape(gl.join(lo, hi), [PIECE, 2 * kv.shape[1]])
+        kv_words.slice(FIRST, PIECE, dim=0).store(out)
+        lo_pe, hi_pe = _e4m3_words_to_f16(pe)
+        out_pe = gl.reshape(gl.join(lo_pe, hi_pe), [PIECE, 2 * pe.shape[1]])
+        pe_words.slice(FIRST, PIECE, dim=0).store(out_pe)
+
+    @gluon.jit
     def _ws_load_fp8(
         kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
         num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """FP8 tiles through the loader's registers: load (before the stage is free), convert, store."""
-        CHUNK: gl.constexpr = 128
-        gl.static_assert(KV_LORA_RANK == 4 * CHUNK, "the FP8 loader takes the 512 latent columns in four pieces")
-        # 8 FP8 bytes a thread, 16 bytes once converted: the 8 threads of a quarter warp store 8 different
-        # 16-byte chunks of a swizzled row (with 16 bytes a thread they stored 4 chunks, two threads each:
-        # 9.7-way bank conflicts, 12 wavefronts a store instead of 4; 10% of the FP8 time at 16 heads)
-        layout: gl.constexpr = _tile_layout(CHUNK, 8, WS_LOAD_WARPS, 64)
-        pe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 8, WS_LOAD_WARPS, 64)
-        dtype: gl.constexpr = kv_smem.dtype
-        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
-        cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, pe_layout))
+        """FP8 tiles through the loader's registers, three quarters of a tile ahead: the tile goes in 16-row
+        quarters, and quarter k + 3 is loaded before quarter k is converted and stored, so the loads are in
+        flight during the stores and the wait for a free stage (quarters are int32 words of four e4m3
+        bytes: a byte array carried across the loop is held one byte a register).  Three quarters ahead
+        keep a tile's worth of registers, as loading whole tiles did.  Needs 4-byte aligned cache rows."""
+        gl.static_assert(BLOCK_N == 64, "the FP8 loader takes 64-token tiles in four 16-row quarters")
+        gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 loader converts e4m3fn bytes")
+        PIECE: gl.constexpr = 16
+        # two words (8 FP8 bytes) a thread, four words (16 bytes) once converted: the 8 threads of a quarter
+        # warp store 8 different 16-byte chunks of a swizzled row (no bank conflicts)
+        kv_layout: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [WS_LOAD_WARPS, 1], [1, 0])
+        # the rotary part one word a thread on the same threads per row (its row offsets are the latent part's)
+        pe_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [WS_LOAD_WARPS, 1], [1, 0])
+        words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
+        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+        src = (KV_words, split_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token)
+        kv0, pe0 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0)
+        kv1, pe1 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16)
+        kv2, pe2 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32)
+        next_page = _tile_page(block_table_row, split_start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
-            page = _tile_page(block_table_row, start, split_end, PAGE_SIZE)
-            rows, valid, bad = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout),
-            )
-            ptrs = KV_cache + rows[:, None] + cols[None, :]
-            mask = valid[:, None]
-            part0 = gl.load(ptrs, mask=mask, other=0.0)
-            part1 = gl.load(ptrs + CHUNK, mask=mask, other=0.0)
-            part2 = gl.load(ptrs + 2 * CHUNK, mask=mask, other=0.0)
-            part3 = gl.load(ptrs + 3 * CHUNK, mask=mask, other=0.0)
-            rows_pe, valid_pe, bad_pe = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, pe_layout),
-            )
-            part_pe = gl.load(KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None], other=0.0)
+            src = (KV_words, start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token)
+            nxt = (KV_words, start + BLOCK_N, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+                   stride_kv_token)
+            after_next = _tile_page(block_table_row, start + 2 * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
+            pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
+            kv3, pe3 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 48)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
-            stage = kv_smem.index(slot)
-            stage.slice(0, CHUNK, dim=1).store(part0.to(dtype))
-            stage.slice(CHUNK, CHUNK, dim=1).store(part1.to(dtype))
-            stage.slice(2 * CHUNK, CHUNK, dim=1).store(part2.to(dtype))
-            stage.slice(3 * CHUNK, CHUNK, dim=1).store(part3.to(dtype))
-            kpe_smem.index(slot).store(part_pe.to(dtype))
+            _fp8_piece_store(kv_words, pe_words, kv0, pe0, 0, PIECE)
+            kv0, pe0 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0)
+            _fp8_piece_store(kv_words, pe_words, kv1, pe1, 16, PIECE)
+            kv1, pe1 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16)
+            _fp8_piece_store(kv_words, pe_words, kv2, pe2, 32, PIECE)
+            kv2, pe2 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32)
+            _fp8_piece_store(kv_words, pe_words, kv3, pe3, 48, PIECE)
             # generic-proxy stores, read next by the tensor cores
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
+            page = next_page
+            next_page = after_next
 
     @gluon.jit
     def _ws_load(
@@ -869,7 +934,7 @@ if gluon is not None:
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
             ],
             [4, WS_LOAD_WARPS],
-            [WS_PV_REGS, WS_LOAD_REGS_FP8 if FP8_CACHE else WS_LOAD_REGS],
+            [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS],
         )
 
     split_kernel = _mla_decode_wgmma_kernel
