@@ -33,8 +33,9 @@ three), the query multiplied by the power of two that puts its largest
 magnitude in [2^12, 2^13) and the scores by its inverse (both exact), so FP8
 has the bfloat16 path's accuracy on the dequantised cache.  The tile is
 converted once per element into the float16 tile both products read (in the
-loader warpgroup of the warp-specialised kernels, which loads a tile's bytes
-into its registers before the tile's stage is free).  Everything else is the
+loader warpgroup of the warp-specialised kernels, which loads the cache as
+32-bit words three quarters of a tile ahead of the quarter it converts; an FP8
+cache whose rows are not 4-byte aligned takes the Triton kernel).  Everything else is the
 Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
