@@ -35,8 +35,8 @@ has the bfloat16 path's accuracy on the dequantised cache.  The tile is
 converted once per element into the float16 tile both products read (in the
 loader warpgroup of the warp-specialised kernels, which loads the cache as
 32-bit words three quarters of a tile ahead of the quarter it converts; an FP8
-cache whose rows are not 4-byte aligned takes the Triton kernel).  Everything else is the
-Triton kernel's contract: the same workspace (`attn_logits`, merged by
+cache whose rows are not 4-byte aligned takes the Triton kernel).  Everything
+else is the Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
 
@@ -126,10 +126,9 @@ if gluon is not None:
         return gl.float16 if cache_dtype.primitive_bitwidth == 8 else query_dtype
 
     @gluon.constexpr_function
-    def _tile_layout(cols, bits, num_warps, vec_bits=128):
-        """Row-major blocked layout with `vec_bits`-wide vectors (16 bytes by default) along the rows, for
-        copies and conversions."""
-        vec = min(vec_bits // bits, cols)
+    def _tile_layout(cols, bits, num_warps):
+        """Row-major blocked layout with 16-byte vectors along the rows, for copies and conversions."""
+        vec = min(128 // bits, cols)
         threads_c = min(32, cols // vec)
         threads_r = 32 // threads_c
         warps_c = min(num_warps, max(1, cols // (vec * threads_c)))
@@ -787,9 +786,15 @@ if gluon is not None:
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         src = (KV_words, split_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token)
-        kv0, pe0 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0)
-        kv1, pe1 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16)
-        kv2, pe2 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32)
+        kv0, pe0 = _fp8_piece_load(
+            src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0
+        )
+        kv1, pe1 = _fp8_piece_load(
+            src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16
+        )
+        kv2, pe2 = _fp8_piece_load(
+            src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32
+        )
         next_page = _tile_page(block_table_row, split_start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -800,14 +805,22 @@ if gluon is not None:
             after_next = _tile_page(block_table_row, start + 2 * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
-            kv3, pe3 = _fp8_piece_load(src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 48)
+            kv3, pe3 = _fp8_piece_load(
+                src, page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 48
+            )
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             _fp8_piece_store(kv_words, pe_words, kv0, pe0, 0, PIECE)
-            kv0, pe0 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0)
+            kv0, pe0 = _fp8_piece_load(
+                nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 0
+            )
             _fp8_piece_store(kv_words, pe_words, kv1, pe1, 16, PIECE)
-            kv1, pe1 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16)
+            kv1, pe1 = _fp8_piece_load(
+                nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 16
+            )
             _fp8_piece_store(kv_words, pe_words, kv2, pe2, 32, PIECE)
-            kv2, pe2 = _fp8_piece_load(nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32)
+            kv2, pe2 = _fp8_piece_load(
+                nxt, next_page, PIECE, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, pe_layout, 32
+            )
             _fp8_piece_store(kv_words, pe_words, kv3, pe3, 48, PIECE)
             # generic-proxy stores, read next by the tensor cores
             fence_async_shared()
