@@ -304,9 +304,9 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
     * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
       up to 16 rows and the rows-as-M one from 17, whose loader converts each
       tile once into a float16 stage (one instruction per pair); float16
-      products, the query scaled by a power of two.  FP8 takes 0.76-1.10x the bf16 time (0.95 at 16 heads,
-      1.03 at 128 heads, B = 128, S = 4096); the Triton kernel's FP8 path
-      takes 1.85x as long at 16 heads;
+      products, the query scaled by a power of two.  FP8 takes 0.76-1.08x the
+      bf16 time (0.90 at 16 heads, 1.05 at 128 heads, B = 128, S = 4096); the
+      Triton kernel's FP8 path takes 1.85x as long at 16 heads;
     * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
       warpgroup kernels pad the QK product's N to 16 rows and are no faster).
     """

@@ -140,11 +140,11 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _tile_page(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr = 0):
+    def _tile_page(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
         """The block-table entry of a tile that lies inside one page (0 for a tile past the split), loaded
-        a tile ahead of its copies so that their addresses do not wait on it.  With BLOCK_N given, a page
-        smaller than the tile (whose rows look up their own entries) reads nothing."""
-        if BLOCK_N > 0 and PAGE_SIZE % BLOCK_N != 0:
+        a tile ahead of its copies so that their addresses do not wait on it; a page smaller than the tile
+        (whose rows look up their own entries) reads nothing."""
+        if PAGE_SIZE % BLOCK_N != 0:
             return 0
         return gl.load(block_table_row + start // PAGE_SIZE, mask=start < split_end, other=0)
 
@@ -439,11 +439,11 @@ if gluon is not None:
             bad_block = bad_block | _issue_tile(
                 kv_smem.index(stage), kpe_smem.index(stage), KV_cache, first, split_end,
                 block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
-                _tile_page(block_table_row, first, split_end, PAGE_SIZE),
+                _tile_page(block_table_row, first, split_end, PAGE_SIZE, BLOCK_N),
                 KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
             )
             async_copy.commit_group()
-        next_page = _tile_page(block_table_row, split_start + (STAGES - 1) * BLOCK_N, split_end, PAGE_SIZE)
+        next_page = _tile_page(block_table_row, split_start + (STAGES - 1) * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
@@ -464,7 +464,7 @@ if gluon is not None:
                 KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
             )
             async_copy.commit_group()
-            next_page = _tile_page(block_table_row, split_start + (ahead + 1) * BLOCK_N, split_end, PAGE_SIZE)
+            next_page = _tile_page(block_table_row, split_start + (ahead + 1) * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             if FP8_CACHE:
                 # one conversion per element, into the 16-bit tile both products read
                 _convert_tile(kv_smem.index(slot), kv16_smem, KV_LORA_RANK, 128, dtype, num_warps)
@@ -862,12 +862,12 @@ if gluon is not None:
                 BLOCK_N, STAGES,
             )
             return
-        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE)
+        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             # the next tile's block-table entry is in flight while this stage drains
-            next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE)
+            next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             rows, valid, bad = _tile_rows(
                 start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
