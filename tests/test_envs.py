@@ -20,6 +20,7 @@ ALL_NAMES = (
     "MLA_MULTI_NUM_KV_SPLITS",
     "MLA_MULTI_LOG_LEVEL",
     "MLA_MULTI_CHECK_INPUTS",
+    "MLA_MULTI_FP8_QK",
 )
 DEFAULTS = {
     "MLA_MULTI_PREFILL_BACKEND": None,
@@ -27,6 +28,7 @@ DEFAULTS = {
     "MLA_MULTI_NUM_KV_SPLITS": None,
     "MLA_MULTI_LOG_LEVEL": "WARNING",
     "MLA_MULTI_CHECK_INPUTS": False,
+    "MLA_MULTI_FP8_QK": True,
 }
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

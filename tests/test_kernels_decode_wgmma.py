@@ -34,6 +34,9 @@ WS64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_ws")
 WS32 = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws")
 WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
 RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
+# FP8 QK products from raw FP8 stages (the default FP8 configurations)
+WS16Q = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws", raw_stages=2)
+RM64Q = DecodeLaunchConfig(64, 64, 4, 1, kernel="wgmma_rm", raw_stages=2)
 
 
 # ---------------------------------------------------------------------------
@@ -47,8 +50,8 @@ def test_benchmark_parses_every_sm90_config_name():
 
     for config in all_decode_configs(SPECS["H100"]):
         parsed = parse_config(config.name)
-        assert (parsed.name, parsed.kernel, parsed.warp_specialised) == (
-            config.name, config.kernel, config.warp_specialised
+        assert (parsed.name, parsed.kernel, parsed.warp_specialised, parsed.raw_stages) == (
+            config.name, config.kernel, config.warp_specialised, config.raw_stages
         )
     with pytest.raises(ValueError, match="h64n64w4s2xx"):
         parse_config("h64n64w4s2xx")
@@ -58,6 +61,7 @@ def test_config_name_marks_the_warpgroup_kernel():
     assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"
     assert RM64.name == "h64n64w4s2rm"
+    assert WS16Q.name == "h16n64w4s2wsf2" and RM64Q.name == "h64n64w4s1rmf2"
     assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
 
 
@@ -75,12 +79,47 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
     ):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)
-    # FP8 (e4m3fn): the warp-specialised kernels at every row count (tokens as M up to 16 rows)
+    # FP8 (e4m3fn): the warp-specialised kernels at every row count (tokens as M up to 16 rows), with
+    # QK on FP8 tensor cores from two raw stages, or float16 products (fp8_qk=False)
     for heads, kernel, block_h in ((1, "wgmma_ws", 16), (16, "wgmma_ws", 16), (32, "wgmma_rm", 64), (128, "wgmma_rm", 64)):
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
-        assert (config.kernel, config.block_h) == (kernel, block_h), (heads, config)
+        assert (config.kernel, config.block_h, config.raw_stages) == (kernel, block_h, 2), (heads, config)
+        config = decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
+        assert (config.kernel, config.block_h, config.raw_stages) == (kernel, block_h, 0), (heads, config)
     # 16-bit caches up to 16 rows: the Triton kernel
     assert decode_config(platform, 16, 1, torch.bfloat16).kernel == "triton"
+
+
+def test_fp8_qk_follows_the_environment(monkeypatch):
+    """MLA_MULTI_FP8_QK=0 turns the default FP8 configurations back to float16 products; a bad value is an error."""
+    platform = SPECS["H200"]
+    if wgmma_decode_reason(platform, torch.float8_e4m3fn):
+        pytest.skip(wgmma_decode_reason(platform, torch.float8_e4m3fn))
+    monkeypatch.setenv("MLA_MULTI_FP8_QK", "0")
+    assert decode_config(platform, 128, 1, torch.float8_e4m3fn) == decode_config(
+        platform, 128, 1, torch.float8_e4m3fn, fp8_qk=False
+    )
+    assert decode_config(platform, 128, 1, torch.float8_e4m3fn).raw_stages == 0
+    monkeypatch.setenv("MLA_MULTI_FP8_QK", "1")
+    assert decode_config(platform, 16, 1, torch.float8_e4m3fn) == WS16Q
+    assert decode_config(platform, 128, 1, torch.float8_e4m3fn) == RM64Q
+    # 16-bit caches never take raw stages
+    assert decode_config(platform, 128, 1, torch.bfloat16).raw_stages == 0
+    from mla_multi.envs import EnvironmentValueError
+
+    monkeypatch.setenv("MLA_MULTI_FP8_QK", "maybe")
+    with pytest.raises(EnvironmentValueError, match="MLA_MULTI_FP8_QK='maybe'"):
+        decode_config(platform, 128, 1, torch.float8_e4m3fn)
+
+
+def test_raw_fp8_stages_need_an_e4m3fn_cache():
+    """Forcing a raw-stage configuration on a 16-bit cache is an error naming what it needs."""
+    platform = SPECS["H100"]
+    if wgmma_decode_reason(platform, torch.bfloat16):
+        pytest.skip(wgmma_decode_reason(platform, torch.bfloat16))
+    tensors = _make_case(2, 16, 1, 512, 64, 16, [20, 5], torch.bfloat16, torch.bfloat16, "cpu", 0)
+    with pytest.raises(ValueError, match=r"h64n64w4s1rmf2.*raw FP8 stages.*float8_e4m3fn.*torch.bfloat16"):
+        _run_decode(tensors, 576**-0.5, 1, config=RM64Q, platform=platform)
 
 
 @pytest.mark.parametrize("spec", ["H100", "A100", "B200", "MI300X", "MI355X", "CPU"])
@@ -183,6 +222,71 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
         assert result["lse_err"] <= 2e-2, (splits, result)
 
 
+def _e4m3_query(tensors: dict) -> dict:
+    """`tensors` with the query as the FP8 QK path computes with it: each row (576 values) multiplied by the
+    power of two that puts its largest magnitude in [128, 256), rounded to e4m3 and divided back (exact in
+    bfloat16)."""
+    q = torch.cat([tensors["q_nope"], tensors["q_pe"]], dim=-1).float()
+    _, exponent = torch.frexp(q.abs().amax(dim=-1, keepdim=True))  # amax = m * 2^exponent, m in [0.5, 1)
+    up = torch.ldexp(torch.ones_like(q[..., :1]), 8 - exponent)
+    q = ((q * up).to(torch.float8_e4m3fn).float() / up).to(tensors["q_nope"].dtype)
+    lora = tensors["q_nope"].shape[-1]
+    return {**tensors, "q_nope": q[..., :lora].contiguous(), "q_pe": q[..., lora:].contiguous()}
+
+
+# The FP8 QK path against float64 (the dequantised cache): with the query it computes with (`_e4m3_query`)
+# the bf16 bounds; with the query as given, the bounds the e4m3 query costs (measured on an H200 with these
+# normal inputs: output relative error 6.6e-3 - 2.6e-2, LSE absolute error 0.017 - 0.077)
+FP8_QK_REL_ERR = 4e-2
+FP8_QK_LSE_ERR = 0.15
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("config", [WS16Q, RM64Q], ids=["wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("heads", [1, 16, 32, 128])
+def test_fp8_qk_decode_gpu(config, heads, block_size):
+    """QK on FP8 tensor cores from raw FP8 stages: every length class, one / heuristic / 7 splits."""
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.platforms import current_platform
+
+    tensors = _make_case(
+        5, heads, 1, 512, 64, block_size, [0, 1, 17, 4096, 20000], torch.float8_e4m3fn, torch.bfloat16, "cuda",
+        heads + block_size,
+    )
+    scale = 576**-0.5
+    platform = current_platform()
+    reserved = max_num_kv_splits(20000, platform)
+    emulated = _e4m3_query(tensors)
+    for splits in (1, num_kv_splits(platform, 5, heads, 20000, reserved, kv_cache_dtype=torch.float8_e4m3fn), 7):
+        out, lse = _run_decode(tensors, scale, splits, max_splits=max(reserved, splits), config=config)
+        torch.cuda.synchronize()
+        result = _errors(emulated, out, lse, scale)
+        assert not result["nan"], (splits, result)
+        assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
+        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+        result = _errors(tensors, out, lse, scale)
+        assert result["rel_err"] <= FP8_QK_REL_ERR and result["lse_err"] <= FP8_QK_LSE_ERR, (splits, result)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("config", [WS16Q, RM64Q], ids=["wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (8, 2), (3, 5)])
+def test_fp8_qk_decode_gpu_multi_token(config, heads, q_len):
+    """Speculative decode through the FP8 QK path: each query token sees its own prefix."""
+    tensors = _make_case(3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.float8_e4m3fn, torch.bfloat16,
+                         "cuda", heads * q_len)
+    emulated = _e4m3_query(tensors)
+    for splits in (1, 4):
+        out, lse = _run_decode(tensors, 576**-0.5, splits, config=config)
+        torch.cuda.synchronize()
+        result = _errors(emulated, out, lse, 576**-0.5)
+        assert not result["nan"] and result["inf_pattern_ok"], (splits, result)
+        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+
+
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("heads", [16, 128])
@@ -203,7 +307,7 @@ def test_fp8_decode_gpu_cache_off_4_byte_boundaries(heads):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("factor", [2.0**17, 2.0**-30], ids=["beyond-float16-max", "below-float16-min"])
-@pytest.mark.parametrize("kernel", ["triton", "triton-wide", "wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("kernel", ["triton", "triton-wide", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk"])
 def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
     """FP8 caches take float16 products: a bfloat16 query far outside float16's range both ways is scaled
     by a power of two first (the softmax scale compensates: the usual scores)."""
@@ -216,11 +320,15 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
         "triton": DecodeLaunchConfig(16, 64, 8, 2),
         # the sm_90 FP8 64-row tile where Gluon is missing
         "triton-wide": DecodeLaunchConfig(64, 32, 8, 1, disable_licm=True),
+        # the e4m3 query's per-row power of two
+        "wgmma_ws_qk": WS16Q,
+        "wgmma_rm_qk": RM64Q,
     }.get(kernel) or _config_for(heads, kernel=kernel)
+    reference = _e4m3_query(tensors) if config.raw_stages else tensors
     for splits in (1, 3):
         out, lse = _run_decode(tensors, scale, splits, max_splits=4, config=config)
         torch.cuda.synchronize()
-        result = _errors(tensors, out, lse, scale)
+        result = _errors(reference, out, lse, scale)
         assert not result["nan"], (splits, result)
         assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
 
@@ -235,11 +343,14 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WG64, WS64, RM64], ids=["wgmma", "wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize(
+    "config", [WG64, WS64, RM64, WS16Q, RM64Q], ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk"]
+)
 def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
 
-    tensors = _make_case(3, 64, 1, 512, 64, 64, [300, 200, 100], torch.bfloat16, torch.bfloat16, "cuda", 7)
+    cache_dtype = torch.float8_e4m3fn if config.raw_stages else torch.bfloat16
+    tensors = _make_case(3, 64, 1, 512, 64, 64, [300, 200, 100], cache_dtype, torch.bfloat16, "cuda", 7)
     tensors["block_table"][1, 2] = tensors["kv_cache"].shape[0] + 5  # past the cache
     tensors["seq_lens"][2] = 10**6  # past the block table
     try:  # start from a clear record
@@ -261,8 +372,8 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
 @requires_hopper
 @pytest.mark.parametrize(
     "kv,config",
-    [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64)],
-    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8"],
+    [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q)],
+    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk"],
 )
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
@@ -306,5 +417,11 @@ def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
             assert not torch.isnan(out).any(), (batch, trial)
             finite = torch.isfinite(ref_lse)
             rel = (out.double() - ref_out)[finite].norm() / ref_out[finite].norm().clamp_min(1e-30)
-            assert rel <= 1e-2 or not finite.any(), (batch, trial, float(rel))
+            bound = FP8_QK_REL_ERR if config.raw_stages else 1e-2
+            assert rel <= bound or not finite.any(), (batch, trial, float(rel))
+            if config.raw_stages:  # exact against the query the FP8 QK path computes with
+                emulated = _e4m3_query({"q_nope": q_nope, "q_pe": q_pe})
+                ref_out, _ = _reference(emulated["q_nope"], emulated["q_pe"], cache, block_table, seq_lens, scale, k_scale)
+                rel = (out.double() - ref_out)[finite].norm() / ref_out[finite].norm().clamp_min(1e-30)
+                assert rel <= 1e-2 or not finite.any(), (batch, trial, float(rel))
             assert torch.equal(torch.isfinite(lse), finite), (batch, trial)

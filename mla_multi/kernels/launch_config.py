@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from mla_multi import envs
+
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 __all__ = [
@@ -142,6 +144,12 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             tokens as the MMA's M) or ``"wgmma_rm"`` (warp-specialised, the
             query rows as M); for the warp-specialised ones ``num_warps`` = 4
             is the first warpgroup's.  ``num_stages`` is their cp.async depth.
+        raw_stages: FP8 caches on the warp-specialised kernels only: > 0 copies
+            the cache's bytes with cp.async into this many raw FP8 stages and
+            computes QK on the FP8 tensor cores from them, with the query
+            quantised to e4m3 per row; the loader converts each tile's latent
+            part once into the ``num_stages`` float16 stages that P V reads.
+            0: the whole tile converted to float16, float16 products.
     """
 
     block_h: int
@@ -154,6 +162,7 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
     kpack: int | None = None
     disable_licm: bool = False
     kernel: str = "triton"
+    raw_stages: int = 0
 
     @property
     def name(self) -> str:
@@ -161,6 +170,8 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         if self.disable_licm:
             text += "nolicm"
         text += DECODE_KERNEL_SUFFIXES.get(self.kernel, "")
+        if self.raw_stages:
+            text += f"f{self.raw_stages}"
         return text + self._amd_suffix()
 
     @property
@@ -192,7 +203,9 @@ class DecodeReduceLaunchConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, DecodeLaunchConfig]:
+def _decode_table(
+    platform, fp8: bool = False, wgmma: bool = True, fp8_qk: bool = True
+) -> dict[str, DecodeLaunchConfig]:
     """The decode configurations of a platform by row bucket ("16", "32", "64").
 
     Chosen from the ahead-of-time compile report (registers, spills, shared
@@ -226,7 +239,7 @@ def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, 
     arch = platform.arch
     smem = platform.max_shared_memory_per_block
     if wgmma and arch == "sm_90" and not wgmma_decode_reason(platform, torch.float8_e4m3fn if fp8 else torch.bfloat16):
-        return _sm90_wgmma_table(fp8)
+        return _sm90_wgmma_table(fp8, fp8_qk)
     if platform.is_cuda() and fp8:
         if smem >= 200 * 1024:
             narrow = DecodeLaunchConfig(16, 64, 8, 2, programs_per_cu=2)
@@ -287,7 +300,7 @@ def _decode_table(platform, fp8: bool = False, wgmma: bool = True) -> dict[str, 
     }
 
 
-def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
+def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchConfig]:
     """sm_90 with a Triton whose Gluon builds the warpgroup kernels (`mla_decode_wgmma`).
 
     Tokens are the MMA's M dimension (64 per tile) and query rows its N, so 32
@@ -302,14 +315,24 @@ def _sm90_wgmma_table(fp8: bool) -> dict[str, DecodeLaunchConfig]:
       warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
       1.36x the single-stream warpgroup kernel at 128 heads;
     * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
-      up to 16 rows and the rows-as-M one from 17, whose loader converts each
-      tile once into a float16 stage (one instruction per pair); float16
-      products, the query scaled by a power of two.  FP8 takes 0.76-1.08x the
-      bf16 time (0.90 at 16 heads, 1.05 at 128 heads, B = 128, S = 4096); the
-      Triton kernel's FP8 path takes 1.85x as long at 16 heads;
+      up to 16 rows and the rows-as-M one from 17.  By default (fp8_qk) QK
+      runs on the FP8 tensor cores from raw FP8 stages (cp.async) with an e4m3
+      query, and the loader converts the latent part once into float16 stages
+      for P V: FP8 takes 0.73-1.02x the bf16 time (0.84 at 16 heads, 0.93 at
+      128 heads, B = 128, S = 4096).  fp8_qk=False: the loader converts the
+      whole tile once into a float16 stage, float16 products (the bf16 path's
+      accuracy), 0.76-1.08x the bf16 time; the Triton kernel's FP8 path takes
+      1.85x as long at 16 heads;
     * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
       warpgroup kernels pad the QK product's N to 16 rows and are no faster).
     """
+    if fp8 and fp8_qk:
+        return {
+            "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws", raw_stages=2),
+            # one float16 stage: the query (e4m3), two raw stages and P take the rest (184 KiB)
+            "32": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),
+            "64": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),
+        }
     if fp8:
         return {
             "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
@@ -345,6 +368,7 @@ def decode_config(
     kv_lora_rank: int = 512,
     rope_dim: int = 64,
     warpgroup: bool = True,
+    fp8_qk: bool | None = None,
 ) -> DecodeLaunchConfig:
     """The decode launch configuration for `num_heads` heads x `q_len` query tokens.
 
@@ -352,7 +376,10 @@ def decode_config(
     up to 32 a 32-row tile, more the platform's large tile (several head blocks
     when the rows exceed it).
     FP8 caches (`kv_dtype`) have their own table.  warpgroup=False: the Triton
-    kernel's table even where the sm_90 warpgroup kernels could run.
+    kernel's table even where the sm_90 warpgroup kernels could run.  fp8_qk
+    (default `MLA_MULTI_FP8_QK`, on): where the sm_90 warpgroup kernels take an
+    FP8 cache, QK on the FP8 tensor cores with an e4m3 query; False: float16
+    products (the bf16 path's accuracy).
     """
     if num_heads < 1 or q_len < 1:
         raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
@@ -360,7 +387,9 @@ def decode_config(
     # float8_e4m3fnuz on sm_90, say, or other than DeepSeek's latent dims (the
     # warpgroup kernels are built and measured for 512 + 64): the Triton kernel's table
     wgmma = warpgroup and not wgmma_decode_reason(platform, kv_dtype, kv_lora_rank, rope_dim)
-    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma)
+    if fp8_qk is None:
+        fp8_qk = envs.MLA_MULTI_FP8_QK
+    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma, fp8_qk=fp8_qk)
     if rows <= 16:
         return table["16"]
     if rows <= 32:
@@ -376,8 +405,8 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     seen: list[DecodeLaunchConfig] = []
     tables = (False, True) if fp8 is None else (fp8,)
     for table in tables:
-        for wgmma in (True, False):
-            configs = list(_decode_table(platform, fp8=table, wgmma=wgmma).values())
+        for wgmma, fp8_qk in ((True, True), (True, False), (False, True)):
+            configs = list(_decode_table(platform, fp8=table, wgmma=wgmma, fp8_qk=fp8_qk).values())
             if wgmma and any(c.warpgroup for c in configs):
                 configs += SM90_SINGLE_STREAM_DECODE_CONFIGS
             for config in configs:

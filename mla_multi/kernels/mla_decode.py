@@ -612,7 +612,7 @@ def mla_decode_fwd(
         from mla_multi.platforms import current_platform
 
         platform = current_platform()
-    # the warpgroup kernels read an FP8 cache as 4-byte words: rows must start on 4-byte boundaries
+    # the warpgroup kernels read an FP8 cache in 4-byte words or wider copies: rows must start on 4-byte boundaries
     fp8_rows_unaligned = kv_cache.dtype in FP8_DTYPES and any(
         value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
     )
@@ -677,6 +677,11 @@ def mla_decode_fwd(
             reason = (
                 f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
                 f"{tuple(kv_cache.stride())}); accepted: a data pointer and block/token strides that are multiples of 4"
+            )
+        if not reason and config.raw_stages and (kv_cache.dtype != torch.float8_e4m3fn or not config.warp_specialised):
+            reason = (
+                f"raw FP8 stages (raw_stages={config.raw_stages}) need a float8_e4m3fn kv_cache and a warp-specialised "
+                f"kernel (wgmma_ws or wgmma_rm); got a {kv_cache.dtype} kv_cache and kernel {config.kernel}"
             )
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
@@ -816,7 +821,9 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     ws = config.warp_specialised
     if ws:
         constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
+        constexprs["RAW_STAGES"] = config.raw_stages
         signature["ROWS_AS_M"] = "constexpr"
+        signature["RAW_STAGES"] = "constexpr"
     return CompileSpec(
         name=name,
         fn=mla_decode_wgmma.ws_split_kernel if ws else mla_decode_wgmma.split_kernel,

@@ -27,15 +27,27 @@ their measurements):
 Common to all: the cache tile is copied to shared memory with ``cp.async``
 (any page size: one block-table entry per tile when the page is a multiple of
 the tile, one per token otherwise), two 64-token stages; the query sits in
-shared memory for the whole split.  FP8 caches: the products run in float16
-(e4m3 converts to float16 exactly, one instruction per pair; bfloat16 takes
-three), the query multiplied by the power of two that puts its largest
-magnitude in [2^12, 2^13) and the scores by its inverse (both exact), so FP8
-has the bfloat16 path's accuracy on the dequantised cache.  The tile is
-converted once per element into the float16 tile both products read (in the
-loader warpgroup of the warp-specialised kernels, which loads the cache as
-32-bit words three quarters of a tile ahead of the quarter it converts; an FP8
-cache whose rows are not 4-byte aligned takes the Triton kernel).  Everything
+shared memory for the whole split.  FP8 caches, two ways:
+
+* raw stages (``DecodeLaunchConfig.raw_stages`` > 0, the default tables; the
+  warp-specialised kernels): the loader copies the cache's bytes with cp.async
+  into raw FP8 stages, QK runs on the FP8 tensor cores from them with the
+  query quantised to e4m3 per row (each row multiplied by the power of two
+  that puts its largest magnitude in [128, 256), the scores by its inverse),
+  and the loader converts each tile's latent part once into the float16
+  stages P V reads.  The e4m3 query is the only added error (against float64
+  on the dequantised cache: output relative error 0.7-2.6e-2, LSE 0.02-0.08
+  on normal inputs; `MLA_MULTI_FP8_QK=0` selects the other way);
+* float16 products (e4m3 converts to float16 exactly, one instruction per
+  pair; bfloat16 takes three), the query multiplied by the power of two that
+  puts its largest magnitude in [2^12, 2^13) and the scores by its inverse
+  (both exact), so FP8 has the bfloat16 path's accuracy on the dequantised
+  cache.  The tile is converted once per element into the float16 tile both
+  products read (in the loader warpgroup of the warp-specialised kernels,
+  which loads the cache as 32-bit words three quarters of a tile ahead of the
+  quarter it converts).
+
+An FP8 cache whose rows are not 4-byte aligned takes the Triton kernel.  Everything
 else is the Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
@@ -94,6 +106,8 @@ if gluon is not None:
     # it converts; 160 / 144 / 200 is the split with which no partition spills under Triton 3.6 and 3.9
     WS_PV_REGS_FP8 = gl.constexpr(160)
     WS_LOAD_REGS_FP8 = gl.constexpr(144)
+    # the raw-stage FP8 loader (cp.async, then a 16-row piece converted at a time)
+    WS_LOAD_REGS_RAW = gl.constexpr(112)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
@@ -218,14 +232,14 @@ if gluon is not None:
         return seq_len, bad_seq_len, split_start, split_end, num_tiles
 
     @gluon.jit
-    def _power_of_two_scales(amax):
-        """(2^(12 - e), 2^(e - 12)), e = floor(log2 amax), built from the exponent bits (exact; e is
+    def _power_of_two_scales(amax, TOP: gl.constexpr = 12):
+        """(2^(TOP - e), 2^(e - TOP)), e = floor(log2 amax), built from the exponent bits (exact; e is
         clamped to [-100, 100] so that all zeros, subnormals, infinities or NaN still get a finite power
-        of two)."""
+        of two); elementwise on a tensor of maxima."""
         exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
         exponent = gl.minimum(gl.maximum(exponent, -100), 100)
-        up = ((127 + 12 - exponent) << 23).to(gl.float32, bitcast=True)
-        down = ((127 - 12 + exponent) << 23).to(gl.float32, bitcast=True)
+        up = ((127 + TOP - exponent) << 23).to(gl.float32, bitcast=True)
+        down = ((127 - TOP + exponent) << 23).to(gl.float32, bitcast=True)
         return up, down
 
     @gluon.jit
@@ -279,6 +293,46 @@ if gluon is not None:
                 q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0)
                 q_smem.slice(c * CHUNK, CHUNK, dim=1).store(q)
             down = 1.0
+        return down
+
+    @gluon.jit
+    def _load_query_e4m3(
+        q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+        stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+        Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Query rows [first_row, first_row + ROWS) quantised to e4m3 into shared memory, each row
+        multiplied by the power of two that puts its largest magnitude (over all 576 columns) in
+        [128, 256) (e4m3 reaches 448): returns the per-row factors that undo it on the scores
+        [ROWS] (exact powers of two; the rounding to e4m3's 3 mantissa bits is the error this adds).
+        The 16-bit query is read twice from global memory (the maximum, then the values): 64 rows
+        held in registers across the maximum would spill."""
+        CHUNK: gl.constexpr = 128 if KV_LORA_RANK > 128 else KV_LORA_RANK
+        q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+        ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
+        mask = (rows < Q_LEN * num_heads)[:, None]
+        qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
+        rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
+        cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
+        ptrs_pe = (
+            Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
+        )
+        mask_pe = (rows_pe < Q_LEN * num_heads)[:, None]
+        q_pe = gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0).to(gl.float32)
+        amax = gl.convert_layout(gl.max(gl.abs(q_pe), 1), gl.SliceLayout(1, q_layout))
+        for c in gl.static_range(KV_LORA_RANK // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+            q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(q.to(gl.float32)), 1))
+        up, down = _power_of_two_scales(amax, 7)
+        up_pe = gl.convert_layout(up, gl.SliceLayout(1, qpe_layout))
+        qpe_smem.store((q_pe * up_pe[:, None]).to(qpe_smem.dtype))
+        for c in gl.static_range(KV_LORA_RANK // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+            q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0, volatile=True)
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store((q.to(gl.float32) * up[:, None]).to(q_smem.dtype))
         return down
 
     @gluon.jit
@@ -514,25 +568,104 @@ if gluon is not None:
     # are M (S^T = K Q^T: any row count from 8, the reductions cross warps).
 
     @gluon.constexpr_function
-    def _ws_layouts(rows_as_m, block_h, block_n, half_cols):
+    def _ws_layouts(rows_as_m, block_h, block_n, half_cols, qk_k=16):
         """(S layout, output layout, the slice of S holding one value per query row, the slice holding one per
-        cache token, the output's slice of one value per query row)."""
+        cache token, the output's slice of one value per query row).  qk_k: the QK instruction's K (16 for
+        16-bit operands, 32 for FP8)."""
         if rows_as_m:
-            s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+            s_layout = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, qk_k]
+            )
             o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half_cols, 16])
             return s_layout, o_layout, gl.SliceLayout(1, s_layout), gl.SliceLayout(0, s_layout), gl.SliceLayout(1, o_layout)
-        s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, 16])
-        return s_layout, s_layout, gl.SliceLayout(0, s_layout), gl.SliceLayout(1, s_layout), gl.SliceLayout(0, s_layout)
+        s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, qk_k])
+        o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, 16])
+        return s_layout, o_layout, gl.SliceLayout(0, s_layout), gl.SliceLayout(1, s_layout), gl.SliceLayout(0, o_layout)
+
+    @gluon.jit
+    def _tile_bad_block(block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE: gl.constexpr,
+                        BLOCK_N: gl.constexpr, tokens_layout: gl.constexpr):
+        """Whether the block-table entries of the tile at `start` lie outside [0, num_cache_blocks) (the
+        loader read such an entry as block 0; the compute partition reports it)."""
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = gl.load(block_table_row + start // PAGE_SIZE)
+            return (page < 0) | (page >= num_cache_blocks)
+        pos = start + gl.arange(0, BLOCK_N, layout=tokens_layout)
+        pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
+        return gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0
+
+    @gluon.jit
+    def _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, ready, tile, K_STAGES: gl.constexpr,
+               ROWS_AS_M: gl.constexpr, s_shape: gl.constexpr, s_layout: gl.constexpr):
+        """Wait until the stage holding `tile` is ready and issue its QK product (async; S, or S^T with the
+        tokens as M): 16-bit stages, or raw FP8 stages with an e4m3 query on the FP8 tensor cores."""
+        slot = tile % K_STAGES
+        mbarrier.wait(ready.index(slot), (tile // K_STAGES) & 1)
+        # cp.async wrote the tile through the generic proxy; the tensor cores read it through the async one
+        fence_async_shared()
+        s = gl.zeros(s_shape, gl.float32, layout=s_layout)
+        if ROWS_AS_M:
+            s = warpgroup_mma(q_smem, k_stages.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(qpe_smem, kpe_stages.index(slot).permute((1, 0)), s, is_async=True)
+        else:
+            s = warpgroup_mma(k_stages.index(slot), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(kpe_stages.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _ws_softmax_pv(
+        s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem, kv_smem,
+        ready_bars, empty_bars, p_ready, p_empty, Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, HALF_COLS: gl.constexpr, ROWS_AS_M: gl.constexpr, WAIT_READY: gl.constexpr,
+        o_layout: gl.constexpr, rows_o: gl.constexpr,
+    ):
+        """One tile's softmax on its scores `s`, P and the rescale to the second warpgroup, and P V for the
+        first half of the columns (WAIT_READY: the float16 stage is waited for here, not before QK)."""
+        slot = tile % STAGES
+        dtype: gl.constexpr = kv_smem.dtype
+        if ROWS_AS_M:
+            p, m_i, l_i, alpha = _online_softmax_rows(
+                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+            )
+        else:
+            p, m_i, l_i, alpha = _online_softmax(
+                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+            )
+        p16 = p.to(dtype)
+        # the second warpgroup is done with the previous P and rescale
+        mbarrier.wait(p_empty, (tile & 1) ^ 1)
+        p_smem.store(p16)
+        row_smem.store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready, count=1)
+        if WAIT_READY:
+            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+            fence_async_shared()
+        kv_tile = kv_smem.index(slot)
+        if ROWS_AS_M:
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            p_regs = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            acc = warpgroup_mma(p_regs, kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
+        else:
+            acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
+            acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()
+        mbarrier.arrive(empty_bars.index(slot), count=1)
+        return acc, m_i, l_i
 
     @gluon.jit
     def _ws_softmax_partition(
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
     ):
-        """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns."""
-        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
+        """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
+        RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row."""
+        (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
+         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -542,8 +675,9 @@ if gluon is not None:
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        dtype: gl.constexpr = q_smem.dtype
-        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS)
+        dtype: gl.constexpr = kv_smem.dtype
+        FP8_QK: gl.constexpr = RAW_STAGES > 0
+        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS, 32 if FP8_QK else 16)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
         rows_s: gl.constexpr = layouts[2]
@@ -556,16 +690,32 @@ if gluon is not None:
         # an FP8 cache: float16 products (the tile converts to float16 in one instruction per pair),
         # the query scaled by a power of two, undone on the scores
         FP8: gl.constexpr = KV_cache.dtype.element_ty.primitive_bitwidth == 8
-        q_down = _load_query(
-            q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
-            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, FP8,
-        )
+        if FP8_QK:
+            q_down = _load_query_e4m3(
+                q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+                stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
+            )
+        else:
+            q_down = _load_query(
+                q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
+                stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
+                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, FP8,
+            )
         fence_async_shared()
         _cta_barrier()
-        qk_scale = sm_scale * 1.4426950408889634 * q_down
+        qk_scale = sm_scale * 1.4426950408889634
         if HAS_K_SCALE:
             qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
+        if FP8_QK:
+            # one factor per query row, broadcast over the tile's tokens
+            row_scale = gl.convert_layout(q_down, rows_s) * qk_scale
+            if ROWS_AS_M:
+                qk_scale = row_scale[:, None]
+            else:
+                qk_scale = row_scale[None, :]
+        else:
+            qk_scale = qk_scale * q_down
         s_rows = first_row + gl.arange(0, BLOCK_H, layout=rows_s)
         row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
         block_table_row = Block_table + batch * stride_bt_b
@@ -574,63 +724,42 @@ if gluon is not None:
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
         if ROWS_AS_M:
             acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+            s_shape: gl.constexpr = [BLOCK_H, BLOCK_N]
         else:
             acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
+            s_shape: gl.constexpr = [BLOCK_N, BLOCK_H]
         bad_block = batch < 0
+        if FP8_QK:
+            # QK reads the raw FP8 stages; P V the float16 stages the loader converts them into
+            k_stages = raw_kv
+            kpe_stages = raw_pe
+            k_ready = raw_ready
+            K_STAGES: gl.constexpr = RAW_STAGES
+        else:
+            k_stages = kv_smem
+            kpe_stages = kpe_smem
+            k_ready = ready_bars
+            K_STAGES: gl.constexpr = STAGES
         # nothing hoisted out of the loop: the shared-memory descriptors of the
         # query's 36 wgmma k-steps would otherwise be held across it (spilled)
         for tile in tl.range(0, num_tiles, disable_licm=True):
-            slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             # the block-table entries the loader used, checked here too (the
             # loader read a bad one as block 0)
-            if PAGE_SIZE % BLOCK_N == 0:
-                page = gl.load(block_table_row + start // PAGE_SIZE)
-                bad_block = bad_block | (page < 0) | (page >= num_cache_blocks)
-            else:
-                pos = start + gl.arange(0, BLOCK_N, layout=tokens_s)
-                pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
-                bad_block = bad_block | (gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0)
-            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
-            # cp.async wrote the tile through the generic proxy; the tensor cores read it through the async one
-            fence_async_shared()
-            kv_tile = kv_smem.index(slot)
-            if ROWS_AS_M:
-                s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-                s = warpgroup_mma(q_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(qpe_smem, kpe_smem.index(slot).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                p, m_i, l_i, alpha = _online_softmax_rows(
-                    s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
-                )
-                p16 = p.to(dtype)
-            else:
-                s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
-                s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(kpe_smem.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                p, m_i, l_i, alpha = _online_softmax(
-                    s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
-                )
-            # the second warpgroup is done with the previous P and rescale
-            mbarrier.wait(p_empty, (tile & 1) ^ 1)
-            if not ROWS_AS_M:
-                p16 = p.to(dtype)
-            p_smem.store(p16)
-            row_smem.store(alpha)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(p_ready, count=1)
-            if ROWS_AS_M:
-                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-                p_regs = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-                acc = warpgroup_mma(p_regs, kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
-            else:
-                acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
-                acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _cta_barrier()
-            mbarrier.arrive(empty_bars.index(slot), count=1)
+            bad_block = bad_block | _tile_bad_block(
+                block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
+            )
+            s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if FP8_QK:
+                # QK is done with the raw stage (the loader's conversion is the other of its two arrivals)
+                _cta_barrier()
+                mbarrier.arrive(raw_empty.index(tile % RAW_STAGES), count=1)
+            acc, m_i, l_i = _ws_softmax_pv(
+                s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem,
+                kv_smem, ready_bars, empty_bars, p_ready, p_empty, Q_LEN, BLOCK_N, STAGES, HALF_COLS,
+                ROWS_AS_M, FP8_QK, o_layout, rows_o,
+            )
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
@@ -655,10 +784,11 @@ if gluon is not None:
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
     ):
         """PV for the second half of the latent columns, from the first warpgroup's P and rescale."""
-        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
+        (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
+         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -830,38 +960,97 @@ if gluon is not None:
             next_page = after_next
 
     @gluon.jit
-    def _ws_load(
-        bufs, ptrs, scalars, strides,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr,
+    def _issue_raw_tile(
+        raw_kv_buf, raw_pe_buf, bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
+        stride_kv_block, stride_kv_token, page,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     ):
-        """The loader warpgroup: wait until both compute partitions released a stage, copy the next tile
-        into it with cp.async, the stage's ready barrier completing when the copies land.  An FP8 cache
-        goes through registers instead: the tile's bytes are loaded before the stage is free, converted
-        once per element and stored as the 16-bit tile both products read."""
-        q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty = bufs
-        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
-        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
-        stride_kv_block = strides[6]
-        stride_kv_token = strides[7]
-        stride_bt_b = strides[8]
-        split = gl.program_id(1)
-        batch = gl.program_id(2)
+        """cp.async copies of one FP8 tile's bytes into a raw stage (16 bytes each; zero past split_end),
+        the stage's barrier completing when they land."""
+        kv_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 8, WS_LOAD_WARPS)
+        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 8, WS_LOAD_WARPS)
+        _issue_tile(
+            raw_kv_buf, raw_pe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks,
+            stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout,
+            kpe_layout,
+        )
+        async_copy.mbarrier_arrive(bar)
+        _cta_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _convert_latent(raw_kv_buf, kv_buf, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """A raw stage's latent part (e4m3) -> the float16 stage, 16 rows at a time, as int32 words: two
+        conversions a word (`_e4m3_words_to_f16`)."""
+        PIECE: gl.constexpr = 16
+        # two words (8 bytes) read a thread, four (16 bytes) stored: 16 threads read a row's 128
+        # swizzled bytes, 8 threads store 128, without bank conflicts
+        layout: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [WS_LOAD_WARPS, 1], [1, 0])
+        words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        raw_words = _as_words(raw_kv_buf, [BLOCK_N, KV_LORA_RANK // 4], words_layout)
+        kv_words = _as_words(kv_buf, [BLOCK_N, KV_LORA_RANK // 2], words_layout)
+        for i in gl.static_range(BLOCK_N // PIECE):
+            words = raw_words.slice(i * PIECE, PIECE, dim=0).load(layout)
+            lo, hi = _e4m3_words_to_f16(words)
+            kv_words.slice(i * PIECE, PIECE, dim=0).store(gl.reshape(gl.join(lo, hi), [PIECE, KV_LORA_RANK // 2]))
+
+    @gluon.jit
+    def _ws_load_raw(
+        kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, KV_cache, block_table_row,
+        split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
+    ):
+        """FP8 tiles for QK on FP8 tensor cores: each tile's bytes are copied with cp.async into a raw
+        stage RAW_STAGES - 1 tiles ahead (QK reads it there), and its latent part is converted once into
+        a float16 stage for P V.  A raw stage is free again once QK has read it and it was converted
+        (its empty barrier counts both)."""
+        gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 QK path reads e4m3fn bytes")
+        for i in gl.static_range(RAW_STAGES - 1):
+            if i < num_tiles:
+                start = split_start + i * BLOCK_N
+                page = _tile_page(block_table_row, start, split_end, PAGE_SIZE, BLOCK_N)
+                _issue_raw_tile(
+                    raw_kv.index(i), raw_pe.index(i), raw_ready.index(i), KV_cache, start, split_end,
+                    block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                )
+        for tile in range(num_tiles):
+            # the copies of tile + RAW_STAGES - 1, into the stage tile - 1 had (read by its QK, converted)
+            ahead = tile + RAW_STAGES - 1
+            if ahead < num_tiles:
+                ahead_slot = ahead % RAW_STAGES
+                mbarrier.wait(raw_empty.index(ahead_slot), ((ahead // RAW_STAGES) & 1) ^ 1)
+                start = split_start + ahead * BLOCK_N
+                page = _tile_page(block_table_row, start, split_end, PAGE_SIZE, BLOCK_N)
+                _issue_raw_tile(
+                    raw_kv.index(ahead_slot), raw_pe.index(ahead_slot), raw_ready.index(ahead_slot), KV_cache,
+                    start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                )
+            raw_slot = tile % RAW_STAGES
+            slot = tile % STAGES
+            mbarrier.wait(raw_ready.index(raw_slot), (tile // RAW_STAGES) & 1)
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            _convert_latent(raw_kv.index(raw_slot), kv_smem.index(slot), KV_LORA_RANK, BLOCK_N)
+            # generic-proxy stores, read next by the tensor cores
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(ready_bars.index(slot), count=1)
+            mbarrier.arrive(raw_empty.index(raw_slot), count=1)
+
+    @gluon.jit
+    def _ws_load_cp_async(
+        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
+        num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """16-bit tiles: wait until both compute partitions released a stage, copy the next tile into it with
+        cp.async, the stage's ready barrier completing when the copies land."""
         CHUNK: gl.constexpr = 128
         chunk_layout: gl.constexpr = _tile_layout(CHUNK, 16, WS_LOAD_WARPS)
         kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
-        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
-            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
-        )
-        block_table_row = Block_table + batch * stride_bt_b
-        if KV_cache.dtype.element_ty.primitive_bitwidth == 8:
-            _ws_load_fp8(
-                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                BLOCK_N, STAGES,
-            )
-            return
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -895,6 +1084,49 @@ if gluon is not None:
             page = next_page
 
     @gluon.jit
+    def _ws_load(
+        bufs, ptrs, scalars, strides,
+        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
+    ):
+        """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
+        either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
+        float16 stages P V reads (RAW_STAGES > 0), or through registers, converted once per element into
+        the float16 stages both products read."""
+        (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
+         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
+        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
+        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
+        stride_kv_block = strides[6]
+        stride_kv_token = strides[7]
+        stride_bt_b = strides[8]
+        split = gl.program_id(1)
+        batch = gl.program_id(2)
+        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+        )
+        block_table_row = Block_table + batch * stride_bt_b
+        if RAW_STAGES > 0:
+            _ws_load_raw(
+                kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, KV_cache, block_table_row,
+                split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
+            )
+        elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
+            _ws_load_fp8(
+                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                BLOCK_N, STAGES,
+            )
+        else:
+            _ws_load_cp_async(
+                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                BLOCK_N, STAGES,
+            )
+
+    @gluon.jit
     def _mla_decode_ws_kernel(
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag,
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks,
@@ -904,6 +1136,7 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
+        RAW_STAGES: gl.constexpr = 0,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async; FP8 through
         registers, converted once into the 16-bit stages).
@@ -911,17 +1144,40 @@ if gluon is not None:
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
         # the products' operand type: float16 for an FP8 cache (see the softmax partition)
         dtype: gl.constexpr = _operand_dtype(Q_nope.dtype.element_ty, KV_cache.dtype.element_ty)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+        if RAW_STAGES > 0:
+            gl.static_assert(FP8_CACHE, "raw FP8 stages need an FP8 cache")
+            fp8: gl.constexpr = KV_cache.dtype.element_ty
+            q_smem = gl.allocate_shared_memory(fp8, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 8))
+            qpe_smem = gl.allocate_shared_memory(fp8, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 8))
+        else:
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
+            qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
         if ROWS_AS_M:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], _shared_layout(BLOCK_N, 16))
         else:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
         row_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-        kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if RAW_STAGES > 0:
+            # the cache's bytes (QK), and float16 stages of the latent part only (P V)
+            raw_kv = gl.allocate_shared_memory(
+                fp8, [RAW_STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 8)
+            )
+            raw_pe = gl.allocate_shared_memory(fp8, [RAW_STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 8))
+            raw_ready = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
+            raw_empty = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(RAW_STAGES):
+                mbarrier.init(raw_ready.index(i), count=1)
+                mbarrier.init(raw_empty.index(i), count=2)
+            kpe_smem = raw_pe
+        else:
+            kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
+            raw_kv = kv_smem
+            raw_pe = kpe_smem
+            raw_ready = ready_bars
+            raw_empty = empty_bars
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -929,7 +1185,10 @@ if gluon is not None:
             mbarrier.init(empty_bars.index(i), count=2)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_empty, count=1)
-        bufs = (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty)
+        bufs = (
+            q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
+            raw_kv, raw_pe, raw_ready, raw_empty,
+        )
         ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
         scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
         strides = (
@@ -941,14 +1200,18 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                                         BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+                                         BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
+                                    RAW_STAGES)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                                    BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+                                    BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
+                                    RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                            BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M)),
+                            BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES)),
             ],
             [4, WS_LOAD_WARPS],
-            [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS],
+            [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
+                [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS]
+            ),
         )
 
     split_kernel = _mla_decode_wgmma_kernel
@@ -962,7 +1225,8 @@ def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, pag
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
-    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm"} if ws else {}
+    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
+    extra = extra if ws else {}
     kernel[grid](
         *args,
         Q_LEN=q_len,
