@@ -85,6 +85,18 @@ def _make_case(batch, heads, q_len, lora, rope, block_size, seq_lens, cache_dtyp
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in tensors.items()}
 
 
+def _e4m3_query(tensors: dict) -> dict:
+    """`tensors` with the query as the FP8 QK path computes with it: each row (576 values) multiplied by the
+    power of two that puts its largest magnitude in [128, 256), rounded to e4m3 and divided back (exact in
+    bfloat16)."""
+    q = torch.cat([tensors["q_nope"], tensors["q_pe"]], dim=-1).float()
+    _, exponent = torch.frexp(q.abs().amax(dim=-1, keepdim=True))  # amax = m * 2^exponent, m in [0.5, 1)
+    up = torch.ldexp(torch.ones_like(q[..., :1]), 8 - exponent)
+    q = ((q * up).to(torch.float8_e4m3fn).float() / up).to(tensors["q_nope"].dtype)
+    lora = tensors["q_nope"].shape[-1]
+    return {**tensors, "q_nope": q[..., :lora].contiguous(), "q_pe": q[..., lora:].contiguous()}
+
+
 def _run_decode(tensors, scale, num_kv_splits, max_splits=None, **kwargs):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
 
@@ -309,6 +321,12 @@ def test_decode_gpu(kv, heads, block_size):
     splits = num_kv_splits(platform, 5, heads, 32768, reserved, kv_cache_dtype=cache_dtype)
     out, lse = _run_decode(tensors, scale, splits, max_splits=reserved)
     torch.cuda.synchronize()
+    # sm_90's FP8 QK path computes with the query rounded to e4m3 (test_kernels_decode_wgmma has its bounds
+    # against the query as given)
+    from mla_multi.kernels.launch_config import decode_config
+
+    if decode_config(platform, heads, 1, cache_dtype).raw_stages:
+        tensors = _e4m3_query(tensors)
     result = _errors(tensors, out, lse, scale)
     assert not result["nan"], result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_decode import _errors, _make_case, _run_decode, check_multi_token_gpu
+from test_kernels_decode import _e4m3_query, _errors, _make_case, _run_decode, check_multi_token_gpu
 
 from mla_multi.kernels.launch_config import DecodeLaunchConfig, all_decode_configs, decode_config, wgmma_decode_reason
 from mla_multi.platforms import SPECS
@@ -220,18 +220,6 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
         # is exact: the FP8 path has the bf16 bound
         assert result["rel_err"] <= 1e-2, (splits, result)
         assert result["lse_err"] <= 2e-2, (splits, result)
-
-
-def _e4m3_query(tensors: dict) -> dict:
-    """`tensors` with the query as the FP8 QK path computes with it: each row (576 values) multiplied by the
-    power of two that puts its largest magnitude in [128, 256), rounded to e4m3 and divided back (exact in
-    bfloat16)."""
-    q = torch.cat([tensors["q_nope"], tensors["q_pe"]], dim=-1).float()
-    _, exponent = torch.frexp(q.abs().amax(dim=-1, keepdim=True))  # amax = m * 2^exponent, m in [0.5, 1)
-    up = torch.ldexp(torch.ones_like(q[..., :1]), 8 - exponent)
-    q = ((q * up).to(torch.float8_e4m3fn).float() / up).to(tensors["q_nope"].dtype)
-    lora = tensors["q_nope"].shape[-1]
-    return {**tensors, "q_nope": q[..., :lora].contiguous(), "q_pe": q[..., lora:].contiguous()}
 
 
 # The FP8 QK path against float64 (the dequantised cache): with the query it computes with (`_e4m3_query`)
