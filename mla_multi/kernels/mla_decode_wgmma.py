@@ -675,7 +675,6 @@ if gluon is not None:
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        dtype: gl.constexpr = kv_smem.dtype
         FP8_QK: gl.constexpr = RAW_STAGES > 0
         layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS, 32 if FP8_QK else 16)
         s_layout: gl.constexpr = layouts[0]
