@@ -243,6 +243,27 @@ if gluon is not None:
         return up, down
 
     @gluon.jit
+    def _query_pointers(
+        Q_nope, Q_pe, batch, first_row, num_heads, stride_qn_b, stride_qn_t, stride_qn_h,
+        stride_qp_b, stride_qp_t, stride_qp_h,
+        Q_LEN: gl.constexpr, ROWS: gl.constexpr, ROPE_DIM: gl.constexpr, q_layout: gl.constexpr,
+        qpe_layout: gl.constexpr,
+    ):
+        """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head): the latent part's row
+        pointers [ROWS] and mask [ROWS, 1] (in `q_layout`; columns added per chunk), the rotary part's
+        pointers and mask [ROWS, ROPE_DIM] (in `qpe_layout`)."""
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+        ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
+        mask = (rows < Q_LEN * num_heads)[:, None]
+        rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
+        cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
+        ptrs_pe = (
+            Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
+        )
+        mask_pe = (rows_pe < Q_LEN * num_heads)[:, None]
+        return ptrs, mask, ptrs_pe[:, None] + cols_pe[None, :], mask_pe
+
+    @gluon.jit
     def _load_query(
         q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
         stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
@@ -259,21 +280,16 @@ if gluon is not None:
         rounding); returns the factor that undoes it on the scores (1.0 without SCALE_ROWS)."""
         CHUNK: gl.constexpr = 128 if KV_LORA_RANK > 128 else KV_LORA_RANK
         q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
-        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-        ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
-        mask = (rows < Q_LEN * num_heads)[:, None]
         qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
-        rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
-        cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
-        ptrs_pe = (
-            Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
+        ptrs, mask, ptrs_pe, mask_pe = _query_pointers(
+            Q_nope, Q_pe, batch, first_row, num_heads, stride_qn_b, stride_qn_t, stride_qn_h,
+            stride_qp_b, stride_qp_t, stride_qp_h, Q_LEN, ROWS, ROPE_DIM, q_layout, qpe_layout,
         )
-        mask_pe = (rows_pe < Q_LEN * num_heads)[:, None]
         if SCALE_ROWS:
             # one read from global memory: the 16-bit query's bits are parked in the float16 tile while the
             # maximum is found, then scaled and converted in place (each thread rereads what it stored;
             # holding 64 x 512 values in registers across the maximum instead spilled)
-            q_pe = gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0)
+            q_pe = gl.load(ptrs_pe, mask=mask_pe, other=0.0)
             amax = gl.convert_layout(gl.max(gl.abs(q_pe.to(gl.float32)), 1), gl.SliceLayout(1, q_layout))
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
                 cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
@@ -287,7 +303,7 @@ if gluon is not None:
                 q = chunk.load(q_layout).to(Q_nope.dtype.element_ty, bitcast=True)
                 chunk.store((q.to(gl.float32) * up).to(q_smem.dtype))
         else:
-            qpe_smem.store(gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0))
+            qpe_smem.store(gl.load(ptrs_pe, mask=mask_pe, other=0.0))
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
                 cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
                 q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -310,17 +326,12 @@ if gluon is not None:
         held in registers across the maximum would spill."""
         CHUNK: gl.constexpr = 128 if KV_LORA_RANK > 128 else KV_LORA_RANK
         q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
-        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-        ptrs = Q_nope + batch * stride_qn_b + (rows // num_heads) * stride_qn_t + (rows % num_heads) * stride_qn_h
-        mask = (rows < Q_LEN * num_heads)[:, None]
         qpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, num_warps)
-        rows_pe = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, qpe_layout))
-        cols_pe = gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, qpe_layout))
-        ptrs_pe = (
-            Q_pe + batch * stride_qp_b + (rows_pe // num_heads) * stride_qp_t + (rows_pe % num_heads) * stride_qp_h
+        ptrs, mask, ptrs_pe, mask_pe = _query_pointers(
+            Q_nope, Q_pe, batch, first_row, num_heads, stride_qn_b, stride_qn_t, stride_qn_h,
+            stride_qp_b, stride_qp_t, stride_qp_h, Q_LEN, ROWS, ROPE_DIM, q_layout, qpe_layout,
         )
-        mask_pe = (rows_pe < Q_LEN * num_heads)[:, None]
-        q_pe = gl.load(ptrs_pe[:, None] + cols_pe[None, :], mask=mask_pe, other=0.0).to(gl.float32)
+        q_pe = gl.load(ptrs_pe, mask=mask_pe, other=0.0).to(gl.float32)
         amax = gl.convert_layout(gl.max(gl.abs(q_pe), 1), gl.SliceLayout(1, q_layout))
         for c in gl.static_range(KV_LORA_RANK // CHUNK):
             cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
@@ -881,15 +892,18 @@ if gluon is not None:
         return kv, pe
 
     @gluon.jit
+    def _store_e4m3_words(dst_words, words, FIRST: gl.constexpr, PIECE: gl.constexpr):
+        """Convert [PIECE, W] words of e4m3 bytes to float16 pairs and store them at rows
+        [FIRST, FIRST + PIECE) of a float16 tile's word view [rows, 2 W]."""
+        lo, hi = _e4m3_words_to_f16(words)
+        dst_words.slice(FIRST, PIECE, dim=0).store(gl.reshape(gl.join(lo, hi), [PIECE, 2 * words.shape[1]]))
+
+    @gluon.jit
     def _fp8_piece_store(kv_words, pe_words, kv, pe, FIRST: gl.constexpr, PIECE: gl.constexpr):
         """Convert a piece's words to float16 pairs and store them at rows [FIRST, FIRST + PIECE) of the
         stage's word views."""
-        lo, hi = _e4m3_words_to_f16(kv)
-        out = gl.reshape(gl.join(lo, hi), [PIECE, 2 * kv.shape[1]])
-        kv_words.slice(FIRST, PIECE, dim=0).store(out)
-        lo_pe, hi_pe = _e4m3_words_to_f16(pe)
-        out_pe = gl.reshape(gl.join(lo_pe, hi_pe), [PIECE, 2 * pe.shape[1]])
-        pe_words.slice(FIRST, PIECE, dim=0).store(out_pe)
+        _store_e4m3_words(kv_words, kv, FIRST, PIECE)
+        _store_e4m3_words(pe_words, pe, FIRST, PIECE)
 
     @gluon.jit
     def _ws_load_fp8(
@@ -989,9 +1003,7 @@ if gluon is not None:
         raw_words = _as_words(raw_kv_buf, [BLOCK_N, KV_LORA_RANK // 4], words_layout)
         kv_words = _as_words(kv_buf, [BLOCK_N, KV_LORA_RANK // 2], words_layout)
         for i in gl.static_range(BLOCK_N // PIECE):
-            words = raw_words.slice(i * PIECE, PIECE, dim=0).load(layout)
-            lo, hi = _e4m3_words_to_f16(words)
-            kv_words.slice(i * PIECE, PIECE, dim=0).store(gl.reshape(gl.join(lo, hi), [PIECE, KV_LORA_RANK // 2]))
+            _store_e4m3_words(kv_words, raw_words.slice(i * PIECE, PIECE, dim=0).load(layout), i * PIECE, PIECE)
 
     @gluon.jit
     def _ws_load_raw(
