@@ -348,8 +348,10 @@ if gluon is not None:
 
     @gluon.jit
     def _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale,
-                        Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
-        """One tile of S^T [BLOCK_N, rows] -> (P^T, new max, new sum, rescale of the old output); log2 domain."""
+                        Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SUM_TILES: gl.constexpr = False):
+        """One tile of S^T [BLOCK_N, rows] -> (P^T, new max, new sum, rescale of the old output); log2 domain.
+        SUM_TILES: `l_i` is [BLOCK_N, rows], summed over the tokens only at the end (`gl.sum(l_i, 0)`), so the
+        tile's sum needs no exchange between the warps (the tokens are spread over them)."""
         pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout))
         s = s * qk_scale
         if Q_LEN > 1:
@@ -362,7 +364,10 @@ if gluon is not None:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[None, :])
-        l_new = l_i * alpha + gl.sum(p, 0)
+        if SUM_TILES:
+            l_new = l_i * alpha[None, :] + p
+        else:
+            l_new = l_i * alpha + gl.sum(p, 0)
         return p, m_new, l_new, alpha
 
     @gluon.jit
@@ -640,7 +645,7 @@ if gluon is not None:
             )
         else:
             p, m_i, l_i, alpha = _online_softmax(
-                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
+                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N, True
             )
         p16 = p.to(dtype)
         # the second warpgroup is done with the previous P and rescale
@@ -731,11 +736,13 @@ if gluon is not None:
         block_table_row = Block_table + batch * stride_bt_b
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
         if ROWS_AS_M:
+            l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
             acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
             s_shape: gl.constexpr = [BLOCK_H, BLOCK_N]
         else:
+            # the tokens lie across the four warps: the sum stays per token until the end
+            l_i = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
             acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
             s_shape: gl.constexpr = [BLOCK_N, BLOCK_H]
         bad_block = batch < 0
@@ -773,6 +780,8 @@ if gluon is not None:
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
+        if not ROWS_AS_M:
+            l_i = gl.sum(l_i, 0)
         inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
         # the second warpgroup's last rescale: 1 / sum per row
         mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
