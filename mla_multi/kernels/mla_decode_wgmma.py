@@ -417,16 +417,9 @@ if gluon is not None:
         o_rows = gl.convert_layout(s_rows, rows_o)
         o_valid = o_rows < Q_LEN * num_heads
         o_cols = FIRST_COL + gl.arange(0, COLS, layout=gl.SliceLayout(1, o_layout))
-        lse_valid = s_rows < Q_LEN * num_heads
-        LSE_COL: gl.constexpr = KV_LORA_RANK if KV_LORA_RANK > 0 else COLS + FIRST_COL
         if DIRECT_OUTPUT:
             out_ptrs = Out + batch * stride_o_b + (o_rows // num_heads) * stride_o_t + (o_rows % num_heads) * stride_o_h
             gl.store(out_ptrs[None, :] + o_cols[:, None], out.to(Out.dtype.element_ty), mask=o_valid[None, :])
-            if STORE_LSE:
-                lse_ptrs = (
-                    Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
-                )
-                gl.store(lse_ptrs, lse, mask=lse_valid)
         else:
             partial_ptrs = (
                 Attn_logits
@@ -435,15 +428,32 @@ if gluon is not None:
                 + split * stride_al_split
             )
             gl.store(partial_ptrs[None, :] + o_cols[:, None], out, mask=o_valid[None, :])
-            if STORE_LSE:
-                lse_ptrs = (
-                    Attn_logits
-                    + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
-                    + (s_rows % num_heads) * stride_al_h
-                    + split * stride_al_split
-                    + LSE_COL
-                )
-                gl.store(lse_ptrs, lse, mask=lse_valid)
+        if STORE_LSE:
+            _store_lse(
+                lse, s_rows, batch, split, num_heads, Lse, Attn_logits, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, DIRECT_OUTPUT,
+                KV_LORA_RANK if KV_LORA_RANK > 0 else COLS + FIRST_COL,
+            )
+
+    @gluon.jit
+    def _store_lse(
+        lse, s_rows, batch, split, num_heads, Lse, Attn_logits, stride_lse_b, stride_lse_t, stride_lse_h,
+        stride_al_row, stride_al_h, stride_al_split, Q_LEN: gl.constexpr, DIRECT_OUTPUT: gl.constexpr,
+        LSE_COL: gl.constexpr,
+    ):
+        """The LSE of rows `s_rows`: into `Lse` (one split) or column LSE_COL of this split's partials."""
+        lse_valid = s_rows < Q_LEN * num_heads
+        if DIRECT_OUTPUT:
+            lse_ptrs = Lse + batch * stride_lse_b + (s_rows // num_heads) * stride_lse_t + (s_rows % num_heads) * stride_lse_h
+        else:
+            lse_ptrs = (
+                Attn_logits
+                + (batch * Q_LEN + s_rows // num_heads) * stride_al_row
+                + (s_rows % num_heads) * stride_al_h
+                + split * stride_al_split
+                + LSE_COL
+            )
+        gl.store(lse_ptrs, lse, mask=lse_valid)
 
     @gluon.jit
     def _mla_decode_wgmma_kernel(
@@ -598,6 +608,12 @@ if gluon is not None:
         o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, 16])
         return s_layout, o_layout, gl.SliceLayout(0, s_layout), gl.SliceLayout(1, s_layout), gl.SliceLayout(0, o_layout)
 
+    @gluon.constexpr_function
+    def _pv_whole(rows_as_m, block_h):
+        """Whether the second warpgroup computes P V for all the latent columns (the first then only QK and
+        the softmax): with the tokens as M and at most 16 rows, whose whole output is 64 registers a thread."""
+        return (not rows_as_m) and block_h <= 16
+
     @gluon.jit
     def _tile_bad_block(block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE: gl.constexpr,
                         BLOCK_N: gl.constexpr, tokens_layout: gl.constexpr):
@@ -633,10 +649,10 @@ if gluon is not None:
         s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem, kv_smem,
         ready_bars, empty_bars, p_ready, p_empty, Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HALF_COLS: gl.constexpr, ROWS_AS_M: gl.constexpr, WAIT_READY: gl.constexpr,
-        o_layout: gl.constexpr, rows_o: gl.constexpr,
+        o_layout: gl.constexpr, rows_o: gl.constexpr, OWN_PV: gl.constexpr = True,
     ):
-        """One tile's softmax on its scores `s`, P and the rescale to the second warpgroup, and P V for the
-        first half of the columns (WAIT_READY: the float16 stage is waited for here, not before QK)."""
+        """One tile's softmax on its scores `s`, P and the rescale to the second warpgroup, and (OWN_PV) P V
+        for the first half of the columns (WAIT_READY: the float16 stage is waited for here, not before QK)."""
         slot = tile % STAGES
         dtype: gl.constexpr = kv_smem.dtype
         if ROWS_AS_M:
@@ -655,20 +671,21 @@ if gluon is not None:
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
-        if WAIT_READY:
-            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
-            fence_async_shared()
-        kv_tile = kv_smem.index(slot)
-        if ROWS_AS_M:
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            p_regs = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-            acc = warpgroup_mma(p_regs, kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
-        else:
-            acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
-            acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _cta_barrier()
-        mbarrier.arrive(empty_bars.index(slot), count=1)
+        if OWN_PV:
+            if WAIT_READY:
+                mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+                fence_async_shared()
+            kv_tile = kv_smem.index(slot)
+            if ROWS_AS_M:
+                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                p_regs = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+                acc = warpgroup_mma(p_regs, kv_tile.slice(0, HALF_COLS, dim=1), acc, is_async=True)
+            else:
+                acc = acc * gl.convert_layout(alpha, rows_o)[None, :]
+                acc = warpgroup_mma(kv_tile.slice(0, HALF_COLS, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -679,7 +696,8 @@ if gluon is not None:
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
-        RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row."""
+        RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
+        `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
          raw_kv, raw_pe, raw_ready, raw_empty) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
@@ -692,6 +710,7 @@ if gluon is not None:
         split = gl.program_id(1)
         batch = gl.program_id(2)
         FP8_QK: gl.constexpr = RAW_STAGES > 0
+        PV_WHOLE: gl.constexpr = _pv_whole(ROWS_AS_M, BLOCK_H)
         layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS, 32 if FP8_QK else 16)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -751,11 +770,13 @@ if gluon is not None:
             k_stages = raw_kv
             kpe_stages = raw_pe
             k_ready = raw_ready
+            k_empty = raw_empty
             K_STAGES: gl.constexpr = RAW_STAGES
         else:
             k_stages = kv_smem
             kpe_stages = kpe_smem
             k_ready = ready_bars
+            k_empty = empty_bars
             K_STAGES: gl.constexpr = STAGES
         # nothing hoisted out of the loop: the shared-memory descriptors of the
         # query's 36 wgmma k-steps would otherwise be held across it (spilled)
@@ -768,14 +789,15 @@ if gluon is not None:
             )
             s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if FP8_QK:
-                # QK is done with the raw stage (the loader's conversion is the other of its two arrivals)
+            if FP8_QK or PV_WHOLE:
+                # QK is done with the stage (a raw one's other arrival is the loader's conversion; a 16-bit
+                # one's the second warpgroup's P V)
                 _cta_barrier()
-                mbarrier.arrive(raw_empty.index(tile % RAW_STAGES), count=1)
+                mbarrier.arrive(k_empty.index(tile % K_STAGES), count=1)
             acc, m_i, l_i = _ws_softmax_pv(
                 s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem,
                 kv_smem, ready_bars, empty_bars, p_ready, p_empty, Q_LEN, BLOCK_N, STAGES, HALF_COLS,
-                ROWS_AS_M, FP8_QK, o_layout, rows_o,
+                ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE,
             )
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
@@ -788,15 +810,22 @@ if gluon is not None:
         row_smem.store(inv_l)
         _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
-        if ROWS_AS_M:
-            out_t = gl.permute(acc, (1, 0))
+        if PV_WHOLE:
+            _store_lse(
+                lse, s_rows, batch, split, num_heads, Lse, Attn_logits, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, DIRECT_OUTPUT, KV_LORA_RANK,
+            )
         else:
-            out_t = acc
-        _store_rows(
-            out_t, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
-            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True, KV_LORA_RANK,
-        )
+            if ROWS_AS_M:
+                out_t = gl.permute(acc, (1, 0))
+            else:
+                out_t = acc
+            _store_rows(
+                out_t, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+                stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True,
+                KV_LORA_RANK,
+            )
 
     @gluon.jit
     def _ws_pv_partition(
@@ -805,7 +834,8 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
     ):
-        """PV for the second half of the latent columns, from the first warpgroup's P and rescale."""
+        """PV for the second half of the latent columns (`_pv_whole`: all of them), from the first warpgroup's P
+        and rescale."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
          raw_kv, raw_pe, raw_ready, raw_empty) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
@@ -813,26 +843,28 @@ if gluon is not None:
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
          stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
          stride_lse_b, stride_lse_t, stride_lse_h) = strides
-        HALF_COLS: gl.constexpr = KV_LORA_RANK // 2
+        PV_WHOLE: gl.constexpr = _pv_whole(ROWS_AS_M, BLOCK_H)
+        COLS: gl.constexpr = KV_LORA_RANK if PV_WHOLE else KV_LORA_RANK // 2
+        FIRST_COL: gl.constexpr = KV_LORA_RANK - COLS
         head_block = gl.program_id(0)
         split = gl.program_id(1)
         batch = gl.program_id(2)
-        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS)
+        layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, COLS)
         o_layout: gl.constexpr = layouts[1]
         rows_o: gl.constexpr = layouts[4]
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
         if ROWS_AS_M:
-            acc = gl.zeros([BLOCK_H, HALF_COLS], gl.float32, layout=o_layout)
+            acc = gl.zeros([BLOCK_H, COLS], gl.float32, layout=o_layout)
         else:
-            acc = gl.zeros([HALF_COLS, BLOCK_H], gl.float32, layout=o_layout)
+            acc = gl.zeros([COLS, BLOCK_H], gl.float32, layout=o_layout)
         for tile in tl.range(0, num_tiles, disable_licm=True):
             slot = tile % STAGES
             mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
             mbarrier.wait(p_ready, tile & 1)
             fence_async_shared()
-            v_tile = kv_smem.index(slot).slice(HALF_COLS, HALF_COLS, dim=1)
+            v_tile = kv_smem.index(slot).slice(FIRST_COL, COLS, dim=1)
             if ROWS_AS_M:
                 acc = acc * row_smem.load(rows_o)[:, None]
                 acc = warpgroup_mma(p_smem, v_tile, acc, is_async=True)
@@ -855,7 +887,7 @@ if gluon is not None:
         _store_rows(
             out_t, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
             stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, HALF_COLS, False,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, COLS, DIRECT_OUTPUT, FIRST_COL, False,
         )
 
     @gluon.jit
@@ -1200,9 +1232,12 @@ if gluon is not None:
             raw_empty = empty_bars
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # a 16-bit stage is free when both warpgroups are done with it; when the first warpgroup computes no
+        # P V and reads raw stages for QK, when the second is
+        empty_arrivals: gl.constexpr = 1 if (RAW_STAGES > 0 and _pv_whole(ROWS_AS_M, BLOCK_H)) else 2
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
-            mbarrier.init(empty_bars.index(i), count=2)
+            mbarrier.init(empty_bars.index(i), count=empty_arrivals)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_empty, count=1)
         bufs = (
