@@ -346,12 +346,45 @@ if gluon is not None:
             q_smem.slice(c * CHUNK, CHUNK, dim=1).store((q.to(gl.float32) * up[:, None]).to(q_smem.dtype))
         return down
 
+    @gluon.constexpr_function
+    def _max_through_smem(rows_as_m, block_h):
+        """Whether the tokens-as-M softmax takes its max through `_max_over_tokens` (up to 32 rows: 1 KiB of
+        shared memory, which 64 rows' 16-bit stages leave no room for)."""
+        return (not rows_as_m) and block_h <= 32
+
+    @gluon.constexpr_function
+    def _warp_maxima_layout(rows):
+        """[4, rows]: the four warps' maxima of a tokens-as-M score tile, each thread holding all four for
+        the rows it holds in the tile (the wgmma accumulator's: row bit 0 and bits 3.. in registers, bits
+        1-2 in the lanes), so that their max is in the tile's row layout without moving data."""
+        reg_bases = [[0, 1]] + [[0, 1 << b] for b in range(3, (rows - 1).bit_length())] + [[1, 0], [2, 0]]
+        return gl.DistributedLinearLayout(
+            reg_bases=reg_bases, lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, rows],
+        )
+
+    @gluon.jit
+    def _max_over_tokens(s, red_smem, tile):
+        """max over the tokens of S^T [BLOCK_N, rows] whose tokens lie across the 4 warps (16 a warp per
+        64): each warp's maxima by shuffles, exchanged through shared memory with one barrier (`red_smem`
+        [2, 4, rows] by tile parity, so a warp still reading the last tile's is not overwritten)."""
+        BLOCK_N: gl.constexpr = s.shape[0]
+        ROWS: gl.constexpr = s.shape[1]
+        part = gl.max(gl.reshape(s, [4, BLOCK_N // 4, ROWS]), 1)
+        buf = red_smem.index(tile % 2)
+        buf.store(part)
+        _cta_barrier()
+        all4 = buf.load(_warp_maxima_layout(ROWS))
+        return gl.convert_layout(gl.max(all4, 0), gl.SliceLayout(0, s.type.layout))
+
     @gluon.jit
     def _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale,
-                        Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SUM_TILES: gl.constexpr = False):
+                        Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SUM_TILES: gl.constexpr = False,
+                        red_smem=None, tile=0):
         """One tile of S^T [BLOCK_N, rows] -> (P^T, new max, new sum, rescale of the old output); log2 domain.
         SUM_TILES: `l_i` is [BLOCK_N, rows], summed over the tokens only at the end (`gl.sum(l_i, 0)`), so the
-        tile's sum needs no exchange between the warps (the tokens are spread over them)."""
+        tile's sum needs no exchange between the warps (the tokens are spread over them), and (up to 32 rows)
+        the max one barrier (`_max_over_tokens`, through `red_smem`)."""
         pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout))
         s = s * qk_scale
         if Q_LEN > 1:
@@ -359,7 +392,10 @@ if gluon is not None:
         else:
             visible = (pos < split_end)[:, None] & (s_rows >= 0)[None, :]
         s = gl.where(visible, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+        if _max_through_smem(False, s.shape[1]) and SUM_TILES:
+            m_new = gl.maximum(m_i, _max_over_tokens(s, red_smem, tile))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 0))
         # a row that has seen nothing yet keeps max -inf: subtract 0 instead (no NaN)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -647,7 +683,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_softmax_pv(
         s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem, kv_smem,
-        ready_bars, empty_bars, p_ready, p_empty, Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr,
+        ready_bars, empty_bars, p_ready, p_empty, red_smem, Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HALF_COLS: gl.constexpr, ROWS_AS_M: gl.constexpr, WAIT_READY: gl.constexpr,
         o_layout: gl.constexpr, rows_o: gl.constexpr, OWN_PV: gl.constexpr = True,
     ):
@@ -661,7 +697,7 @@ if gluon is not None:
             )
         else:
             p, m_i, l_i, alpha = _online_softmax(
-                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N, True
+                s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N, True, red_smem, tile
             )
         p16 = p.to(dtype)
         # the second warpgroup is done with the previous P and rescale
@@ -699,7 +735,7 @@ if gluon is not None:
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -796,7 +832,7 @@ if gluon is not None:
                 mbarrier.arrive(k_empty.index(tile % K_STAGES), count=1)
             acc, m_i, l_i = _ws_softmax_pv(
                 s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem,
-                kv_smem, ready_bars, empty_bars, p_ready, p_empty, Q_LEN, BLOCK_N, STAGES, HALF_COLS,
+                kv_smem, ready_bars, empty_bars, p_ready, p_empty, red_smem, Q_LEN, BLOCK_N, STAGES, HALF_COLS,
                 ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE,
             )
 
@@ -837,7 +873,7 @@ if gluon is not None:
         """PV for the second half of the latent columns (`_pv_whole`: all of them), from the first warpgroup's P
         and rescale."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -1147,7 +1183,7 @@ if gluon is not None:
         float16 stages P V reads (RAW_STAGES > 0), or through registers, converted once per element into
         the float16 stages both products read."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         stride_kv_block = strides[6]
@@ -1232,6 +1268,11 @@ if gluon is not None:
             raw_empty = empty_bars
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # each warp's maxima of a tile's scores, two tiles (`_max_over_tokens`; a placeholder where unused)
+        red_smem = gl.allocate_shared_memory(
+            gl.float32, [2, 4, BLOCK_H if _max_through_smem(ROWS_AS_M, BLOCK_H) else 1],
+            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+        )
         # a 16-bit stage is free when both warpgroups are done with it; when the first warpgroup computes no
         # P V and reads raw stages for QK, when the second is
         empty_arrivals: gl.constexpr = 1 if (RAW_STAGES > 0 and _pv_whole(ROWS_AS_M, BLOCK_H)) else 2
@@ -1242,7 +1283,7 @@ if gluon is not None:
         mbarrier.init(p_empty, count=1)
         bufs = (
             q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-            raw_kv, raw_pe, raw_ready, raw_empty,
+            raw_kv, raw_pe, raw_ready, raw_empty, red_smem,
         )
         ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
         scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
