@@ -316,15 +316,15 @@ if gluon is not None:
         q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
         stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
         Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, park=None,
     ):
         """Query rows [first_row, first_row + ROWS) quantised to e4m3 into shared memory, each row
         multiplied by the power of two that puts its largest magnitude (over all 576 columns) in
         [128, 256) (e4m3 reaches 448): returns the per-row factors that undo it on the scores
         [ROWS] (exact powers of two; the rounding to e4m3's 3 mantissa bits is the error this adds).
-        Up to 16 rows are read once and held in registers (64 values a thread); more rows are read twice
-        from global memory (the maximum, then the values): 64 rows held in registers across the maximum
-        would spill."""
+        Up to 16 rows are read once and held in registers (64 values a thread); more rows (64 held in
+        registers across the maximum spilled) are read once and their bits parked in `park` (a 16-bit
+        shared tile [ROWS, KV_LORA_RANK]; each thread rereads what it stored)."""
         ONE_READ: gl.constexpr = ROWS * KV_LORA_RANK <= 16 * 512
         CHUNK: gl.constexpr = KV_LORA_RANK if (ONE_READ or KV_LORA_RANK <= 128) else 128
         q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
@@ -344,6 +344,7 @@ if gluon is not None:
                 cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
                 q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0)
                 amax = gl.maximum(amax, gl.max(gl.abs(q.to(gl.float32)), 1))
+                park.slice(c * CHUNK, CHUNK, dim=1).store(q.to(park.dtype, bitcast=True))
         up, down = _power_of_two_scales(amax, 7)
         up_pe = gl.convert_layout(up, gl.SliceLayout(1, qpe_layout))
         qpe_smem.store((q_pe * up_pe[:, None]).to(qpe_smem.dtype))
@@ -351,8 +352,7 @@ if gluon is not None:
             q_smem.store((q * up[:, None]).to(q_smem.dtype))
         else:
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
-                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
-                q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0, volatile=True)
+                q = park.slice(c * CHUNK, CHUNK, dim=1).load(q_layout).to(Q_nope.dtype.element_ty, bitcast=True)
                 q_smem.slice(c * CHUNK, CHUNK, dim=1).store((q.to(gl.float32) * up[:, None]).to(q_smem.dtype))
         return down
 
@@ -655,6 +655,13 @@ if gluon is not None:
         return s_layout, o_layout, gl.SliceLayout(0, s_layout), gl.SliceLayout(1, s_layout), gl.SliceLayout(0, o_layout)
 
     @gluon.constexpr_function
+    def _query_parked(raw_stages, block_h, kv_lora_rank):
+        """Whether the e4m3 query's 16-bit values wait in the first float16 stage while their maximum is
+        found (more rows than `_load_query_e4m3` holds in registers), so that the loader converts its first
+        tile only once the query is in place."""
+        return raw_stages > 0 and block_h * kv_lora_rank > 16 * 512
+
+    @gluon.constexpr_function
     def _pv_whole(rows_as_m, block_h):
         """Whether the second warpgroup computes P V for all the latent columns (the first then only QK and
         the softmax): with the tokens as M and at most 16 rows, whose whole output is 64 registers a thread."""
@@ -745,7 +752,7 @@ if gluon is not None:
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -771,10 +778,11 @@ if gluon is not None:
         # the query scaled by a power of two, undone on the scores
         FP8: gl.constexpr = KV_cache.dtype.element_ty.primitive_bitwidth == 8
         if FP8_QK:
+            gl.static_assert(BLOCK_H <= BLOCK_N, "the query parks in a float16 stage")
             q_down = _load_query_e4m3(
                 q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
                 stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4,
+                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, kv_smem.index(0).slice(0, BLOCK_H, dim=0),
             )
         else:
             q_down = _load_query(
@@ -784,6 +792,8 @@ if gluon is not None:
             )
         fence_async_shared()
         _cta_barrier()
+        if _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK):
+            mbarrier.arrive(q_done, count=1)
         qk_scale = sm_scale * 1.4426950408889634
         if HAS_K_SCALE:
             qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
@@ -883,7 +893,7 @@ if gluon is not None:
         """PV for the second half of the latent columns (`_pv_whole`: all of them), from the first warpgroup's P
         and rescale."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -1094,10 +1104,10 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_raw(
-        kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, KV_cache, block_table_row,
+        kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache, block_table_row,
         split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
+        STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, QUERY_PARKED: gl.constexpr,
     ):
         """FP8 tiles for QK on FP8 tensor cores: each tile's bytes are copied with cp.async into a raw
         stage RAW_STAGES - 1 tiles ahead (QK reads it there), and its latent part is converted once into
@@ -1133,6 +1143,10 @@ if gluon is not None:
             slot = tile % STAGES
             mbarrier.wait(raw_ready.index(raw_slot), (tile // RAW_STAGES) & 1)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            if QUERY_PARKED:
+                # the first float16 stage holds the 16-bit query until it is in place as e4m3
+                if tile == 0:
+                    mbarrier.wait(q_done, 0)
             _convert_latent(raw_kv.index(raw_slot), kv_smem.index(slot), KV_LORA_RANK, BLOCK_N)
             # generic-proxy stores, read next by the tensor cores
             fence_async_shared()
@@ -1197,7 +1211,7 @@ if gluon is not None:
         float16 stages P V reads (RAW_STAGES > 0), or through registers, converted once per element into
         the float16 stages both products read."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         stride_kv_block = strides[6]
@@ -1211,9 +1225,10 @@ if gluon is not None:
         block_table_row = Block_table + batch * stride_bt_b
         if RAW_STAGES > 0:
             _ws_load_raw(
-                kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, KV_cache, block_table_row,
-                split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
+                kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache,
+                block_table_row, split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block,
+                stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
+                _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK),
             )
         elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
             _ws_load_fp8(
@@ -1295,9 +1310,12 @@ if gluon is not None:
             mbarrier.init(empty_bars.index(i), count=empty_arrivals)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_empty, count=1)
+        # the query is in shared memory (`_query_parked`: the loader's first conversion waits for it)
+        q_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_done, count=1)
         bufs = (
             q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-            raw_kv, raw_pe, raw_ready, raw_empty, red_smem,
+            raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done,
         )
         ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
         scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
