@@ -278,11 +278,15 @@ def test_fp8_qk_decode_gpu_multi_token(config, heads, q_len):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("heads", [16, 128])
-def test_fp8_decode_gpu_cache_off_4_byte_boundaries(heads):
+def test_fp8_decode_gpu_cache_off_4_byte_boundaries(heads, monkeypatch):
     """An FP8 cache view one byte off an allocation's start: the default selection (the Triton kernel)
-    gives the float64 reference's result, as the aligned cache does through the warpgroup kernels."""
+    gives the float64 reference's result, as the aligned cache does through the warpgroup kernels (with
+    float16 products, as the Triton kernel: MLA_MULTI_FP8_QK=0; the e4m3 query's error is larger than
+    this comparison's bound)."""
     tensors = _make_case(3, heads, 1, 512, 64, 64, [0, 17, 3000], torch.float8_e4m3fn, torch.bfloat16, "cuda", 7)
+    monkeypatch.setenv("MLA_MULTI_FP8_QK", "0")
     aligned, _ = _run_decode(tensors, 576**-0.5, 1)
+    monkeypatch.delenv("MLA_MULTI_FP8_QK")
     tensors["kv_cache"] = _unaligned_fp8_copy(tensors["kv_cache"])
     for splits in (1, 3):
         out, lse = _run_decode(tensors, 576**-0.5, splits, max_splits=4)
