@@ -453,10 +453,13 @@ if gluon is not None:
         stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         stride_al_row, stride_al_h, stride_al_split,
         Q_LEN: gl.constexpr, COLS: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, FIRST_COL: gl.constexpr = 0,
-        STORE_LSE: gl.constexpr = True, KV_LORA_RANK: gl.constexpr = 0,
+        STORE_LSE: gl.constexpr = True, KV_LORA_RANK: gl.constexpr = 0, ROWS_FIRST: gl.constexpr = False,
     ):
-        """O^T [COLS, rows] * inv_l (latent columns FIRST_COL..) and the LSE of rows `s_rows`: the output (one
-        split) or this split's partials (whose LSE column is KV_LORA_RANK, COLS + FIRST_COL when 0)."""
+        """O^T [COLS, rows] * inv_l (latent columns FIRST_COL..; ROWS_FIRST: `acc` is O [rows, COLS]) and the
+        LSE of rows `s_rows`: the output (one split) or this split's partials (whose LSE column is
+        KV_LORA_RANK, COLS + FIRST_COL when 0)."""
+        if ROWS_FIRST:
+            acc = gl.permute(acc, (1, 0))
         o_layout: gl.constexpr = acc.type.layout
         rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         out = acc * gl.convert_layout(inv_l, rows_o)[None, :]
@@ -872,15 +875,11 @@ if gluon is not None:
                 stride_al_row, stride_al_h, stride_al_split, Q_LEN, DIRECT_OUTPUT, KV_LORA_RANK,
             )
         else:
-            if ROWS_AS_M:
-                out_t = gl.permute(acc, (1, 0))
-            else:
-                out_t = acc
             _store_rows(
-                out_t, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+                acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
                 stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
                 stride_al_row, stride_al_h, stride_al_split, Q_LEN, HALF_COLS, DIRECT_OUTPUT, 0, True,
-                KV_LORA_RANK,
+                KV_LORA_RANK, ROWS_AS_M,
             )
 
     @gluon.jit
@@ -936,14 +935,11 @@ if gluon is not None:
         _cta_barrier()
         mbarrier.arrive(p_empty, count=1)
         s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
-        if ROWS_AS_M:
-            out_t = gl.permute(acc, (1, 0))
-        else:
-            out_t = acc
         _store_rows(
-            out_t, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+            acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
             stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, COLS, DIRECT_OUTPUT, FIRST_COL, False,
+            stride_al_row, stride_al_h, stride_al_split, Q_LEN, COLS, DIRECT_OUTPUT, FIRST_COL, False, 0,
+            ROWS_AS_M,
         )
 
     @gluon.jit
