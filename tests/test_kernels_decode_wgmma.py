@@ -37,6 +37,8 @@ RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
 # FP8 QK products from raw FP8 stages (the default FP8 configurations)
 WS16Q = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws", raw_stages=2)
 RM64Q = DecodeLaunchConfig(64, 64, 4, 1, kernel="wgmma_rm", raw_stages=2)
+# QK and P V on FP8 tensor cores from four raw stages, no float16 stages (the default up to 16 rows)
+WS16P = DecodeLaunchConfig(16, 64, 4, 0, kernel="wgmma_ws", raw_stages=4)
 
 
 # ---------------------------------------------------------------------------
@@ -61,7 +63,7 @@ def test_config_name_marks_the_warpgroup_kernel():
     assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"
     assert RM64.name == "h64n64w4s2rm"
-    assert WS16Q.name == "h16n64w4s2wsf2" and RM64Q.name == "h64n64w4s1rmf2"
+    assert WS16Q.name == "h16n64w4s2wsf2" and RM64Q.name == "h64n64w4s1rmf2" and WS16P.name == "h16n64w4s0wsf4"
     assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
 
 
@@ -80,10 +82,15 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)
     # FP8 (e4m3fn): the warp-specialised kernels at every row count (tokens as M up to 16 rows), with
-    # QK on FP8 tensor cores from two raw stages, or float16 products (fp8_qk=False)
-    for heads, kernel, block_h in ((1, "wgmma_ws", 16), (16, "wgmma_ws", 16), (32, "wgmma_rm", 64), (128, "wgmma_rm", 64)):
+    # QK on FP8 tensor cores from raw stages (up to 16 rows P V too, from four raw stages and no float16
+    # stage), or float16 products (fp8_qk=False)
+    for heads, kernel, block_h, raw, stages in (
+        (1, "wgmma_ws", 16, 4, 0), (16, "wgmma_ws", 16, 4, 0), (32, "wgmma_rm", 64, 2, 1), (128, "wgmma_rm", 64, 2, 1)
+    ):
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
-        assert (config.kernel, config.block_h, config.raw_stages) == (kernel, block_h, 2), (heads, config)
+        assert (config.kernel, config.block_h, config.raw_stages, config.num_stages) == (
+            kernel, block_h, raw, stages
+        ), (heads, config)
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
         assert (config.kernel, config.block_h, config.raw_stages) == (kernel, block_h, 0), (heads, config)
     # 16-bit caches up to 16 rows: the Triton kernel
@@ -101,7 +108,7 @@ def test_fp8_qk_follows_the_environment(monkeypatch):
     )
     assert decode_config(platform, 128, 1, torch.float8_e4m3fn).raw_stages == 0
     monkeypatch.setenv("MLA_MULTI_FP8_QK", "1")
-    assert decode_config(platform, 16, 1, torch.float8_e4m3fn) == WS16Q
+    assert decode_config(platform, 16, 1, torch.float8_e4m3fn) == WS16P
     assert decode_config(platform, 128, 1, torch.float8_e4m3fn) == RM64Q
     # 16-bit caches never take raw stages
     assert decode_config(platform, 128, 1, torch.bfloat16).raw_stages == 0
@@ -227,11 +234,19 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
 # normal inputs: output relative error 6.6e-3 - 2.6e-2, LSE absolute error 0.017 - 0.077)
 FP8_QK_REL_ERR = 4e-2
 FP8_QK_LSE_ERR = 0.15
+# FP8 P V (P rounded to e4m3 after scaling by 2^8) against float64 with the e4m3 query: P's rounding is the
+# added error (measured on an H200: 1.0e-2 - 1.7e-2; the LSE comes from the unrounded P and keeps its bound)
+FP8_PV_REL_ERR = 2.5e-2
+
+
+def _emulated_rel_err(config) -> float:
+    """The output bound against float64 with the query `config` computes with."""
+    return FP8_PV_REL_ERR if config.num_stages == 0 else 1e-2
 
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WS16Q, RM64Q], ids=["wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("config", [WS16Q, RM64Q, WS16P], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv"])
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 128])
 def test_fp8_qk_decode_gpu(config, heads, block_size):
@@ -253,14 +268,14 @@ def test_fp8_qk_decode_gpu(config, heads, block_size):
         result = _errors(emulated, out, lse, scale)
         assert not result["nan"], (splits, result)
         assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
-        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+        assert result["rel_err"] <= _emulated_rel_err(config) and result["lse_err"] <= 2e-2, (splits, result)
         result = _errors(tensors, out, lse, scale)
         assert result["rel_err"] <= FP8_QK_REL_ERR and result["lse_err"] <= FP8_QK_LSE_ERR, (splits, result)
 
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WS16Q, RM64Q], ids=["wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("config", [WS16Q, RM64Q, WS16P], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (8, 2), (3, 5)])
 def test_fp8_qk_decode_gpu_multi_token(config, heads, q_len):
     """Speculative decode through the FP8 QK path: each query token sees its own prefix."""
@@ -272,7 +287,7 @@ def test_fp8_qk_decode_gpu_multi_token(config, heads, q_len):
         torch.cuda.synchronize()
         result = _errors(emulated, out, lse, 576**-0.5)
         assert not result["nan"] and result["inf_pattern_ok"], (splits, result)
-        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+        assert result["rel_err"] <= _emulated_rel_err(config) and result["lse_err"] <= 2e-2, (splits, result)
 
 
 @pytest.mark.gpu
@@ -299,7 +314,9 @@ def test_fp8_decode_gpu_cache_off_4_byte_boundaries(heads, monkeypatch):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("factor", [2.0**17, 2.0**-30], ids=["beyond-float16-max", "below-float16-min"])
-@pytest.mark.parametrize("kernel", ["triton", "triton-wide", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk"])
+@pytest.mark.parametrize(
+    "kernel", ["triton", "triton-wide", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv"]
+)
 def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
     """FP8 caches take float16 products: a bfloat16 query far outside float16's range both ways is scaled
     by a power of two first (the softmax scale compensates: the usual scores)."""
@@ -315,6 +332,7 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
         # the e4m3 query's per-row power of two
         "wgmma_ws_qk": WS16Q,
         "wgmma_rm_qk": RM64Q,
+        "wgmma_ws_pv": WS16P,
     }.get(kernel) or _config_for(heads, kernel=kernel)
     reference = _e4m3_query(tensors) if config.raw_stages else tensors
     for splits in (1, 3):
@@ -322,7 +340,7 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
         torch.cuda.synchronize()
         result = _errors(reference, out, lse, scale)
         assert not result["nan"], (splits, result)
-        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
+        assert result["rel_err"] <= _emulated_rel_err(config) and result["lse_err"] <= 2e-2, (splits, result)
 
 
 @pytest.mark.gpu
@@ -336,7 +354,9 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize(
-    "config", [WG64, WS64, RM64, WS16Q, RM64Q], ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk"]
+    "config",
+    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P],
+    ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv"],
 )
 def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
@@ -364,8 +384,11 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
 @requires_hopper
 @pytest.mark.parametrize(
     "kv,config",
-    [("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q)],
-    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk"],
+    [
+        ("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q),
+        ("fp8", WS16P),
+    ],
+    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv"],
 )
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
@@ -415,5 +438,5 @@ def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
                 emulated = _e4m3_query({"q_nope": q_nope, "q_pe": q_pe})
                 ref_out, _ = _reference(emulated["q_nope"], emulated["q_pe"], cache, block_table, seq_lens, scale, k_scale)
                 rel = (out.double() - ref_out)[finite].norm() / ref_out[finite].norm().clamp_min(1e-30)
-                assert rel <= 1e-2 or not finite.any(), (batch, trial, float(rel))
+                assert rel <= _emulated_rel_err(config) or not finite.any(), (batch, trial, float(rel))
             assert torch.equal(torch.isfinite(lse), finite), (batch, trial)

@@ -328,7 +328,7 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
     """
     if fp8 and fp8_qk:
         return {
-            "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws", raw_stages=2),
+            "16": DecodeLaunchConfig(16, 64, 4, 0, programs_per_cu=1, kernel="wgmma_ws", raw_stages=4),
             # one float16 stage: the query (e4m3), two raw stages and P take the rest (184 KiB)
             "32": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),
             "64": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),

@@ -683,6 +683,14 @@ def mla_decode_fwd(
                 f"raw FP8 stages (raw_stages={config.raw_stages}) need a float8_e4m3fn kv_cache and a warp-specialised "
                 f"kernel (wgmma_ws or wgmma_rm); got a {kv_cache.dtype} kv_cache and kernel {config.kernel}"
             )
+        if not reason and config.warp_specialised and config.num_stages == 0 and (
+            not config.raw_stages or config.kernel != "wgmma_ws" or config.block_h > 16
+        ):
+            reason = (
+                f"no float16 stages (num_stages=0) means P V on the FP8 tensor cores from the raw stages, which "
+                f"needs raw_stages > 0, kernel wgmma_ws and block_h <= 16; got raw_stages={config.raw_stages}, "
+                f"kernel {config.kernel}, block_h={config.block_h}"
+            )
         if reason:
             raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
         from mla_multi.kernels import mla_decode_wgmma

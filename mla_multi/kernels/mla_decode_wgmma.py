@@ -108,6 +108,12 @@ if gluon is not None:
     WS_LOAD_REGS_FP8 = gl.constexpr(144)
     # the raw-stage FP8 loader (cp.async, then a 16-row piece converted at a time)
     WS_LOAD_REGS_RAW = gl.constexpr(112)
+    # FP8 P V (`_fp8_pv`): the second warpgroup holds both halves' output (64 registers) and operands
+    # (64), the loader only issues copies
+    WS_PV_REGS_F8PV = gl.constexpr(200)
+    WS_LOAD_REGS_F8PV = gl.constexpr(56)
+    # P in [0, 1] times 2^8 as e4m3 (largest 448): values down to 2^-14 keep e4m3's normal precision
+    FP8_P_SCALE = gl.constexpr(256.0)
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
@@ -665,6 +671,94 @@ if gluon is not None:
         return raw_stages > 0 and block_h * kv_lora_rank > 16 * 512
 
     @gluon.constexpr_function
+    def _fp8_pv(raw_stages, stages):
+        """Whether P V runs on the FP8 tensor cores straight from the raw stages (no float16 stages): the
+        second warpgroup reads each tile's latent part from its raw stage into registers, transposed to the
+        MMA's A operand, and multiplies it by an e4m3 P (tokens as M, at most 16 rows: `_pv_whole`)."""
+        return raw_stages > 0 and stages == 0
+
+    @gluon.constexpr_function
+    def _v_load_layout(block_n):
+        """[BLOCK_N tokens, 256 latent columns] of a raw stage as the second warpgroup reads them for
+        `_v_operand`: 8 consecutive columns (one 8-byte load) of 16 tokens a thread; the lanes take tokens
+        4 and 8 and columns 8-32, the warps columns 64 and 128.  A quarter warp's loads cover 64 bytes of
+        4 rows, two wavefronts a warp with the 128-byte swizzle."""
+        assert block_n == 64, "the FP8 P V operand takes 64-token tiles"
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [16, 0], [32, 0]],
+            lane_bases=[[4, 0], [8, 0], [0, 8], [0, 16], [0, 32]],
+            warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[block_n, 256],
+        )
+
+    @gluon.jit
+    def _v_operand(v, a_layout: gl.constexpr):
+        """V [64 tokens, 256 columns] -> the A operand [256, 64] of P V with its M permuted: row m holds
+        column c(m) with c's bits (high to low) = m's bits 5-4, 2-0, 7-6, 3.  Each thread's 8 rows of the
+        operand (m bits 3, 6, 7 in its registers) are then the 8 consecutive columns it loaded, so the
+        transposition stays in its registers (byte permutes, no shared memory)."""
+        a = gl.reshape(v, [64, 4, 8, 4, 2])  # tokens, m bits 5-4, 2-0, 7-6, 3
+        a = gl.reshape(gl.permute(a, (3, 1, 4, 2, 0)), [256, 64])
+        return gl.convert_layout(a, a_layout)
+
+    @gluon.constexpr_function
+    def _o_store_layout(rows):
+        """O^T [256 latent columns, 16 rows] as `_unpermute_columns` leaves the FP8 P V output (the wgmma
+        accumulator's lanes and warps), its 8 consecutive columns first among each thread's registers, so
+        that each row's 8 go out in two 16-byte stores."""
+        assert rows == 16, "the FP8 P V output layout is for 16 rows"
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8]],
+            lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+            warp_bases=[[64, 0], [128, 0]], block_bases=[], shape=[256, rows],
+        )
+
+    @gluon.jit
+    def _unpermute_columns(acc):
+        """O^T [256 (M of `_v_operand`), rows] -> O^T [256 latent columns, rows] (a relabelling, and a
+        reordering of each thread's registers)."""
+        rows: gl.constexpr = acc.shape[1]
+        o = gl.reshape(acc, [4, 4, 2, 8, rows])  # m bits 7-6, 5-4, 3, 2-0
+        o = gl.reshape(gl.permute(o, (1, 3, 0, 2, 4)), [256, rows])
+        return gl.convert_layout(o, _o_store_layout(rows))
+
+    @gluon.jit
+    def _ws_fp8_pv_partition(
+        raw_kv, raw_ready, raw_empty, p_smem, row_smem, p_ready, p_empty, num_tiles,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RAW_STAGES: gl.constexpr,
+    ):
+        """P V for all the latent columns on the FP8 tensor cores (`_fp8_pv`), in two halves of 256
+        columns: returns the two O^T halves [256 permuted columns, rows] (`_unpermute_columns`) and the
+        final 1 / sum per row."""
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        v_layout: gl.constexpr = _v_load_layout(BLOCK_N)
+        rows_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        acc0 = gl.zeros([256, BLOCK_H], gl.float32, layout=o_layout)
+        acc1 = gl.zeros([256, BLOCK_H], gl.float32, layout=o_layout)
+        p_t = p_smem.permute((1, 0))
+        for tile in tl.range(0, num_tiles, disable_licm=True):
+            slot = tile % RAW_STAGES
+            mbarrier.wait(raw_ready.index(slot), (tile // RAW_STAGES) & 1)
+            v_tile = raw_kv.index(slot)
+            a0 = _v_operand(v_tile.slice(0, 256, dim=1).load(v_layout), a_layout)
+            a1 = _v_operand(v_tile.slice(256, 256, dim=1).load(v_layout), a_layout)
+            mbarrier.wait(p_ready, tile & 1)
+            alpha = row_smem.load(rows_o)[None, :]
+            acc0 = warpgroup_mma(a0, p_t, acc0 * alpha, is_async=True)
+            acc1 = warpgroup_mma(a1, p_t, acc1 * alpha, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            _cta_barrier()
+            mbarrier.arrive(p_empty, count=1)
+            mbarrier.arrive(raw_empty.index(slot), count=1)
+        mbarrier.wait(p_ready, num_tiles & 1)
+        inv_l = row_smem.load(rows_o)
+        _cta_barrier()
+        mbarrier.arrive(p_empty, count=1)
+        return _unpermute_columns(acc0), _unpermute_columns(acc1), inv_l
+
+    @gluon.constexpr_function
     def _pv_whole(rows_as_m, block_h):
         """Whether the second warpgroup computes P V for all the latent columns (the first then only QK and
         the softmax): with the tokens as M and at most 16 rows, whose whole output is 64 registers a thread."""
@@ -705,12 +799,12 @@ if gluon is not None:
         s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem, kv_smem,
         ready_bars, empty_bars, p_ready, p_empty, red_smem, Q_LEN: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HALF_COLS: gl.constexpr, ROWS_AS_M: gl.constexpr, WAIT_READY: gl.constexpr,
-        o_layout: gl.constexpr, rows_o: gl.constexpr, OWN_PV: gl.constexpr = True,
+        o_layout: gl.constexpr, rows_o: gl.constexpr, OWN_PV: gl.constexpr = True, FP8_P: gl.constexpr = False,
     ):
         """One tile's softmax on its scores `s`, P and the rescale to the second warpgroup, and (OWN_PV) P V
         for the first half of the columns (WAIT_READY: the float16 stage is waited for here, not before QK)."""
         slot = tile % STAGES
-        dtype: gl.constexpr = kv_smem.dtype
+        dtype: gl.constexpr = p_smem.dtype
         if ROWS_AS_M:
             p, m_i, l_i, alpha = _online_softmax_rows(
                 s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N
@@ -719,10 +813,15 @@ if gluon is not None:
             p, m_i, l_i, alpha = _online_softmax(
                 s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N, True, red_smem, tile
             )
-        p16 = p.to(dtype)
         # the second warpgroup is done with the previous P and rescale
-        mbarrier.wait(p_empty, (tile & 1) ^ 1)
-        p_smem.store(p16)
+        if FP8_P:
+            # e4m3 P [rows, tokens] (K-major for the FP8 MMA), scaled into e4m3's normal range
+            mbarrier.wait(p_empty, (tile & 1) ^ 1)
+            p_smem.store(gl.permute((p * FP8_P_SCALE).to(dtype), (1, 0)))
+        else:
+            p16 = p.to(dtype)
+            mbarrier.wait(p_empty, (tile & 1) ^ 1)
+            p_smem.store(p16)
         row_smem.store(alpha)
         fence_async_shared()
         _cta_barrier()
@@ -767,6 +866,7 @@ if gluon is not None:
         batch = gl.program_id(2)
         FP8_QK: gl.constexpr = RAW_STAGES > 0
         PV_WHOLE: gl.constexpr = _pv_whole(ROWS_AS_M, BLOCK_H)
+        FP8_PV: gl.constexpr = _fp8_pv(RAW_STAGES, STAGES)
         layouts: gl.constexpr = _ws_layouts(ROWS_AS_M, BLOCK_H, BLOCK_N, HALF_COLS, 32 if FP8_QK else 16)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -856,7 +956,7 @@ if gluon is not None:
             acc, m_i, l_i = _ws_softmax_pv(
                 s, acc, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, tile, p_smem, row_smem,
                 kv_smem, ready_bars, empty_bars, p_ready, p_empty, red_smem, Q_LEN, BLOCK_N, STAGES, HALF_COLS,
-                ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE,
+                ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE, FP8_PV,
             )
 
         gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
@@ -864,9 +964,12 @@ if gluon is not None:
         if not ROWS_AS_M:
             l_i = gl.sum(l_i, 0)
         inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
-        # the second warpgroup's last rescale: 1 / sum per row
+        # the second warpgroup's last rescale: 1 / sum per row (of the scaled P of an FP8 P V)
         mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
-        row_smem.store(inv_l)
+        if FP8_PV:
+            row_smem.store(inv_l * (1.0 / FP8_P_SCALE))
+        else:
+            row_smem.store(inv_l)
         _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
         if PV_WHOLE:
@@ -899,6 +1002,7 @@ if gluon is not None:
          stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t, stride_o_h,
          stride_lse_b, stride_lse_t, stride_lse_h) = strides
         PV_WHOLE: gl.constexpr = _pv_whole(ROWS_AS_M, BLOCK_H)
+        FP8_PV: gl.constexpr = _fp8_pv(RAW_STAGES, STAGES)
         COLS: gl.constexpr = KV_LORA_RANK if PV_WHOLE else KV_LORA_RANK // 2
         FIRST_COL: gl.constexpr = KV_LORA_RANK - COLS
         head_block = gl.program_id(0)
@@ -910,37 +1014,54 @@ if gluon is not None:
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
-        if ROWS_AS_M:
-            acc = gl.zeros([BLOCK_H, COLS], gl.float32, layout=o_layout)
+        if FP8_PV:
+            o_lo, o_hi, inv_l = _ws_fp8_pv_partition(
+                raw_kv, raw_ready, raw_empty, p_smem, row_smem, p_ready, p_empty, num_tiles, BLOCK_H, BLOCK_N,
+                RAW_STAGES,
+            )
+            s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_lo.type.layout))
+            _store_rows(
+                o_lo, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+                stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, 256, DIRECT_OUTPUT, 0, False, 0,
+            )
+            _store_rows(
+                o_hi, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+                stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, 256, DIRECT_OUTPUT, 256, False, 0,
+            )
         else:
-            acc = gl.zeros([COLS, BLOCK_H], gl.float32, layout=o_layout)
-        for tile in tl.range(0, num_tiles, disable_licm=True):
-            slot = tile % STAGES
-            mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
-            mbarrier.wait(p_ready, tile & 1)
-            fence_async_shared()
-            v_tile = kv_smem.index(slot).slice(FIRST_COL, COLS, dim=1)
             if ROWS_AS_M:
-                acc = acc * row_smem.load(rows_o)[:, None]
-                acc = warpgroup_mma(p_smem, v_tile, acc, is_async=True)
+                acc = gl.zeros([BLOCK_H, COLS], gl.float32, layout=o_layout)
             else:
-                acc = acc * row_smem.load(rows_o)[None, :]
-                acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = gl.zeros([COLS, BLOCK_H], gl.float32, layout=o_layout)
+            for tile in tl.range(0, num_tiles, disable_licm=True):
+                slot = tile % STAGES
+                mbarrier.wait(ready_bars.index(slot), (tile // STAGES) & 1)
+                mbarrier.wait(p_ready, tile & 1)
+                fence_async_shared()
+                v_tile = kv_smem.index(slot).slice(FIRST_COL, COLS, dim=1)
+                if ROWS_AS_M:
+                    acc = acc * row_smem.load(rows_o)[:, None]
+                    acc = warpgroup_mma(p_smem, v_tile, acc, is_async=True)
+                else:
+                    acc = acc * row_smem.load(rows_o)[None, :]
+                    acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _cta_barrier()
+                mbarrier.arrive(p_empty, count=1)
+                mbarrier.arrive(empty_bars.index(slot), count=1)
+            mbarrier.wait(p_ready, num_tiles & 1)
+            inv_l = row_smem.load(rows_o)
             _cta_barrier()
             mbarrier.arrive(p_empty, count=1)
-            mbarrier.arrive(empty_bars.index(slot), count=1)
-        mbarrier.wait(p_ready, num_tiles & 1)
-        inv_l = row_smem.load(rows_o)
-        _cta_barrier()
-        mbarrier.arrive(p_empty, count=1)
-        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
-        _store_rows(
-            acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
-            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, COLS, DIRECT_OUTPUT, FIRST_COL, False, 0,
-            ROWS_AS_M,
-        )
+            s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
+            _store_rows(
+                acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
+                stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
+                stride_al_row, stride_al_h, stride_al_split, Q_LEN, COLS, DIRECT_OUTPUT, FIRST_COL, False, 0,
+                ROWS_AS_M,
+            )
 
     @gluon.jit
     def _e4m3_words_to_f16(words):
@@ -1152,6 +1273,30 @@ if gluon is not None:
             page = next_page
 
     @gluon.jit
+    def _ws_load_raw_only(
+        raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, block_table_row, split_start, split_end, num_tiles,
+        num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        RAW_STAGES: gl.constexpr,
+    ):
+        """FP8 tiles for QK and P V on FP8 tensor cores (`_fp8_pv`): each tile's bytes copied with cp.async
+        into a raw stage once both compute warpgroups released it; nothing is converted."""
+        gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 P V path reads e4m3fn bytes")
+        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+        for tile in range(num_tiles):
+            slot = tile % RAW_STAGES
+            start = split_start + tile * BLOCK_N
+            # the next tile's block-table entry is in flight while this stage drains
+            next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            mbarrier.wait(raw_empty.index(slot), ((tile // RAW_STAGES) & 1) ^ 1)
+            _issue_raw_tile(
+                raw_kv.index(slot), raw_pe.index(slot), raw_ready.index(slot), KV_cache, start, split_end,
+                block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+            )
+            page = next_page
+
+    @gluon.jit
     def _ws_load_cp_async(
         kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
         num_cache_blocks, stride_kv_block, stride_kv_token,
@@ -1219,7 +1364,13 @@ if gluon is not None:
             Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
         )
         block_table_row = Block_table + batch * stride_bt_b
-        if RAW_STAGES > 0:
+        if _fp8_pv(RAW_STAGES, STAGES):
+            _ws_load_raw_only(
+                raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                BLOCK_N, RAW_STAGES,
+            )
+        elif RAW_STAGES > 0:
             _ws_load_raw(
                 kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache,
                 block_table_row, split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block,
@@ -1265,14 +1416,24 @@ if gluon is not None:
         else:
             q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
             qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        if ROWS_AS_M:
+        FP8_PV: gl.constexpr = _fp8_pv(RAW_STAGES, STAGES)
+        if FP8_PV:
+            gl.static_assert(_pv_whole(ROWS_AS_M, BLOCK_H), "FP8 P V takes the tokens as M and up to 16 rows")
+            # P^T as e4m3 [rows, tokens]: the FP8 MMA's B operand, K-major
+            p_smem = gl.allocate_shared_memory(fp8, [BLOCK_H, BLOCK_N], _shared_layout(BLOCK_N, 8))
+        elif ROWS_AS_M:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], _shared_layout(BLOCK_N, 16))
         else:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
         row_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-        ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # no float16 stages for FP8 P V: one placeholder stage's barriers, no tile
+        STAGES_16: gl.constexpr = 1 if FP8_PV else STAGES
+        if not FP8_PV:
+            kv_smem = gl.allocate_shared_memory(
+                dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16)
+            )
+        ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES_16, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES_16, 1], mbarrier.MBarrierLayout())
         if RAW_STAGES > 0:
             # the cache's bytes (QK), and float16 stages of the latent part only (P V)
             raw_kv = gl.allocate_shared_memory(
@@ -1285,6 +1446,8 @@ if gluon is not None:
                 mbarrier.init(raw_ready.index(i), count=1)
                 mbarrier.init(raw_empty.index(i), count=2)
             kpe_smem = raw_pe
+            if FP8_PV:
+                kv_smem = raw_kv
         else:
             kpe_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
             raw_kv = kv_smem
@@ -1301,7 +1464,7 @@ if gluon is not None:
         # a 16-bit stage is free when both warpgroups are done with it; when the first warpgroup computes no
         # P V and reads raw stages for QK, when the second is
         empty_arrivals: gl.constexpr = 1 if (RAW_STAGES > 0 and _pv_whole(ROWS_AS_M, BLOCK_H)) else 2
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES_16):
             mbarrier.init(ready_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=empty_arrivals)
         mbarrier.init(p_ready, count=1)
@@ -1333,7 +1496,7 @@ if gluon is not None:
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES)),
             ],
             [4, WS_LOAD_WARPS],
-            [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
+            [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
                 [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS]
             ),
         )
