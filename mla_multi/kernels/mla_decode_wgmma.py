@@ -329,8 +329,9 @@ if gluon is not None:
         [128, 256) (e4m3 reaches 448): returns the per-row factors that undo it on the scores
         [ROWS] (exact powers of two; the rounding to e4m3's 3 mantissa bits is the error this adds).
         Up to 16 rows are read once and held in registers (64 values a thread); more rows (64 held in
-        registers across the maximum spilled) are read once and their bits parked in `park` (a 16-bit
-        shared tile [ROWS, KV_LORA_RANK]; each thread rereads what it stored)."""
+        registers across the maximum spilled) are copied once with cp.async into `park` (a 16-bit shared
+        tile [ROWS, KV_LORA_RANK]), all chunks at once, and read from there for the maximum and again
+        for the conversion."""
         ONE_READ: gl.constexpr = ROWS * KV_LORA_RANK <= 16 * 512
         CHUNK: gl.constexpr = KV_LORA_RANK if (ONE_READ or KV_LORA_RANK <= 128) else 128
         q_layout: gl.constexpr = _tile_layout(CHUNK, 16, num_warps)
@@ -339,6 +340,13 @@ if gluon is not None:
             Q_nope, Q_pe, batch, first_row, num_heads, stride_qn_b, stride_qn_t, stride_qn_h,
             stride_qp_b, stride_qp_t, stride_qp_h, Q_LEN, ROWS, ROPE_DIM, q_layout, qpe_layout,
         )
+        if not ONE_READ:
+            # the latent part's bits copied into `park` with cp.async, all chunks in flight at once
+            park_ptrs = ptrs.to(gl.pointer_type(park.dtype), bitcast=True)
+            for c in gl.static_range(KV_LORA_RANK // CHUNK):
+                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+                _async_load(park.slice(c * CHUNK, CHUNK, dim=1), park_ptrs[:, None] + cols[None, :], mask=mask)
+            async_copy.commit_group()
         q_pe = gl.load(ptrs_pe, mask=mask_pe, other=0.0).to(gl.float32)
         amax = gl.convert_layout(gl.max(gl.abs(q_pe), 1), gl.SliceLayout(1, q_layout))
         if ONE_READ:
@@ -346,11 +354,11 @@ if gluon is not None:
             q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0).to(gl.float32)
             amax = gl.maximum(amax, gl.max(gl.abs(q), 1))
         else:
+            async_copy.wait_group(0)
+            _cta_barrier()
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
-                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
-                q = gl.load(ptrs[:, None] + cols[None, :], mask=mask, other=0.0)
+                q = park.slice(c * CHUNK, CHUNK, dim=1).load(q_layout).to(Q_nope.dtype.element_ty, bitcast=True)
                 amax = gl.maximum(amax, gl.max(gl.abs(q.to(gl.float32)), 1))
-                park.slice(c * CHUNK, CHUNK, dim=1).store(q.to(park.dtype, bitcast=True))
         up, down = _power_of_two_scales(amax, 7)
         up_pe = gl.convert_layout(up, gl.SliceLayout(1, qpe_layout))
         qpe_smem.store((q_pe * up_pe[:, None]).to(qpe_smem.dtype))
