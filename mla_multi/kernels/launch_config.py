@@ -148,7 +148,10 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             the cache's bytes with cp.async into this many raw FP8 stages and
             computes QK on the FP8 tensor cores from them, with the query
             quantised to e4m3 per row; the loader converts each tile's latent
-            part once into the ``num_stages`` float16 stages that P V reads.
+            part once into the ``num_stages`` float16 stages that P V reads;
+            with ``num_stages`` = 0 (``wgmma_ws``, up to 16 rows) there are no
+            float16 stages and P V runs on the FP8 tensor cores too, V read
+            from the raw stage into registers and P as e4m3.
             0: the whole tile converted to float16, float16 products.
     """
 
@@ -318,8 +321,10 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
       up to 16 rows and the rows-as-M one from 17.  By default (fp8_qk) QK
       runs on the FP8 tensor cores from raw FP8 stages (cp.async) with an e4m3
       query, and the loader converts the latent part once into float16 stages
-      for P V: FP8 takes 0.73-1.02x the bf16 time (0.84 at 16 heads, 0.93 at
-      128 heads, B = 128, S = 4096).  fp8_qk=False: the loader converts the
+      for P V; up to 16 rows P V runs on the FP8 tensor cores as well, from
+      four raw stages and no float16 stage.  FP8 takes 0.56-1.00x the bf16
+      time (0.56 at 16 heads, 0.91 at 128 heads, B = 128, S = 4096; 1.00 at
+      128 heads, B = 1, S = 32768).  fp8_qk=False: the loader converts the
       whole tile once into a float16 stage, float16 products (the bf16 path's
       accuracy), 0.76-1.08x the bf16 time; the Triton kernel's FP8 path takes
       1.85x as long at 16 heads;

@@ -37,7 +37,15 @@ shared memory for the whole split.  FP8 caches, two ways:
   and the loader converts each tile's latent part once into the float16
   stages P V reads.  The e4m3 query is the only added error (against float64
   on the dequantised cache: output relative error 0.7-2.6e-2, LSE 0.02-0.08
-  on normal inputs; `MLA_MULTI_FP8_QK=0` selects the other way);
+  on normal inputs; `MLA_MULTI_FP8_QK=0` selects the other way).  Up to 16
+  rows (``num_stages`` = 0: no float16 stages, four raw stages) P V runs on
+  the FP8 tensor cores too: the second warpgroup reads V from the raw stage
+  into registers as the MMA's A operand, its rows (latent columns) permuted
+  so that each thread transposes only bytes it loaded itself
+  (`_v_operand`), and P goes through shared memory as e4m3 scaled by 2^8;
+  P's rounding adds up to 1.7e-2 to the output's error against float64
+  with the e4m3 query (measured), within the same 4e-2 bound against the
+  query as given;
 * float16 products (e4m3 converts to float16 exactly, one instruction per
   pair; bfloat16 takes three), the query multiplied by the power of two that
   puts its largest magnitude in [2^12, 2^13) and the scores by its inverse
