@@ -743,8 +743,8 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RAW_STAGES: gl.constexpr,
     ):
         """P V for all the latent columns on the FP8 tensor cores (`_fp8_pv`), in two halves of 256
-        columns: returns the two O^T halves [256 permuted columns, rows] (`_unpermute_columns`) and the
-        final 1 / sum per row."""
+        columns: returns the two O^T halves [256 latent columns, rows] (relabelled by `_unpermute_columns`)
+        and the final 1 / sum per row."""
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
         )
