@@ -829,15 +829,14 @@ if gluon is not None:
             p, m_i, l_i, alpha = _online_softmax(
                 s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N, True, red_smem, tile
             )
-        # the second warpgroup is done with the previous P and rescale
         if FP8_P:
             # e4m3 P [rows, tokens] (K-major for the FP8 MMA), scaled into e4m3's normal range
-            mbarrier.wait(p_empty, (tile & 1) ^ 1)
-            p_smem.store(gl.permute((p * FP8_P_SCALE).to(dtype), (1, 0)))
+            p16 = gl.permute((p * FP8_P_SCALE).to(dtype), (1, 0))
         else:
             p16 = p.to(dtype)
-            mbarrier.wait(p_empty, (tile & 1) ^ 1)
-            p_smem.store(p16)
+        # the second warpgroup is done with the previous P and rescale
+        mbarrier.wait(p_empty, (tile & 1) ^ 1)
+        p_smem.store(p16)
         row_smem.store(alpha)
         fence_async_shared()
         _cta_barrier()
