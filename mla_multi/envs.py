@@ -106,9 +106,10 @@ ENV_VARS: dict[str, EnvVar] = {
             True,
             _flag,
             "FP8 KV caches on sm_90 (warpgroup decode kernels): compute QK on the FP8 tensor cores from the "
-            "cache's bytes, with the query quantised per row to e4m3 (faster; measured against float64 on the "
-            "dequantised cache: output relative error up to 2.6e-2, LSE absolute error up to 0.08). 0: float16 "
-            "products on the tile converted once per element (the bf16 path's accuracy, 1.7e-3).",
+            "cache's bytes, with the query quantised per row to e4m3, and up to 16 query rows P V as well with P "
+            "in e4m3 (faster; measured against float64 on the dequantised cache: output relative error up to "
+            "2.6e-2, within 4e-2 with the e4m3 P; LSE absolute error up to 0.08). 0: float16 products on the tile "
+            "converted once per element (the bf16 path's accuracy, 1.7e-3).",
         ),
         EnvVar(
             "MLA_MULTI_LOG_LEVEL",
