@@ -34,6 +34,9 @@ WS64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_ws")
 WS32 = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws")
 WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
 RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
+# 16-bit tiles by TMA where the cache allows it (whole tiles inside a page), cp.async otherwise
+RM64T = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm", tma=True)
+WS32T = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws", tma=True)
 # FP8 QK products from raw FP8 stages (the default FP8 configurations)
 WS16Q = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws", raw_stages=2)
 RM64Q = DecodeLaunchConfig(64, 64, 4, 1, kernel="wgmma_rm", raw_stages=2)
@@ -52,14 +55,48 @@ def test_benchmark_parses_every_sm90_config_name():
 
     for config in all_decode_configs(SPECS["H100"]):
         parsed = parse_config(config.name)
-        assert (parsed.name, parsed.kernel, parsed.warp_specialised, parsed.raw_stages) == (
-            config.name, config.kernel, config.warp_specialised, config.raw_stages
+        assert (parsed.name, parsed.kernel, parsed.warp_specialised, parsed.raw_stages, parsed.tma) == (
+            config.name, config.kernel, config.warp_specialised, config.raw_stages, config.tma
         )
     with pytest.raises(ValueError, match="h64n64w4s2xx"):
         parse_config("h64n64w4s2xx")
 
 
+def test_tma_needs_a_16_bit_cache_of_whole_tile_pages_with_aligned_evenly_spaced_rows():
+    """`tma_cache_reason` says why a cache's tiles cannot go by TMA (the loader then takes cp.async), and
+    the descriptors address the latent and rotary columns of the cache viewed as [blocks x page, 576]."""
+    if not _gluon_ok():
+        pytest.skip("this Triton has no Gluon")
+    from mla_multi.kernels import mla_decode_wgmma as wg
+
+    cache = torch.zeros(10, 64, 576, dtype=torch.bfloat16)
+    if wg._TensorDescriptor is None:
+        assert "TensorDescriptor" in wg.tma_cache_reason(cache, 64, 512)
+        return
+    assert wg.tma_cache_reason(cache, 64, 512) == ""
+    assert wg.tma_cache_reason(torch.zeros(4, 128, 576, dtype=torch.bfloat16), 64, 512) == ""
+    # rows wider than 576 (a slice of a wider cache) are still evenly spaced
+    wide = torch.zeros(10, 64, 1152, dtype=torch.bfloat16)[:, :, :576]
+    assert wg.tma_cache_reason(wide, 64, 512) == "" and wg._tma_cache_descriptors(wide, 64, 512)[0].strides == [1152, 1]
+    kv, pe = wg._tma_cache_descriptors(cache, 64, 512)
+    assert (kv.shape, kv.strides, kv.block_shape) == ([640, 512], [576, 1], [64, 512])
+    assert (pe.shape, pe.strides, pe.block_shape) == ([640, 64], [576, 1], [64, 64])
+    assert pe.base.data_ptr() == cache.data_ptr() + 512 * 2 and kv.base.data_ptr() == cache.data_ptr()
+    assert wg._tma_cache_descriptors(cache, 64, 512)[0] is kv  # built once per cache
+    assert kv.__mangle__() == wg.tma_descriptor_type(64, 512)  # what the compile check compiles
+    for bad, expected in (
+        (torch.zeros(10, 16, 576, dtype=torch.bfloat16), "block_size 16 is not a multiple of the 64-token tile"),
+        (torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fn), "float8_e4m3fn cache is read by cp.async"),
+        (torch.zeros(10, 2, 64, 576, dtype=torch.bfloat16)[:, 0], "not rows evenly spaced"),
+        (torch.zeros(10, 64, 580, dtype=torch.bfloat16)[:, :, :576], "not 16-byte aligned"),
+        (torch.zeros(10 * 64 * 576 + 4, dtype=torch.bfloat16)[4:].view(10, 64, 576), "not 16-byte aligned"),
+    ):
+        assert expected in wg.tma_cache_reason(bad, 64, 512), (bad.shape, bad.stride())
+        assert wg._tma_cache_descriptors(bad, 64, 512) is None
+
+
 def test_config_name_marks_the_warpgroup_kernel():
+    assert RM64T.name == "h64n64w4s2rmt" and WS32T.name == "h32n64w4s2wst"
     assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"
     assert RM64.name == "h64n64w4s2rm"
@@ -81,6 +118,7 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
     ):
         config = decode_config(platform, heads, q_len, torch.bfloat16)
         assert (config.kernel, config.block_h) == (kernel, block_h), (heads, q_len, config)
+        assert config.tma, config  # 16-bit tiles by TMA where the cache allows it
     # FP8 (e4m3fn): the warp-specialised kernels at every row count (tokens as M up to 16 rows), with
     # QK on FP8 tensor cores from raw stages (up to 16 rows P V too, from four raw stages and no float16
     # stage), or float16 products (fp8_qk=False)
@@ -193,6 +231,10 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
     rows = heads * q_len
     if kernel == "wgmma_rm":
         return RM64
+    if kernel == "wgmma_rm_tma":
+        return RM64T
+    if kernel == "wgmma_ws_tma":
+        return WS32T
     if kernel == "wgmma_ws":
         return WS16 if rows <= 16 else WS32 if rows <= 32 else WS64
     return WG16 if rows <= 16 else WG32 if rows <= 32 else WG64
@@ -202,7 +244,10 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
 @requires_hopper
 @pytest.mark.parametrize(
     "kernel,kv",
-    [("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_ws", "fp8"), ("wgmma_rm", "bf16"), ("wgmma_rm", "fp8")],
+    [
+        ("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_ws", "fp8"), ("wgmma_rm", "bf16"),
+        ("wgmma_rm", "fp8"), ("wgmma_rm_tma", "bf16"), ("wgmma_ws_tma", "bf16"), ("wgmma_rm_tma", "fp8"),
+    ],
 )
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 64, 128])
@@ -345,7 +390,7 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws", "wgmma_rm"])
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_rm_tma", "wgmma_ws_tma"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
 def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
     check_multi_token_gpu(heads, q_len, (1, 4), seed=heads + q_len, config=_config_for(heads, q_len, kernel))
@@ -355,8 +400,8 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 @requires_hopper
 @pytest.mark.parametrize(
     "config",
-    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P],
-    ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv"],
+    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P, RM64T, WS32T],
+    ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv", "wgmma_rm_tma", "wgmma_ws_tma"],
 )
 def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
@@ -386,9 +431,9 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     "kv,config",
     [
         ("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q),
-        ("fp8", WS16P),
+        ("fp8", WS16P), ("bf16", RM64T), ("bf16", WS32T),
     ],
-    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv"],
+    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv", "rm-tma", "ws-tma"],
 )
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd

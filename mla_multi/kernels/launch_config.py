@@ -153,6 +153,12 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             float16 stages and P V runs on the FP8 tensor cores too, V read
             from the raw stage into registers and P as e4m3.
             0: the whole tile converted to float16, float16 products.
+        tma: the warp-specialised kernels with a 16-bit cache: whole tiles are
+            copied by TMA (two bulk tensor copies a tile, issued by one
+            thread) where the cache allows it (`mla_decode_wgmma.tma_cache_reason`:
+            pages a multiple of ``block_n``, rows 16-byte aligned and evenly
+            spaced across blocks), by cp.async otherwise and for a split's
+            partial last tile.
     """
 
     block_h: int
@@ -166,6 +172,7 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
     disable_licm: bool = False
     kernel: str = "triton"
     raw_stages: int = 0
+    tma: bool = False
 
     @property
     def name(self) -> str:
@@ -175,6 +182,8 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
         text += DECODE_KERNEL_SUFFIXES.get(self.kernel, "")
         if self.raw_stages:
             text += f"f{self.raw_stages}"
+        if self.tma:
+            text += "t"
         return text + self._amd_suffix()
 
     @property
@@ -348,8 +357,8 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
         }
     return {
         "16": DecodeLaunchConfig(16, 64, 4, 2, programs_per_cu=2),
-        "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws"),
-        "64": DecodeLaunchConfig(64, 64, 4, 2, programs_per_cu=1, kernel="wgmma_rm"),
+        "32": DecodeLaunchConfig(32, 64, 4, 2, programs_per_cu=1, kernel="wgmma_ws", tma=True),
+        "64": DecodeLaunchConfig(64, 64, 4, 2, programs_per_cu=1, kernel="wgmma_rm", tma=True),
     }
 
 

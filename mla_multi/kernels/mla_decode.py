@@ -832,6 +832,15 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         constexprs["RAW_STAGES"] = config.raw_stages
         signature["ROWS_AS_M"] = "constexpr"
         signature["RAW_STAGES"] = "constexpr"
+        if config.tma and not fp8 and constexprs["PAGE_SIZE"] % config.block_n == 0:
+            # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
+            constexprs["TMA"] = True
+            signature["TMA"] = "constexpr"
+            for arg, cols in (("KV_desc", constexprs["KV_LORA_RANK"]), ("KV_pe_desc", constexprs["ROPE_DIM"])):
+                signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols)
+        else:
+            constexprs |= {"TMA": False, "KV_desc": None, "KV_pe_desc": None}
+            signature |= {"TMA": "constexpr", "KV_desc": "constexpr", "KV_pe_desc": "constexpr"}
     return CompileSpec(
         name=name,
         fn=mla_decode_wgmma.ws_split_kernel if ws else mla_decode_wgmma.split_kernel,

@@ -79,11 +79,16 @@ try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
     _GLUON_IMPORT_ERROR = ""
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _TensorDescriptor
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        _TensorDescriptor = None
 except Exception as error:  # pragma: no cover - depends on the installed Triton
     gluon = None
     _GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
@@ -130,6 +135,7 @@ if gluon is not None:
     # async_copy_global_to_shared; later: barrier and async_load)
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
     @gluon.constexpr_function
     def _mma_layout(cols, warps_m, warps_n):
@@ -1312,17 +1318,51 @@ if gluon is not None:
             page = next_page
 
     @gluon.jit
-    def _ws_load_cp_async(
-        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
-        num_cache_blocks, stride_kv_block, stride_kv_token,
-        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
+    def _cp_async_tile(
+        kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+        stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
     ):
-        """16-bit tiles: wait until both compute partitions released a stage, copy the next tile into it with
-        cp.async, the stage's ready barrier completing when the copies land."""
+        """Copy one 16-bit tile into a stage with cp.async (positions past split_end zero-filled), the stage's
+        ready barrier completing when the copies land."""
         CHUNK: gl.constexpr = 128
         chunk_layout: gl.constexpr = _tile_layout(CHUNK, 16, WS_LOAD_WARPS)
         kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
+        rows, valid, bad = _tile_rows(
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
+        )
+        for c in gl.static_range(KV_LORA_RANK // CHUNK):
+            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+            _async_load(kv_buf.slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None])
+        rows_pe, valid_pe, bad_pe = _tile_rows(
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
+        )
+        cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
+        _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
+        # the stage turns ready when every loader thread's copies have landed, without the loader waiting
+        # for them: each thread's copies hold the phase open (cp.async.mbarrier.arrive), then one arrive.
+        # (Marking a tile ready only after issuing the next one's copies made the first warpgroup wait
+        # for the next stage to drain: 22 % of its time at 128 heads.)
+        async_copy.mbarrier_arrive(ready_bar)
+        _cta_barrier()
+        mbarrier.arrive(ready_bar, count=1)
+
+    @gluon.jit
+    def _ws_load_cp_async(
+        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
+        split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, TMA: gl.constexpr,
+    ):
+        """16-bit tiles: wait until both compute partitions released a stage, then fill it.  TMA (the tile
+        inside one page, `_tma_cache_descriptors`): a whole tile is two bulk tensor copies (the latent and the
+        rotary part, addressed by the page's first row in the cache viewed as [blocks x PAGE_SIZE, 576])
+        that complete the ready barrier by their bytes, issued by one thread; a split's partial last tile
+        goes by cp.async so that its rows past the end are zeros, not the page's stale values.  Otherwise
+        every tile by cp.async."""
+        TILE_BYTES: gl.constexpr = BLOCK_N * (KV_LORA_RANK + ROPE_DIM) * kv_smem.dtype.primitive_bitwidth // 8
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1330,29 +1370,26 @@ if gluon is not None:
             # the next tile's block-table entry is in flight while this stage drains
             next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
-            rows, valid, bad = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
-            )
-            for c in gl.static_range(KV_LORA_RANK // CHUNK):
-                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
-                _async_load(
-                    kv_smem.index(slot).slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :],
-                    mask=valid[:, None],
+            if TMA:
+                if start + BLOCK_N <= split_end:
+                    # an entry outside [0, num_cache_blocks) reads block 0, as the cp.async rows do
+                    block = gl.where((page < 0) | (page >= num_cache_blocks), 0, page)
+                    row = block * PAGE_SIZE + start % PAGE_SIZE
+                    mbarrier.expect(ready_bars.index(slot), TILE_BYTES)
+                    _tma_load(KV_desc, [row, 0], ready_bars.index(slot), kv_smem.index(slot))
+                    _tma_load(KV_pe_desc, [row, 0], ready_bars.index(slot), kpe_smem.index(slot))
+                else:
+                    _cp_async_tile(
+                        kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start,
+                        split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                        KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                    )
+            else:
+                _cp_async_tile(
+                    kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start, split_end,
+                    block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
                 )
-            rows_pe, valid_pe, bad_pe = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
-            )
-            cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
-            _async_load(kpe_smem.index(slot), KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
-            # the stage turns ready when every loader thread's copies have landed, without the loader waiting
-            # for them: each thread's copies hold the phase open (cp.async.mbarrier.arrive), then one arrive.
-            # (Marking a tile ready only after issuing the next one's copies made the first warpgroup wait
-            # for the next stage to drain: 22 % of its time at 128 heads.)
-            async_copy.mbarrier_arrive(ready_bars.index(slot))
-            _cta_barrier()
-            mbarrier.arrive(ready_bars.index(slot), count=1)
             page = next_page
 
     @gluon.jit
@@ -1360,7 +1397,8 @@ if gluon is not None:
         bufs, ptrs, scalars, strides,
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
+        DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
+        TMA: gl.constexpr,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1400,9 +1438,9 @@ if gluon is not None:
             )
         else:
             _ws_load_cp_async(
-                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                BLOCK_N, STAGES,
+                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row,
+                split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK,
+                ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, TMA,
             )
 
     @gluon.jit
@@ -1415,10 +1453,10 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
-        RAW_STAGES: gl.constexpr = 0,
+        RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
     ):
-        """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async; FP8 through
-        registers, converted once into the 16-bit stages).
+        """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
+        16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
         # the products' operand type: float16 for an FP8 cache (see the softmax partition)
@@ -1508,7 +1546,8 @@ if gluon is not None:
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                            BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES)),
+                            BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES,
+                            KV_desc, KV_pe_desc, TMA)),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
@@ -1523,11 +1562,89 @@ else:  # pragma: no cover - depends on the installed Triton
     ws_split_kernel = None
 
 
+def tma_cache_reason(kv_cache, block_n: int, kv_lora_rank: int) -> str:
+    """Why the warp-specialised kernel's loader cannot copy this cache's tiles by TMA ("" when it can):
+    a 16-bit cache whose pages are whole tiles and whose rows, evenly spaced across blocks, start on 16-byte
+    boundaries, addressed by int32 row coordinates."""
+    if gluon is None or not hasattr(tma, "async_load") and not hasattr(tma, "async_copy_global_to_shared"):
+        return "this Triton's Gluon has no TMA copy"
+    if _TensorDescriptor is None:
+        return "this Triton has no Gluon TensorDescriptor (triton.experimental.gluon.nvidia.hopper)"
+    if kv_cache.element_size() != 2:
+        return f"a {kv_cache.dtype} cache is read by cp.async (TMA takes 16-bit caches)"
+    num_blocks, page_size, width = kv_cache.shape
+    if page_size % block_n:
+        return f"block_size {page_size} is not a multiple of the {block_n}-token tile"
+    row_stride = kv_cache.stride(1)
+    if kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * row_stride:
+        return f"kv_cache strides {tuple(kv_cache.stride())} are not rows evenly spaced across blocks"
+    if (row_stride * 2) % 16 or kv_cache.data_ptr() % 16 or (kv_lora_rank * 2) % 16:
+        return f"kv_cache rows (data_ptr {kv_cache.data_ptr()}, row stride {row_stride}) are not 16-byte aligned"
+    if num_blocks * page_size >= 2**31:
+        return f"{num_blocks} blocks x {page_size} rows exceed int32 row coordinates"
+    return ""
+
+
+def _stage_layout(cols: int):
+    """The shared layout of a 16-bit stage `cols` wide (the kernel's `_shared_layout`), on the host."""
+    return _shared_layout.fn(cols, 16) if hasattr(_shared_layout, "fn") else _shared_layout(cols, 16)
+
+
+def tma_descriptor_type(block_n: int, cols: int) -> str:
+    """The kernel signature's type of a bfloat16 cache descriptor (`_tma_cache_descriptors`), for
+    ahead-of-time compilation."""
+    return f"tensordesc<bf16[{block_n},{cols}],{_stage_layout(cols)!r}>"
+
+
+class _CacheBase:
+    """What a TMA descriptor needs of the cache tensor (its address and dtype), without keeping the cache
+    alive: a descriptor stays valid for any tensor at the same address with the same shape and strides."""
+
+    def __init__(self, tensor):
+        self._data_ptr = tensor.data_ptr()
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self._data_ptr
+
+
+# (address, shape, strides, dtype, block_n, kv_lora_rank) -> the two descriptors, or None where
+# `tma_cache_reason` rules TMA out: one lookup a call instead of building them again
+_TMA_DESCRIPTORS: dict = {}
+_TMA_DESCRIPTORS_MAX = 64
+
+
+def _tma_cache_descriptors(kv_cache, block_n: int, kv_lora_rank: int):
+    """TMA descriptors of the latent and the rotary columns of `kv_cache` viewed as [blocks x page, width],
+    with the shared layouts of the loader's stages; None when `tma_cache_reason` gives a reason."""
+    key = (kv_cache.data_ptr(), *kv_cache.shape, *kv_cache.stride(), kv_cache.dtype, block_n, kv_lora_rank)
+    found = _TMA_DESCRIPTORS.get(key, False)
+    if found is not False:
+        return found
+    descriptors = None
+    if not tma_cache_reason(kv_cache, block_n, kv_lora_rank):
+        num_blocks, page_size, width = kv_cache.shape
+        descriptors = tuple(
+            _TensorDescriptor(
+                _CacheBase(kv_cache[:, :, first:]), [num_blocks * page_size, cols], [kv_cache.stride(1), 1],
+                [block_n, cols], _stage_layout(cols),
+            )
+            for first, cols in ((0, kv_lora_rank), (kv_lora_rank, width - kv_lora_rank))
+        )
+    if len(_TMA_DESCRIPTORS) >= _TMA_DESCRIPTORS_MAX:
+        _TMA_DESCRIPTORS.clear()
+    _TMA_DESCRIPTORS[key] = descriptors
+    return descriptors
+
+
 def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
+    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if ws and config.tma else None
+    if descriptors is not None:
+        extra |= {"TMA": True, "KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]}
     extra = extra if ws else {}
     kernel[grid](
         *args,
