@@ -37,6 +37,8 @@ RM64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm")
 # 16-bit tiles by TMA where the cache allows it (whole tiles inside a page), cp.async otherwise
 RM64T = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_rm", tma=True)
 WS32T = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws", tma=True)
+RM64QT = DecodeLaunchConfig(64, 64, 4, 1, kernel="wgmma_rm", raw_stages=2, tma=True)
+WS16PT = DecodeLaunchConfig(16, 64, 4, 0, kernel="wgmma_ws", raw_stages=4, tma=True)
 # FP8 QK products from raw FP8 stages (the default FP8 configurations)
 WS16Q = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws", raw_stages=2)
 RM64Q = DecodeLaunchConfig(64, 64, 4, 1, kernel="wgmma_rm", raw_stages=2)
@@ -84,9 +86,16 @@ def test_tma_needs_a_16_bit_cache_of_whole_tile_pages_with_aligned_evenly_spaced
     assert pe.base.data_ptr() == cache.data_ptr() + 512 * 2 and kv.base.data_ptr() == cache.data_ptr()
     assert wg._tma_cache_descriptors(cache, 64, 512)[0] is kv  # built once per cache
     assert kv.__mangle__() == wg.tma_descriptor_type(64, 512)  # what the compile check compiles
+    # FP8 bytes into the raw stages: the rotary part's 64-byte rows take the 64-byte swizzle
+    fp8 = torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fn)
+    assert wg.tma_cache_reason(fp8, 64, 512) == ""
+    kv8, pe8 = wg._tma_cache_descriptors(fp8, 64, 512)
+    assert (kv8.layout.swizzle_byte_width, pe8.layout.swizzle_byte_width) == (128, 64)
+    assert pe8.base.data_ptr() == fp8.data_ptr() + 512 and pe8.__mangle__() == wg.tma_descriptor_type(64, 64, "fp8e4nv")
     for bad, expected in (
         (torch.zeros(10, 16, 576, dtype=torch.bfloat16), "block_size 16 is not a multiple of the 64-token tile"),
-        (torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fn), "float8_e4m3fn cache is read by cp.async"),
+        (torch.zeros(10, 64, 576, dtype=torch.float8_e4m3fnuz), "float8_e4m3fnuz cache is read by cp.async"),
+        (torch.zeros(10, 64, 576, dtype=torch.float32), "float32 cache is read by cp.async"),
         (torch.zeros(10, 2, 64, 576, dtype=torch.bfloat16)[:, 0], "not rows evenly spaced"),
         (torch.zeros(10, 64, 580, dtype=torch.bfloat16)[:, :, :576], "not 16-byte aligned"),
         (torch.zeros(10 * 64 * 576 + 4, dtype=torch.bfloat16)[4:].view(10, 64, 576), "not 16-byte aligned"),
@@ -126,8 +135,8 @@ def test_hopper_takes_the_warpgroup_kernel_past_16_rows(spec):
         (1, "wgmma_ws", 16, 4, 0), (16, "wgmma_ws", 16, 4, 0), (32, "wgmma_rm", 64, 2, 1), (128, "wgmma_rm", 64, 2, 1)
     ):
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn)
-        assert (config.kernel, config.block_h, config.raw_stages, config.num_stages) == (
-            kernel, block_h, raw, stages
+        assert (config.kernel, config.block_h, config.raw_stages, config.num_stages, config.tma) == (
+            kernel, block_h, raw, stages, True
         ), (heads, config)
         config = decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
         assert (config.kernel, config.block_h, config.raw_stages) == (kernel, block_h, 0), (heads, config)
@@ -146,8 +155,8 @@ def test_fp8_qk_follows_the_environment(monkeypatch):
     )
     assert decode_config(platform, 128, 1, torch.float8_e4m3fn).raw_stages == 0
     monkeypatch.setenv("MLA_MULTI_FP8_QK", "1")
-    assert decode_config(platform, 16, 1, torch.float8_e4m3fn) == WS16P
-    assert decode_config(platform, 128, 1, torch.float8_e4m3fn) == RM64Q
+    assert decode_config(platform, 16, 1, torch.float8_e4m3fn) == WS16PT
+    assert decode_config(platform, 128, 1, torch.float8_e4m3fn) == RM64QT
     # 16-bit caches never take raw stages
     assert decode_config(platform, 128, 1, torch.bfloat16).raw_stages == 0
     from mla_multi.envs import EnvironmentValueError
@@ -291,7 +300,9 @@ def _emulated_rel_err(config) -> float:
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WS16Q, RM64Q, WS16P], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv"])
+@pytest.mark.parametrize(
+    "config", [WS16Q, RM64Q, WS16P, RM64QT, WS16PT], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv", "rm_tma", "ws_pv_tma"]
+)
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("heads", [1, 16, 32, 128])
 def test_fp8_qk_decode_gpu(config, heads, block_size):
@@ -320,7 +331,9 @@ def test_fp8_qk_decode_gpu(config, heads, block_size):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("config", [WS16Q, RM64Q, WS16P], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv"])
+@pytest.mark.parametrize(
+    "config", [WS16Q, RM64Q, WS16P, RM64QT, WS16PT], ids=["wgmma_ws", "wgmma_rm", "wgmma_ws_pv", "rm_tma", "ws_pv_tma"]
+)
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (8, 2), (3, 5)])
 def test_fp8_qk_decode_gpu_multi_token(config, heads, q_len):
     """Speculative decode through the FP8 QK path: each query token sees its own prefix."""
@@ -400,8 +413,11 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 @requires_hopper
 @pytest.mark.parametrize(
     "config",
-    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P, RM64T, WS32T],
-    ids=["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv", "wgmma_rm_tma", "wgmma_ws_tma"],
+    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P, RM64T, WS32T, RM64QT, WS16PT],
+    ids=[
+        "wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv", "wgmma_rm_tma", "wgmma_ws_tma",
+        "rm_qk_tma", "ws_pv_tma",
+    ],
 )
 def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     from mla_multi import errors
@@ -431,9 +447,12 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
     "kv,config",
     [
         ("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q),
-        ("fp8", WS16P), ("bf16", RM64T), ("bf16", WS32T),
+        ("fp8", WS16P), ("bf16", RM64T), ("bf16", WS32T), ("fp8", RM64QT), ("fp8", WS16PT),
     ],
-    ids=["wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv", "rm-tma", "ws-tma"],
+    ids=[
+        "wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv", "rm-tma", "ws-tma",
+        "rm-fp8qk-tma", "ws-fp8pv-tma",
+    ],
 )
 def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd

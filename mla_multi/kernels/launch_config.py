@@ -153,7 +153,8 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             float16 stages and P V runs on the FP8 tensor cores too, V read
             from the raw stage into registers and P as e4m3.
             0: the whole tile converted to float16, float16 products.
-        tma: the warp-specialised kernels with a 16-bit cache: whole tiles are
+        tma: the warp-specialised kernels' loaders that copy tiles as they are
+            (16-bit caches, and FP8 bytes into raw stages): whole tiles are
             copied by TMA (two bulk tensor copies a tile, issued by one
             thread) where the cache allows it (`mla_decode_wgmma.tma_cache_reason`:
             pages a multiple of ``block_n``, rows 16-byte aligned and evenly
@@ -342,10 +343,10 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
     """
     if fp8 and fp8_qk:
         return {
-            "16": DecodeLaunchConfig(16, 64, 4, 0, programs_per_cu=1, kernel="wgmma_ws", raw_stages=4),
+            "16": DecodeLaunchConfig(16, 64, 4, 0, programs_per_cu=1, kernel="wgmma_ws", raw_stages=4, tma=True),
             # one float16 stage: the query (e4m3), two raw stages and P take the rest (184 KiB)
-            "32": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),
-            "64": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2),
+            "32": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2, tma=True),
+            "64": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2, tma=True),
         }
     if fp8:
         return {

@@ -832,12 +832,13 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         constexprs["RAW_STAGES"] = config.raw_stages
         signature["ROWS_AS_M"] = "constexpr"
         signature["RAW_STAGES"] = "constexpr"
-        if config.tma and not fp8 and constexprs["PAGE_SIZE"] % config.block_n == 0:
+        tma_loader = config.tma and fp8 == (config.raw_stages > 0) and cache_dtype != torch.float8_e4m3fnuz
+        if tma_loader and constexprs["PAGE_SIZE"] % config.block_n == 0:
             # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
             constexprs["TMA"] = True
             signature["TMA"] = "constexpr"
             for arg, cols in (("KV_desc", constexprs["KV_LORA_RANK"]), ("KV_pe_desc", constexprs["ROPE_DIM"])):
-                signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols)
+                signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols, _TRITON_DTYPE[cache_dtype])
         else:
             constexprs |= {"TMA": False, "KV_desc": None, "KV_pe_desc": None}
             signature |= {"TMA": "constexpr", "KV_desc": "constexpr", "KV_pe_desc": "constexpr"}

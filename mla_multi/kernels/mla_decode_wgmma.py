@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import triton.language as tl
 
 from mla_multi import errors
@@ -1208,23 +1209,17 @@ if gluon is not None:
             next_page = after_next
 
     @gluon.jit
-    def _issue_raw_tile(
-        raw_kv_buf, raw_pe_buf, bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
-        stride_kv_block, stride_kv_token, page,
-        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-    ):
-        """cp.async copies of one FP8 tile's bytes into a raw stage (16 bytes each; zero past split_end),
-        the stage's barrier completing when they land."""
-        kv_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, 8, WS_LOAD_WARPS)
-        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 8, WS_LOAD_WARPS)
-        _issue_tile(
-            raw_kv_buf, raw_pe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks,
-            stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout,
-            kpe_layout,
-        )
-        async_copy.mbarrier_arrive(bar)
-        _cta_barrier()
-        mbarrier.arrive(bar, count=1)
+    def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
+        """One whole tile inside a page by TMA: two bulk tensor copies (latent and rotary columns, addressed
+        by the tile's first row in the cache viewed as [blocks x PAGE_SIZE, width]) that complete the stage's
+        barrier by their bytes, issued by one thread.  An entry outside [0, num_cache_blocks) reads block 0,
+        as the cp.async rows do."""
+        TILE_BYTES: gl.constexpr = kv_buf.shape[0] * (kv_buf.shape[1] + pe_buf.shape[1]) * kv_buf.dtype.primitive_bitwidth // 8
+        block = gl.where((page < 0) | (page >= num_cache_blocks), 0, page)
+        row = block * PAGE_SIZE + start % PAGE_SIZE
+        mbarrier.expect(bar, TILE_BYTES)
+        _tma_load(KV_desc, [row, 0], bar, kv_buf)
+        _tma_load(KV_pe_desc, [row, 0], bar, pe_buf)
 
     @gluon.jit
     def _convert_latent(raw_kv_buf, kv_buf, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -1242,12 +1237,13 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_raw(
-        kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache, block_table_row,
-        split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
-        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, QUERY_PARKED: gl.constexpr,
+        kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache, KV_desc,
+        KV_pe_desc, block_table_row, split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block,
+        stride_kv_token, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, QUERY_PARKED: gl.constexpr,
+        TMA: gl.constexpr,
     ):
-        """FP8 tiles for QK on FP8 tensor cores: each tile's bytes are copied with cp.async into a raw
+        """FP8 tiles for QK on FP8 tensor cores: each tile's bytes are copied (`_fill_stage`) into a raw
         stage RAW_STAGES - 1 tiles ahead (QK reads it there), and its latent part is converted once into
         a float16 stage for P V.  A raw stage is free again once QK has read it and it was converted
         (its empty barrier counts both)."""
@@ -1256,10 +1252,10 @@ if gluon is not None:
             if i < num_tiles:
                 start = split_start + i * BLOCK_N
                 page = _tile_page(block_table_row, start, split_end, PAGE_SIZE, BLOCK_N)
-                _issue_raw_tile(
-                    raw_kv.index(i), raw_pe.index(i), raw_ready.index(i), KV_cache, start, split_end,
-                    block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                _fill_stage(
+                    raw_kv.index(i), raw_pe.index(i), raw_ready.index(i), KV_cache, KV_desc, KV_pe_desc, start,
+                    split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
                 )
         # the block-table entry of the tile the next copies are for, loaded an iteration before they are
         # issued (a load just before them put its latency into every tile: 6.5 % of the loader's time)
@@ -1272,10 +1268,10 @@ if gluon is not None:
             if ahead < num_tiles:
                 ahead_slot = ahead % RAW_STAGES
                 mbarrier.wait(raw_empty.index(ahead_slot), ((ahead // RAW_STAGES) & 1) ^ 1)
-                _issue_raw_tile(
+                _fill_stage(
                     raw_kv.index(ahead_slot), raw_pe.index(ahead_slot), raw_ready.index(ahead_slot), KV_cache,
-                    start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                    KV_desc, KV_pe_desc, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+                    stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
                 )
             raw_slot = tile % RAW_STAGES
             slot = tile % STAGES
@@ -1295,12 +1291,12 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_raw_only(
-        raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, block_table_row, split_start, split_end, num_tiles,
-        num_cache_blocks, stride_kv_block, stride_kv_token,
+        raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
+        split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        RAW_STAGES: gl.constexpr,
+        RAW_STAGES: gl.constexpr, TMA: gl.constexpr,
     ):
-        """FP8 tiles for QK and P V on FP8 tensor cores (`_fp8_pv`): each tile's bytes copied with cp.async
+        """FP8 tiles for QK and P V on FP8 tensor cores (`_fp8_pv`): each tile's bytes copied (`_fill_stage`)
         into a raw stage once both compute warpgroups released it; nothing is converted."""
         gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 P V path reads e4m3fn bytes")
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
@@ -1310,10 +1306,10 @@ if gluon is not None:
             # the next tile's block-table entry is in flight while this stage drains
             next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             mbarrier.wait(raw_empty.index(slot), ((tile // RAW_STAGES) & 1) ^ 1)
-            _issue_raw_tile(
-                raw_kv.index(slot), raw_pe.index(slot), raw_ready.index(slot), KV_cache, start, split_end,
-                block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+            _fill_stage(
+                raw_kv.index(slot), raw_pe.index(slot), raw_ready.index(slot), KV_cache, KV_desc, KV_pe_desc, start,
+                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
             )
             page = next_page
 
@@ -1323,24 +1319,34 @@ if gluon is not None:
         stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_N: gl.constexpr,
     ):
-        """Copy one 16-bit tile into a stage with cp.async (positions past split_end zero-filled), the stage's
-        ready barrier completing when the copies land."""
-        CHUNK: gl.constexpr = 128
-        chunk_layout: gl.constexpr = _tile_layout(CHUNK, 16, WS_LOAD_WARPS)
-        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
-        rows, valid, bad = _tile_rows(
-            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
-        )
-        for c in gl.static_range(KV_LORA_RANK // CHUNK):
-            cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
-            _async_load(kv_buf.slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None])
-        rows_pe, valid_pe, bad_pe = _tile_rows(
-            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
-        )
-        cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
-        _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
+        """Copy one tile into a stage with cp.async (16 bytes each; positions past split_end zero-filled), the
+        stage's ready barrier completing when the copies land: FP8 bytes whole rows at a time, 16-bit
+        values 128 columns at a time."""
+        if kv_buf.dtype.primitive_bitwidth == 8:
+            _issue_tile(
+                kv_buf, kpe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+                stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                _tile_layout(KV_LORA_RANK, 8, WS_LOAD_WARPS), _tile_layout(ROPE_DIM, 8, WS_LOAD_WARPS),
+            )
+        else:
+            CHUNK: gl.constexpr = 128
+            chunk_layout: gl.constexpr = _tile_layout(CHUNK, 16, WS_LOAD_WARPS)
+            kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
+            rows, valid, bad = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, chunk_layout),
+            )
+            for c in gl.static_range(KV_LORA_RANK // CHUNK):
+                cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+                _async_load(
+                    kv_buf.slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None]
+                )
+            rows_pe, valid_pe, bad_pe = _tile_rows(
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
+            )
+            cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
+            _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
         # the stage turns ready when every loader thread's copies have landed, without the loader waiting
         # for them: each thread's copies hold the phase open (cp.async.mbarrier.arrive), then one arrive.
         # (Marking a tile ready only after issuing the next one's copies made the first warpgroup wait
@@ -1350,19 +1356,37 @@ if gluon is not None:
         mbarrier.arrive(ready_bar, count=1)
 
     @gluon.jit
+    def _fill_stage(
+        kv_buf, kpe_buf, ready_bar, KV_cache, KV_desc, KV_pe_desc, start, split_end, block_table_row,
+        num_cache_blocks, stride_kv_block, stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
+        PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TMA: gl.constexpr,
+    ):
+        """Copy one tile of the cache's values (16-bit, or FP8 bytes into a raw stage) into a stage: by TMA
+        (`_tma_tile`; the tile inside one page, `tma_cache_reason`) when TMA and the tile is whole; by
+        cp.async otherwise, and for a split's partial last tile, so that its rows past the end are zeros,
+        not the page's stale values."""
+        if TMA:
+            if start + BLOCK_N <= split_end:
+                _tma_tile(kv_buf, kpe_buf, ready_bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE)
+            else:
+                _cp_async_tile(
+                    kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
+                    stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                )
+        else:
+            _cp_async_tile(
+                kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
+                stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+            )
+
+    @gluon.jit
     def _ws_load_cp_async(
         kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
         split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, TMA: gl.constexpr,
     ):
-        """16-bit tiles: wait until both compute partitions released a stage, then fill it.  TMA (the tile
-        inside one page, `_tma_cache_descriptors`): a whole tile is two bulk tensor copies (the latent and the
-        rotary part, addressed by the page's first row in the cache viewed as [blocks x PAGE_SIZE, 576])
-        that complete the ready barrier by their bytes, issued by one thread; a split's partial last tile
-        goes by cp.async so that its rows past the end are zeros, not the page's stale values.  Otherwise
-        every tile by cp.async."""
-        TILE_BYTES: gl.constexpr = BLOCK_N * (KV_LORA_RANK + ROPE_DIM) * kv_smem.dtype.primitive_bitwidth // 8
+        """16-bit tiles: wait until both compute partitions released a stage, then fill it (`_fill_stage`)."""
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1370,26 +1394,11 @@ if gluon is not None:
             # the next tile's block-table entry is in flight while this stage drains
             next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
-            if TMA:
-                if start + BLOCK_N <= split_end:
-                    # an entry outside [0, num_cache_blocks) reads block 0, as the cp.async rows do
-                    block = gl.where((page < 0) | (page >= num_cache_blocks), 0, page)
-                    row = block * PAGE_SIZE + start % PAGE_SIZE
-                    mbarrier.expect(ready_bars.index(slot), TILE_BYTES)
-                    _tma_load(KV_desc, [row, 0], ready_bars.index(slot), kv_smem.index(slot))
-                    _tma_load(KV_pe_desc, [row, 0], ready_bars.index(slot), kpe_smem.index(slot))
-                else:
-                    _cp_async_tile(
-                        kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start,
-                        split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                        KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
-                    )
-            else:
-                _cp_async_tile(
-                    kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start, split_end,
-                    block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                    KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
-                )
+            _fill_stage(
+                kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, KV_desc, KV_pe_desc,
+                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
+            )
             page = next_page
 
     @gluon.jit
@@ -1419,16 +1428,16 @@ if gluon is not None:
         block_table_row = Block_table + batch * stride_bt_b
         if _fp8_pv(RAW_STAGES, STAGES):
             _ws_load_raw_only(
-                raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                BLOCK_N, RAW_STAGES,
+                raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
+                split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM,
+                PAGE_SIZE, BLOCK_N, RAW_STAGES, TMA,
             )
         elif RAW_STAGES > 0:
             _ws_load_raw(
-                kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache,
-                block_table_row, split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block,
+                kv_smem, raw_kv, raw_pe, ready_bars, empty_bars, raw_ready, raw_empty, q_done, KV_cache, KV_desc,
+                KV_pe_desc, block_table_row, split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block,
                 stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
-                _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK),
+                _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK), TMA,
             )
         elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
             _ws_load_fp8(
@@ -1564,36 +1573,38 @@ else:  # pragma: no cover - depends on the installed Triton
 
 def tma_cache_reason(kv_cache, block_n: int, kv_lora_rank: int) -> str:
     """Why the warp-specialised kernel's loader cannot copy this cache's tiles by TMA ("" when it can):
-    a 16-bit cache whose pages are whole tiles and whose rows, evenly spaced across blocks, start on 16-byte
-    boundaries, addressed by int32 row coordinates."""
+    a 16-bit or float8_e4m3fn cache whose pages are whole tiles and whose rows, evenly spaced across blocks,
+    start on 16-byte boundaries, addressed by int32 row coordinates."""
     if gluon is None or not hasattr(tma, "async_load") and not hasattr(tma, "async_copy_global_to_shared"):
         return "this Triton's Gluon has no TMA copy"
     if _TensorDescriptor is None:
         return "this Triton has no Gluon TensorDescriptor (triton.experimental.gluon.nvidia.hopper)"
-    if kv_cache.element_size() != 2:
-        return f"a {kv_cache.dtype} cache is read by cp.async (TMA takes 16-bit caches)"
+    if kv_cache.element_size() != 2 and kv_cache.dtype != torch.float8_e4m3fn:
+        return f"a {kv_cache.dtype} cache is read by cp.async (TMA takes 16-bit and float8_e4m3fn caches)"
     num_blocks, page_size, width = kv_cache.shape
     if page_size % block_n:
         return f"block_size {page_size} is not a multiple of the {block_n}-token tile"
     row_stride = kv_cache.stride(1)
     if kv_cache.stride(2) != 1 or kv_cache.stride(0) != page_size * row_stride:
         return f"kv_cache strides {tuple(kv_cache.stride())} are not rows evenly spaced across blocks"
-    if (row_stride * 2) % 16 or kv_cache.data_ptr() % 16 or (kv_lora_rank * 2) % 16:
+    size = kv_cache.element_size()
+    if (row_stride * size) % 16 or kv_cache.data_ptr() % 16 or (kv_lora_rank * size) % 16:
         return f"kv_cache rows (data_ptr {kv_cache.data_ptr()}, row stride {row_stride}) are not 16-byte aligned"
     if num_blocks * page_size >= 2**31:
         return f"{num_blocks} blocks x {page_size} rows exceed int32 row coordinates"
     return ""
 
 
-def _stage_layout(cols: int):
-    """The shared layout of a 16-bit stage `cols` wide (the kernel's `_shared_layout`), on the host."""
-    return _shared_layout.fn(cols, 16) if hasattr(_shared_layout, "fn") else _shared_layout(cols, 16)
+def _stage_layout(cols: int, bits: int):
+    """The shared layout of a stage `cols` wide (the kernel's `_shared_layout`), on the host."""
+    return _shared_layout.fn(cols, bits) if hasattr(_shared_layout, "fn") else _shared_layout(cols, bits)
 
 
-def tma_descriptor_type(block_n: int, cols: int) -> str:
-    """The kernel signature's type of a bfloat16 cache descriptor (`_tma_cache_descriptors`), for
-    ahead-of-time compilation."""
-    return f"tensordesc<bf16[{block_n},{cols}],{_stage_layout(cols)!r}>"
+def tma_descriptor_type(block_n: int, cols: int, dtype: str = "bf16") -> str:
+    """The kernel signature's type of a cache descriptor (`_tma_cache_descriptors`; dtype "bf16", "fp16" or
+    "fp8e4nv"), for ahead-of-time compilation."""
+    bits = 8 if dtype.startswith("fp8") else 16
+    return f"tensordesc<{dtype}[{block_n},{cols}],{_stage_layout(cols, bits)!r}>"
 
 
 class _CacheBase:
@@ -1627,7 +1638,7 @@ def _tma_cache_descriptors(kv_cache, block_n: int, kv_lora_rank: int):
         descriptors = tuple(
             _TensorDescriptor(
                 _CacheBase(kv_cache[:, :, first:]), [num_blocks * page_size, cols], [kv_cache.stride(1), 1],
-                [block_n, cols], _stage_layout(cols),
+                [block_n, cols], _stage_layout(cols, kv_cache.element_size() * 8),
             )
             for first, cols in ((0, kv_lora_rank), (kv_lora_rank, width - kv_lora_rank))
         )
@@ -1642,7 +1653,9 @@ def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, pag
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
-    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if ws and config.tma else None
+    # the loaders that copy tiles as they are: 16-bit values, or FP8 bytes into raw stages
+    tma_loader = ws and config.tma and fp8_cache == (config.raw_stages > 0)
+    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader else None
     if descriptors is not None:
         extra |= {"TMA": True, "KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]}
     extra = extra if ws else {}
