@@ -1295,30 +1295,6 @@ if gluon is not None:
             page = next_page
 
     @gluon.jit
-    def _ws_load_raw_only(
-        raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
-        split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
-        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        RAW_STAGES: gl.constexpr, TMA: gl.constexpr,
-    ):
-        """FP8 tiles for QK and P V on FP8 tensor cores (`_fp8_pv`): each tile's bytes copied (`_fill_stage`)
-        into a raw stage once both compute warpgroups released it; nothing is converted."""
-        gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 P V path reads e4m3fn bytes")
-        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
-        for tile in range(num_tiles):
-            slot = tile % RAW_STAGES
-            start = split_start + tile * BLOCK_N
-            # the next tile's block-table entry is in flight while this stage drains
-            next_page = _tile_page(block_table_row, start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-            mbarrier.wait(raw_empty.index(slot), ((tile // RAW_STAGES) & 1) ^ 1)
-            _fill_stage(
-                raw_kv.index(slot), raw_pe.index(slot), raw_ready.index(slot), KV_cache, KV_desc, KV_pe_desc, start,
-                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
-            )
-            page = next_page
-
-    @gluon.jit
     def _cp_async_tile(
         kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
         stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -1385,13 +1361,14 @@ if gluon is not None:
             )
 
     @gluon.jit
-    def _ws_load_cp_async(
+    def _ws_load_tiles(
         kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
         split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, TMA: gl.constexpr,
     ):
-        """16-bit tiles: wait until both compute partitions released a stage, then fill it (`_fill_stage`)."""
+        """Tiles copied as they are, nothing converted (16-bit stages, or the raw FP8 stages of FP8 P V): wait
+        until the compute partitions released a stage, then fill it (`_fill_stage`)."""
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1432,7 +1409,9 @@ if gluon is not None:
         )
         block_table_row = Block_table + batch * stride_bt_b
         if _fp8_pv(RAW_STAGES, STAGES):
-            _ws_load_raw_only(
+            # QK and P V on the FP8 tensor cores read the raw stages; nothing is converted
+            gl.static_assert(KV_cache.dtype.element_ty == gl.float8e4nv, "the FP8 P V path reads e4m3fn bytes")
+            _ws_load_tiles(
                 raw_kv, raw_pe, raw_ready, raw_empty, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
                 split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM,
                 PAGE_SIZE, BLOCK_N, RAW_STAGES, TMA,
@@ -1451,7 +1430,7 @@ if gluon is not None:
                 BLOCK_N, STAGES,
             )
         else:
-            _ws_load_cp_async(
+            _ws_load_tiles(
                 kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row,
                 split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK,
                 ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, TMA,
