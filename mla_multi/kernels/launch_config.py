@@ -332,22 +332,24 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
       runs on the FP8 tensor cores from raw FP8 stages (cp.async) with an e4m3
       query, and the loader converts the latent part once into float16 stages
       for P V; up to 16 rows P V runs on the FP8 tensor cores as well, from
-      four raw stages and no float16 stage.  FP8 takes 0.55-0.98x the bf16
-      time (0.55 at 16 heads, 0.91 at 128 heads, B = 128, S = 4096; 0.98 at
-      128 heads, B = 1, S = 32768; both with TMA loads).  fp8_qk=False: the loader converts the
+      four raw stages and no float16 stage.  FP8 takes 0.56-0.98x the bf16
+      time (0.56 at 16 heads, 0.91 at 128 heads, B = 128, S = 4096; 0.98 at
+      128 heads, B = 1, S = 32768, with TMA loads).  fp8_qk=False: the loader converts the
       whole tile once into a float16 stage, float16 products (the bf16 path's
       accuracy), 0.76-1.08x the bf16 time; the Triton kernel's FP8 path takes
       1.85x as long at 16 heads;
     * 16-bit caches up to 16 rows: the Triton kernel (memory-bound there; the
       warpgroup kernels pad the QK product's N to 16 rows and are no faster);
-    * every warp-specialised entry that copies tiles as they are (16-bit, and
-      FP8 into raw stages) loads whole tiles by TMA where the cache allows it
-      (``tma``): 1-4 % faster than cp.async at 64-128 heads, and what keeps
-      FP8 under the bf16 time at 128 heads (0.91-0.98).
+    * the 16-bit entries and the FP8 ones from 17 rows load whole tiles by
+      TMA where the cache allows it (``tma``): 1-4 % faster than cp.async at
+      64-128 heads, and what keeps FP8 under the bf16 time at 128 heads
+      (0.91-0.98); FP8 up to 16 rows gains nothing measurable from it.
     """
     if fp8 and fp8_qk:
         return {
-            "16": DecodeLaunchConfig(16, 64, 4, 0, programs_per_cu=1, kernel="wgmma_ws", raw_stages=4, tma=True),
+            # no TMA: 88.9 / 33.9 / 16.7 against 90.6 / 33.7 / 16.6 µs (B = 128 / 32 / 1), not worth the
+            # 18-23 µs more host time each eager launch takes to encode its descriptors
+            "16": DecodeLaunchConfig(16, 64, 4, 0, programs_per_cu=1, kernel="wgmma_ws", raw_stages=4),
             # one float16 stage: the query (e4m3), two raw stages and P take the rest (184 KiB)
             "32": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2, tma=True),
             "64": DecodeLaunchConfig(64, 64, 4, 1, programs_per_cu=1, kernel="wgmma_rm", raw_stages=2, tma=True),
