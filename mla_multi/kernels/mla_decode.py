@@ -832,8 +832,7 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         constexprs["RAW_STAGES"] = config.raw_stages
         signature["ROWS_AS_M"] = "constexpr"
         signature["RAW_STAGES"] = "constexpr"
-        tma_loader = config.tma and fp8 == (config.raw_stages > 0) and cache_dtype != torch.float8_e4m3fnuz
-        if tma_loader and constexprs["PAGE_SIZE"] % config.block_n == 0:
+        if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
             # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
             constexprs["TMA"] = True
             signature["TMA"] = "constexpr"

@@ -750,6 +750,15 @@ if gluon is not None:
         return gl.convert_layout(o, _o_store_layout(rows))
 
     @gluon.jit
+    def _last_rescale(row_smem, p_ready, p_empty, num_tiles, rows_o: gl.constexpr):
+        """The second warpgroup's final 1 / sum per row, which the first leaves after its last tile's P."""
+        mbarrier.wait(p_ready, num_tiles & 1)
+        inv_l = row_smem.load(rows_o)
+        _cta_barrier()
+        mbarrier.arrive(p_empty, count=1)
+        return inv_l
+
+    @gluon.jit
     def _ws_fp8_pv_partition(
         raw_kv, raw_ready, raw_empty, p_smem, row_smem, p_ready, p_empty, num_tiles,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RAW_STAGES: gl.constexpr,
@@ -780,10 +789,7 @@ if gluon is not None:
             _cta_barrier()
             mbarrier.arrive(p_empty, count=1)
             mbarrier.arrive(raw_empty.index(slot), count=1)
-        mbarrier.wait(p_ready, num_tiles & 1)
-        inv_l = row_smem.load(rows_o)
-        _cta_barrier()
-        mbarrier.arrive(p_empty, count=1)
+        inv_l = _last_rescale(row_smem, p_ready, p_empty, num_tiles, rows_o)
         return _unpermute_columns(acc0), _unpermute_columns(acc1), inv_l
 
     @gluon.constexpr_function
@@ -1078,10 +1084,7 @@ if gluon is not None:
                 _cta_barrier()
                 mbarrier.arrive(p_empty, count=1)
                 mbarrier.arrive(empty_bars.index(slot), count=1)
-            mbarrier.wait(p_ready, num_tiles & 1)
-            inv_l = row_smem.load(rows_o)
-            _cta_barrier()
-            mbarrier.arrive(p_empty, count=1)
+            inv_l = _last_rescale(row_smem, p_ready, p_empty, num_tiles, rows_o)
             s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_o)
             _store_rows(
                 acc, inv_l, inv_l, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
@@ -1632,14 +1635,19 @@ def _tma_cache_descriptors(kv_cache, block_n: int, kv_lora_rank: int):
     return descriptors
 
 
+def tma_loader(config, fp8_cache: bool) -> bool:
+    """Whether `config`'s loader copies tiles as they are and asks for TMA (`DecodeLaunchConfig.tma`): the
+    warp-specialised kernels with 16-bit values, or with FP8 bytes into raw stages.  The launch still keeps
+    cp.async for a cache `tma_cache_reason` rules out."""
+    return config.warp_specialised and config.tma and fp8_cache == (config.raw_stages > 0)
+
+
 def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
     """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
-    # the loaders that copy tiles as they are: 16-bit values, or FP8 bytes into raw stages
-    tma_loader = ws and config.tma and fp8_cache == (config.raw_stages > 0)
-    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader else None
+    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader(config, fp8_cache) else None
     if descriptors is not None:
         extra |= {"TMA": True, "KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]}
     extra = extra if ws else {}
