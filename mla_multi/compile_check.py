@@ -14,7 +14,11 @@ SGPRs on AMD, read from the AMDGCN assembly's ``.vgpr_count`` / ``.agpr_count``
 ``cuobjdump --dump-resource-usage`` of the cubin, with the cuobjdump that the
 triton wheel ships), spills (``.vgpr_spill_count`` + ``.sgpr_spill_count`` on
 AMD; the stack frame in bytes on NVIDIA, where Triton kernels keep nothing but
-spilled registers) and shared memory / LDS.
+spilled registers), shared memory / LDS, and ``mma_repeat``: how many warps
+compute each element of a matrix product (the largest over the kernel's dots,
+from the TTGIR's MFMA / WMMA / MMA layouts; 1 where the warps split every
+product, 2 or 4 where a product smaller than its warps' tile is computed again
+by each of them).
 
 It fails (exit status 1) on a compile error, on any spill for gfx942, gfx950
 or sm_90, and on shared memory over the target's per-block limit.
@@ -93,6 +97,7 @@ class CompileResult:
     spill_unit: str = ""
     shared_bytes: int | None = None
     shared_limit: int | None = None
+    mma_repeat: int | None = None
     error: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -136,6 +141,48 @@ def _amd_counts(asm: str) -> dict[str, int | None]:
         "agprs": read(".agpr_count"),
         "spills": vgpr_spills + sgpr_spills,
     }
+
+
+# a matrix-op layout of the TTGIR: its name, warps per CTA (M, N) and the M x N of one instruction
+_MMA_LAYOUT = re.compile(
+    r"^(#\w+) = #ttg\.(amd_mfma|amd_wmma|nvidia_mma)<\{(.*?)\}>", re.M
+)
+_MMA_RESULT = re.compile(r"(?:tt\.dot|ttng\.warp_group_dot)\b[^\n]*-> tensor<(\d+)x(\d+)x\w+, (#\w+)>")
+
+
+def mma_repeat(ttgir: str) -> int | None:
+    """How many warps compute each element of the kernel's matrix products (the
+    largest over its dots), from the TTGIR; None when the kernel has no dot.
+
+    A dot's result layout puts ``warpsPerCTA = [wm, wn]`` warps on the M x N
+    tile, each instruction covering ``im x in`` (MFMA: ``instrShape``; NVIDIA
+    MMA: 16 x 8, or 16 x instrShape[1] for wgmma; WMMA: 16 x 16).  A result of
+    M x N has ``min(wm, M / im) x min(wn, N / in)`` distinct warp tiles; the
+    other warps repeat them.
+    """
+    layouts: dict[str, tuple[int, int, int, int]] = {}
+    for name, kind, body in _MMA_LAYOUT.findall(ttgir):
+        warps = re.search(r"warpsPerCTA = \[(\d+), (\d+)\]", body)
+        if not warps:
+            continue
+        instr = re.search(r"instrShape = \[(\d+), (\d+)", body)
+        if kind == "amd_mfma" and instr:
+            im, inn = int(instr.group(1)), int(instr.group(2))
+        elif kind == "nvidia_mma":
+            major = int(re.search(r"versionMajor = (\d+)", body).group(1))
+            im, inn = (16, int(instr.group(2))) if major >= 3 and instr else (16, 8)
+        else:
+            im, inn = 16, 16
+        layouts[name] = (int(warps.group(1)), int(warps.group(2)), im, inn)
+    worst = None
+    for rows, cols, layout in _MMA_RESULT.findall(ttgir):
+        if layout not in layouts:
+            continue
+        wm, wn, im, inn = layouts[layout]
+        distinct = min(wm, max(1, int(rows) // im)) * min(wn, max(1, int(cols) // inn))
+        repeat = wm * wn // distinct
+        worst = repeat if worst is None else max(worst, repeat)
+    return worst
 
 
 def _nvidia_counts(cubin: bytes) -> dict[str, int | None]:
@@ -185,6 +232,7 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
         source = source_cls(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
         compiled = triton.compile(source, target=target.gpu_target(), options=dict(spec.options))
         result.shared_bytes = int(compiled.metadata.shared)
+        result.mma_repeat = mma_repeat(compiled.asm.get("ttgir", ""))
         if target.backend == "hip":
             counts = _amd_counts(compiled.asm["amdgcn"])
             result.spill_unit = "registers"
@@ -240,7 +288,10 @@ def run_checks(
 
 
 def _format(results: list[CompileResult]) -> str:
-    header = f"{'target':7} {'kernel':70} {'regs':>5} {'sgpr':>5} {'agpr':>5} {'spills':>7} {'shared':>8} {'limit':>7} {'s':>5}  status"
+    header = (
+        f"{'target':7} {'kernel':70} {'regs':>5} {'sgpr':>5} {'agpr':>5} {'spills':>7} {'shared':>8} {'limit':>7} "
+        f"{'mma_x':>5} {'s':>5}  status"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         def show(value):
@@ -249,7 +300,8 @@ def _format(results: list[CompileResult]) -> str:
         status = "ok" if r.passed else "FAIL: " + "; ".join(r.problems) + (f" ({r.error})" if r.error else "")
         lines.append(
             f"{r.target:7} {r.kernel[:70]:70} {show(r.registers):>5} {show(r.sgprs):>5} {show(r.agprs):>5} "
-            f"{show(r.spills):>7} {show(r.shared_bytes):>8} {show(r.shared_limit):>7} {r.seconds:5.1f}  {status}"
+            f"{show(r.spills):>7} {show(r.shared_bytes):>8} {show(r.shared_limit):>7} {show(r.mma_repeat):>5} "
+            f"{r.seconds:5.1f}  {status}"
         )
     return "\n".join(lines)
 

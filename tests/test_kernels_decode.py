@@ -173,6 +173,22 @@ INTERPRETER_CASES = [
     ("h2-bs32", 2, 2, 1, 64, 16, 32, [70, 5], "float16", 2, None),
     ("h2-bs128", 2, 2, 1, 64, 16, 128, [200, 129], "float16", 2, None),
     ("h2-q8-bs256-spec-decode", 1, 2, 8, 64, 16, 256, [300], "float16", 2, None),
+    # the AMD tables from 17 rows on: 64-token tiles with the tokens as M
+    ("amd-mi300x-h40-tokens-as-m", 2, 40, 1, 64, 16, 64, [150, 17], "float16", 2, "MI300X"),
+    ("amd-mi355x-fp8-h20-tokens-as-m", 2, 20, 1, 64, 16, 16, [130, 0], "float8_e4m3fn", 3, "MI355X"),
+    ("amd-mi300x-fp8-h40-q2-tokens-as-m", 2, 40, 2, 64, 16, 128, [200, 65], "float8_e4m3fnuz", 2, "MI300X"),
+]
+
+# QK as K Q^T (`DecodeLaunchConfig.tokens_as_m`) with an explicit configuration:
+# (id, heads, q_len, block_size, seq_lens, cache dtype name, splits, (block_h, block_n, warps))
+TOKENS_AS_M_CASES = [
+    (f"tokens-as-m-bs{block_size}-splits{splits}", 20, 1, block_size, [0, 1, 17, 300], "float16", splits, (32, 64, 4))
+    for block_size in (1, 16, 64, 128)
+    for splits in (1, 3)
+] + [
+    ("tokens-as-m-h16-q3-causal", 5, 3, 16, [40, 3, 2, 130], "float16", 2, (16, 64, 4)),
+    ("tokens-as-m-fp8-e4m3fn", 4, 1, 64, [70, 19, 1, 0], "float8_e4m3fn", 2, (16, 64, 4)),
+    ("tokens-as-m-fp8-e4m3fnuz", 40, 1, 16, [90, 33, 64, 5], "float8_e4m3fnuz", 3, (32, 64, 4)),
 ]
 
 
@@ -200,6 +216,14 @@ def _interpreter_main() -> None:
         scale = 80**-0.5 / factor
         out, lse = _run_decode(tensors, scale, 2, max_splits=3)
         results[case_id] = _errors(tensors, out, lse, scale)
+    for case_id, heads, q_len, block_size, seq_lens, dtype_name, splits, tile in TOKENS_AS_M_CASES:
+        tensors = _make_case(
+            len(seq_lens), heads, q_len, 64, 16, block_size, seq_lens, getattr(torch, dtype_name), torch.float16,
+            "cpu", 13,
+        )
+        config = DecodeLaunchConfig(*tile, 1, tokens_as_m=True)
+        out, lse = _run_decode(tensors, 80**-0.5, splits, max_splits=splits + 1, config=config)
+        results[case_id] = _errors(tensors, out, lse, 80**-0.5)
     # the tile loop without loop-invariant code motion (the sm_90 64-row tiles' loop)
     tensors = _make_case(2, 40, 1, 64, 16, 16, [45, 70], torch.float16, torch.float16, "cpu", 11)
     config = DecodeLaunchConfig(64, 16, 4, 1, disable_licm=True)
@@ -214,7 +238,10 @@ def interpreter_results():
     return run_interpreter_script(__file__)
 
 
-@pytest.mark.parametrize("case_id", [case[0] for case in INTERPRETER_CASES] + ["no-licm-loop-direct", "no-licm-loop-splits"])
+@pytest.mark.parametrize(
+    "case_id",
+    [case[0] for case in INTERPRETER_CASES + TOKENS_AS_M_CASES] + ["no-licm-loop-direct", "no-licm-loop-splits"],
+)
 def test_decode_interpreter(interpreter_results, case_id):
     result = interpreter_results[case_id]
     assert not result["nan"], result
@@ -341,7 +368,7 @@ def test_decode_gpu_every_triton_kernel_config(kv):
     """Each configuration of the Triton kernel that the device's tables hold (on sm_90 also the ones
     used where Gluon is missing, e.g. the one-stage 64-row FP8 tile), one split and several, block
     sizes 1 and 64, heads that fill and that pad the row block."""
-    from mla_multi.kernels.launch_config import _decode_table
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig, _decode_table
     from mla_multi.platforms import current_platform
 
     platform = current_platform()
@@ -352,6 +379,8 @@ def test_decode_gpu_every_triton_kernel_config(kv):
             if config.kernel == "triton" and config not in configs:
                 configs.append(config)
     assert configs
+    # the AMD tables' QK as K Q^T (tokens as M), on this device's matrix units
+    configs += [DecodeLaunchConfig(32, 64, 4, 1, tokens_as_m=True), DecodeLaunchConfig(16, 64, 4, 1, tokens_as_m=True)]
     for config in configs:
         for heads, block_size in ((config.block_h, 64), (max(1, config.block_h - 3), 1)):
             tensors = _make_case(

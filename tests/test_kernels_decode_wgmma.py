@@ -62,6 +62,10 @@ def test_benchmark_parses_every_sm90_config_name():
         )
     with pytest.raises(ValueError, match="h64n64w4s2xx"):
         parse_config("h64n64w4s2xx")
+    # the Triton kernel's tokens as M (the AMD tables' wide tiles), and only the Triton kernel's
+    assert parse_config("h32n64w4s2tm") == DecodeLaunchConfig(32, 64, 4, 2, tokens_as_m=True)
+    with pytest.raises(ValueError, match="tokens_as_m is an option of the Triton kernel, not of kernel 'wgmma_rm'"):
+        parse_config("h64n64w4s2tmrm")
 
 
 def test_tma_needs_a_16_bit_cache_of_whole_tile_pages_with_aligned_evenly_spaced_rows():

@@ -60,18 +60,19 @@ def parse_config(text: str):
     from mla_multi.kernels.launch_config import DECODE_KERNEL_SUFFIXES, DecodeLaunchConfig
 
     kernels = {suffix: kernel for kernel, suffix in DECODE_KERNEL_SUFFIXES.items()}
-    match = re.fullmatch(rf"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?({'|'.join(kernels)})?(?:f(\d+))?(t)?", text)
+    match = re.fullmatch(rf"h(\d+)n(\d+)w(\d+)s(\d+)(nolicm)?(tm)?({'|'.join(kernels)})?(?:f(\d+))?(t)?", text)
     if not match:
         raise ValueError(
             f"config {text!r}; accepted: like h16n64w4s2 (BLOCK_H, BLOCK_N, warps, stages), optionally "
-            "followed by nolicm (nothing hoisted out of the tile loop) or wg / ws / rm (the sm_90 warpgroup kernel; warp-specialised; warp-specialised with rows as M), then fN after ws / rm (FP8 QK products from N raw FP8 stages), then t after ws / rm (whole tiles by TMA: 16-bit ones, or FP8 bytes into the fN raw stages)"
+            "followed by nolicm (nothing hoisted out of the tile loop), tm (Triton kernel: the cache tokens as the matrix op's M) or wg / ws / rm (the sm_90 warpgroup kernel; warp-specialised; warp-specialised with rows as M), then fN after ws / rm (FP8 QK products from N raw FP8 stages), then t after ws / rm (whole tiles by TMA: 16-bit ones, or FP8 bytes into the fN raw stages)"
         )
     return DecodeLaunchConfig(
         *map(int, match.groups()[:4]),
         disable_licm=bool(match.group(5)),
-        kernel=kernels.get(match.group(6), "triton"),
-        raw_stages=int(match.group(7) or 0),
-        tma=bool(match.group(8)),
+        tokens_as_m=bool(match.group(6)),
+        kernel=kernels.get(match.group(7), "triton"),
+        raw_stages=int(match.group(8) or 0),
+        tma=bool(match.group(9)),
     )
 
 

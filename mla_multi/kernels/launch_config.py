@@ -160,6 +160,13 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             pages a multiple of ``block_n``, rows 16-byte aligned and evenly
             spaced across blocks), by cp.async otherwise and for a split's
             partial last tile.
+        tokens_as_m: the Triton kernel (``kernel="triton"``) computes QK as
+            K Q^T, the tile's cache tokens as the matrix op's M: with
+            ``block_n`` >= 16 x ``num_warps`` the warps split the tokens and
+            each QK product is computed once.  With the query rows as M, AMD's
+            compiler puts every warp of a chained QK on M, and a block of
+            fewer than 16 x ``num_warps`` rows computes the same QK in several
+            warps (`mla_multi.compile_check` reports this as ``mma_repeat``).
     """
 
     block_h: int
@@ -174,12 +181,19 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
     kernel: str = "triton"
     raw_stages: int = 0
     tma: bool = False
+    tokens_as_m: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokens_as_m and self.kernel != "triton":
+            raise ValueError(f"tokens_as_m is an option of the Triton kernel, not of kernel {self.kernel!r}")
 
     @property
     def name(self) -> str:
         text = f"h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.disable_licm:
             text += "nolicm"
+        if self.tokens_as_m:
+            text += "tm"
         text += DECODE_KERNEL_SUFFIXES.get(self.kernel, "")
         if self.raw_stages:
             text += f"f{self.raw_stages}"
@@ -240,11 +254,20 @@ def _decode_table(
       run the 64-row one (Triton lowers it to tcgen05 there and its compiled
       resource report is implausible).
     * sm_80 (163 KiB): 32-token tiles.
-    * gfx942 (64 KiB LDS, 512 VGPRs per lane shared by the waves of a SIMD):
-      16-token tiles, one stage; 4 warps at 16 rows, 8 warps at 32 rows and
-      beyond, waves_per_eu=2 (two waves per SIMD) is spill-free at these sizes.
-    * gfx950 (160 KiB LDS): 2 stages; a 64-row tile on 8 warps fits without spills.
-    * RDNA (warp 32, 64 KiB LDS, no MFMA): the gfx942 shapes without CDNA options.
+    * gfx942 / gfx950 (CDNA3 / CDNA4, 64 / 160 KiB LDS): up to 16 rows,
+      16-token tiles on 4 warps, waves_per_eu=2 (gfx942 FP8: 1), where decode is
+      bound by memory.  From 17 rows on, 64-token tiles with the tokens as the
+      matrix op's M (`DecodeLaunchConfig.tokens_as_m`) on 4 warps, 32 rows a
+      block, one program per CU, no spill: each warp computes a quarter of the
+      tile's QK once, where the rows-as-M tiles (16/32 x 16 tokens on 4 or 8
+      warps) computed each QK element in 4 warps (2 for gfx950's 64-row tile):
+      at 32-128 heads 2.6x fewer matrix instructions per cache token
+      (gfx942 bf16, gfx950 up to 32 rows), 1.5x fewer FLOPs (gfx942 FP8,
+      gfx950 past 32 rows: 2x fewer instructions), read from the cache by as
+      many head blocks, on gfx950 past 32 rows by twice as many.  gfx950 FP8: the 32-row tile spills, so 16 rows for
+      17-32 and the 64-row tile past 32 (16-row blocks would read the cache 8
+      times at 128 heads).
+    * RDNA (warp 32, 64 KiB LDS, WMMA): 16-token tiles, 4 / 8 warps.
 
     FP8 caches pass the tile through registers for the conversion, so their
     tiles are smaller where the bf16 shapes would spill (sm_80/90/100, gfx942).
@@ -281,30 +304,32 @@ def _decode_table(
             "64": DecodeLaunchConfig(32, 32, 8, 2, programs_per_cu=2),
         }
     if platform.is_rocm():
-        if arch == "gfx950":
-            return {
-                "16": DecodeLaunchConfig(16, 16, 4, 2, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-                "32": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-                "64": DecodeLaunchConfig(64, 16, 8, 2, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-            }
         if platform.warp_size == 32:  # RDNA
             return {
                 "16": DecodeLaunchConfig(16, 16, 4, 1, 2),
                 "32": DecodeLaunchConfig(32, 16, 8, 1, 2),
                 "64": DecodeLaunchConfig(32, 16, 8, 1, 2),
             }
+        cdna = dict(matrix_instr_nonkdim=16, kpack=1)
+        if arch == "gfx950":
+            narrow = DecodeLaunchConfig(16, 16, 4, 2, 2, waves_per_eu=2, **cdna)
+            if fp8:
+                # a 32-row FP8 tile with the tokens as M spills (104 VGPRs), and 16-row
+                # blocks would read the cache 8 times at 128 heads: past 32 rows the
+                # 64-row tile stays (QK in 2 warps each)
+                wide = DecodeLaunchConfig(16, 64, 4, 2, 1, waves_per_eu=1, tokens_as_m=True, **cdna)
+                widest = DecodeLaunchConfig(64, 16, 8, 2, 2, waves_per_eu=2, **cdna)
+                return {"16": narrow, "32": wide, "64": widest}
+            wide = DecodeLaunchConfig(32, 64, 4, 2, 1, waves_per_eu=1, tokens_as_m=True, **cdna)
+            return {"16": narrow, "32": wide, "64": wide}
         # gfx942 / gfx90a: 64 KiB LDS
         if fp8:
-            return {
-                "16": DecodeLaunchConfig(16, 16, 4, 2, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
-                "32": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
-                "64": DecodeLaunchConfig(32, 16, 4, 1, 1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
-            }
-        return {
-            "16": DecodeLaunchConfig(16, 16, 4, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-            "32": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-            "64": DecodeLaunchConfig(32, 16, 8, 1, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-        }
+            narrow = DecodeLaunchConfig(16, 16, 4, 2, 1, waves_per_eu=1, **cdna)
+            wide = DecodeLaunchConfig(32, 64, 4, 1, 1, waves_per_eu=1, tokens_as_m=True, **cdna)
+        else:
+            narrow = DecodeLaunchConfig(16, 16, 4, 1, 2, waves_per_eu=2, **cdna)
+            wide = DecodeLaunchConfig(32, 64, 4, 2, 1, waves_per_eu=1, tokens_as_m=True, **cdna)
+        return {"16": narrow, "32": wide, "64": wide}
     # CPU (the Triton interpreter): small tiles keep it fast
     return {
         "16": DecodeLaunchConfig(16, 16, 4, 1),

@@ -29,6 +29,14 @@ Design (why it is shaped this way):
 * The 512 latent columns are two halves (two accumulators, two V tiles): no
   [BLOCK_H, 512] float32 tensor is ever converted or stored at once, which
   is what spilled registers with a single accumulator.
+* QK is ``q @ K^T`` (the query rows as the matrix op's M) or, with
+  ``DecodeLaunchConfig.tokens_as_m``, ``(K @ q^T)^T`` (the tile's cache tokens
+  as M).  AMD's compiler gives a QK that feeds P V every warp along M, so with
+  the rows as M a block of fewer than 16 x warps rows computes each QK element
+  in several warps (4 for 16 or 32 rows on 4 or 8 warps); with the tokens as M
+  and 16 tokens per warp each is computed once.  The AMD tables take it from
+  17 rows on (`launch_config._decode_table`; the compile check reports the
+  repetition as ``mma_repeat``).
 * FP8 caches carry a per-tensor scale: the scores are scaled by ``k_scale`` and
   the output once at the end, so the tile is only converted (to float16,
   one instruction per pair), never multiplied.  Where the Triton backend has
@@ -142,6 +150,7 @@ def _decode_tile(
     rows, row_limit,
     Q_LEN: tl.constexpr, KV_LORA_RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr,
+    TOKENS_AS_M: tl.constexpr,
 ):
     """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv.
 
@@ -178,7 +187,17 @@ def _decode_tile(
         kv_hi = kv_hi.to(q_lo.dtype)
         k_pe = k_pe.to(q_lo.dtype)
 
-    if LOAD_K_TRANSPOSED:
+    if TOKENS_AS_M:
+        # S^T = K Q^T: the cache tokens are the matrix op's M, so the warps
+        # split the tile's tokens and each computes its share of QK once (with
+        # the query rows as M, AMD lays a chained QK out with every warp on M,
+        # and rows < 16 x warps repeat it in every warp); the tile is never
+        # transposed, so no K^T is loaded either
+        qk_t = tl.dot(kv_lo, tl.trans(q_lo))
+        qk_t = tl.dot(kv_hi, tl.trans(q_hi), acc=qk_t)
+        qk_t = tl.dot(k_pe, tl.trans(q_pe), acc=qk_t)
+        qk = tl.trans(qk_t)
+    elif LOAD_K_TRANSPOSED:
         # K^T is loaded a second time (an L2 hit) instead of transposed:
         # a tile that is converted in registers and also transposed for
         # the other product would not be pipelined (async copies)
@@ -196,10 +215,11 @@ def _decode_tile(
             kt_hi = kt_hi.to(q_lo.dtype)
         qk = tl.dot(q_lo, kt_lo)
         qk = tl.dot(q_hi, kt_hi, acc=qk)
+        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
     else:
         qk = tl.dot(q_lo, tl.trans(kv_lo))
         qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
-    qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
+        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
     if ROW_SCALED:
         qk = qk * qk_scale[:, None]
     else:
@@ -269,6 +289,7 @@ def _mla_decode_split_kernel(
     FP8_BITS_BIAS: tl.constexpr,
     DIRECT_OUTPUT: tl.constexpr,
     DISABLE_LICM: tl.constexpr,
+    TOKENS_AS_M: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -341,7 +362,7 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
-                FP8_COMPUTE_FP16,
+                FP8_COMPUTE_FP16, TOKENS_AS_M,
             )
     else:
         for start in range(split_start, split_end, BLOCK_N):
@@ -349,7 +370,7 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
-                FP8_COMPUTE_FP16,
+                FP8_COMPUTE_FP16, TOKENS_AS_M,
             )
 
     if PAGE_SIZE % BLOCK_N != 0:
@@ -717,11 +738,12 @@ def mla_decode_fwd(
             BLOCK_H=config.block_h,
             BLOCK_N=config.block_n,
             HAS_K_SCALE=k_scale is not None,
-            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype),
+            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype) and not config.tokens_as_m,
             FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
             FP8_BITS_BIAS=fp8_bits_bias,
             DIRECT_OUTPUT=direct,
             DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
+            TOKENS_AS_M=config.tokens_as_m,
             **config.launch_options(),
         )
     if not direct:
@@ -787,7 +809,7 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
         signature[name] = "i32"
     for name in (
         "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS "
-        "DIRECT_OUTPUT DISABLE_LICM".split()
+        "DIRECT_OUTPUT DISABLE_LICM TOKENS_AS_M".split()
     ):
         signature[name] = "constexpr"
     return signature
@@ -891,10 +913,11 @@ def compile_specs(platform) -> list[CompileSpec]:
                         specs.append(_wgmma_spec(name, config, cache_dtype, constexprs))
                     continue
                 constexprs |= {
-                    "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype),
+                    "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype) and not config.tokens_as_m,
                     "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
+                    "TOKENS_AS_M": config.tokens_as_m,
                 }
                 specs.append(
                     CompileSpec(
