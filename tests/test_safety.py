@@ -132,8 +132,9 @@ def decode_result(tensors, out, lse, bits, device, scale) -> dict:
     }
 
 
-def run_decode_case(case, device="cpu", q_dtype=torch.float16, heads=4, lora=64, rope=16) -> dict:
-    """The kernel directly (interpreter); NaN-poisoned outputs and split workspace."""
+def run_decode_case(case, device="cpu", q_dtype=torch.float16, heads=4, lora=64, rope=16, config=None) -> dict:
+    """The kernel directly (interpreter); NaN-poisoned outputs and split workspace; `config` a
+    `DecodeLaunchConfig` (default: the platform's table)."""
     from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
 
     _, mutation, block_size, splits, q_len, cache_name = case
@@ -149,7 +150,7 @@ def run_decode_case(case, device="cpu", q_dtype=torch.float16, heads=4, lora=64,
     _pending(device)
     mla_decode_fwd(
         q_nope, tensors["q_pe"], tensors["kv_cache"], tensors["block_table"], tensors["seq_lens"], scale,
-        k_scale=tensors["k_scale"], num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse,
+        k_scale=tensors["k_scale"], num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
     )
     result = decode_result(tensors, out, lse, _pending(device), device, scale)
     result["expected_bits"] = expected_bits
@@ -374,11 +375,17 @@ def run_merge_case(device="cpu") -> dict:
 
 
 def _interpreter_main() -> None:
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
+
     results = {}
     for case in DECODE_CASES:
         with memcheck() as violations:
             result = run_decode_case(case)
         results[f"decode/{case[0]}"] = dict(result, violations=violations)
+        # the AMD tables' wide tile: QK as K Q^T, 64-token tiles (several pages a tile at pages 1-16)
+        with memcheck() as violations:
+            result = run_decode_case(case, config=DecodeLaunchConfig(16, 64, 4, 1, tokens_as_m=True))
+        results[f"decode-tokens-as-m/{case[0]}"] = dict(result, violations=violations)
     for name in PREFILL_CASES:
         for causal in (True, False):
             with memcheck() as violations:
@@ -432,9 +439,10 @@ def test_memcheck_reports_an_access_past_a_tensor(interpreter_results):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("tile", ["decode", "decode-tokens-as-m"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
-def test_decode_bad_indices_interpreter(interpreter_results, case):
-    result = interpreter_results[f"decode/{case[0]}"]
+def test_decode_bad_indices_interpreter(interpreter_results, case, tile):
+    result = interpreter_results[f"{tile}/{case[0]}"]
     assert result["violations"] == [], result
     assert result["bits"] == result["expected_bits"] == result["ref_bits"], result
     assert result["bad_rows_nan"] and result["same_nan_rows_as_reference"], result
