@@ -14,11 +14,11 @@ SGPRs on AMD, read from the AMDGCN assembly's ``.vgpr_count`` / ``.agpr_count``
 ``cuobjdump --dump-resource-usage`` of the cubin, with the cuobjdump that the
 triton wheel ships), spills (``.vgpr_spill_count`` + ``.sgpr_spill_count`` on
 AMD; the stack frame in bytes on NVIDIA, where Triton kernels keep nothing but
-spilled registers), shared memory / LDS, and ``mma_repeat``: how many warps
-compute each element of a matrix product (the largest over the kernel's dots,
-from the TTGIR's MFMA / WMMA / MMA layouts; 1 where the warps split every
-product, 2 or 4 where a product smaller than its warps' tile is computed again
-by each of them).
+spilled registers), shared memory / LDS, and ``mma_repeat`` (column
+``mma_x``): how many warps compute each element of a matrix product (the
+largest over the kernel's dots, from the TTGIR's MFMA / WMMA / MMA layouts;
+1 where the warps split every product, 2 or 4 where a product smaller than
+its warps' tile is computed again by each of them).
 
 It fails (exit status 1) on a compile error, on any spill for gfx942, gfx950
 or sm_90, and on shared memory over the target's per-block limit.
@@ -144,9 +144,7 @@ def _amd_counts(asm: str) -> dict[str, int | None]:
 
 
 # a matrix-op layout of the TTGIR: its name, warps per CTA (M, N) and the M x N of one instruction
-_MMA_LAYOUT = re.compile(
-    r"^(#\w+) = #ttg\.(amd_mfma|amd_wmma|nvidia_mma)<\{(.*?)\}>", re.M
-)
+_MMA_LAYOUT = re.compile(r"^(#\w+) = #ttg\.(amd_mfma|amd_wmma|nvidia_mma)<\{(.*?)\}>", re.M)
 _MMA_RESULT = re.compile(r"(?:tt\.dot|ttng\.warp_group_dot)\b[^\n]*-> tensor<(\d+)x(\d+)x\w+, (#\w+)>")
 
 

@@ -255,18 +255,17 @@ def _decode_table(
       resource report is implausible).
     * sm_80 (163 KiB): 32-token tiles.
     * gfx942 / gfx950 (CDNA3 / CDNA4, 64 / 160 KiB LDS): up to 16 rows,
-      16-token tiles on 4 warps, waves_per_eu=2 (gfx942 FP8: 1), where decode is
-      bound by memory.  From 17 rows on, 64-token tiles with the tokens as the
-      matrix op's M (`DecodeLaunchConfig.tokens_as_m`) on 4 warps, 32 rows a
-      block, one program per CU, no spill: each warp computes a quarter of the
-      tile's QK once, where the rows-as-M tiles (16/32 x 16 tokens on 4 or 8
-      warps) computed each QK element in 4 warps (2 for gfx950's 64-row tile):
-      at 32-128 heads 2.6x fewer matrix instructions per cache token
-      (gfx942 bf16, gfx950 up to 32 rows), 1.5x fewer FLOPs (gfx942 FP8,
-      gfx950 past 32 rows: 2x fewer instructions), read from the cache by as
-      many head blocks, on gfx950 past 32 rows by twice as many.  gfx950 FP8: the 32-row tile spills, so 16 rows for
-      17-32 and the 64-row tile past 32 (16-row blocks would read the cache 8
-      times at 128 heads).
+      16-token tiles on 4 warps, waves_per_eu=2 (gfx942 FP8: 1), where decode
+      is bound by memory.  From 17 rows on, 64-token tiles with the tokens as
+      the matrix op's M (`DecodeLaunchConfig.tokens_as_m`) on 4 warps, 32 rows
+      a block, one program per CU, no spill: each warp computes a quarter of
+      the tile's QK once, where the rows-as-M tiles (16/32 x 16 tokens on 4 or
+      8 warps) computed each QK element in 2-4 warps.  At 32-128 heads that is
+      2.6x fewer matrix instructions per cache token (gfx942 bf16; gfx950 up
+      to 32 rows), 1.5x fewer matrix FLOPs (gfx942 FP8; gfx950 bf16 past 32
+      rows, which reads the cache with twice as many head blocks).  gfx950
+      FP8: the 32-row tile spills, so 16 rows for 17-32 and the 64-row tile
+      past 32 (16-row blocks would read the cache 8 times at 128 heads).
     * RDNA (warp 32, 64 KiB LDS, WMMA): 16-token tiles, 4 / 8 warps.
 
     FP8 caches pass the tile through registers for the conversion, so their
