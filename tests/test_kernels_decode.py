@@ -403,6 +403,17 @@ def test_decode_gpu_multi_token(q_len):
     check_multi_token_gpu(16, q_len, (4,), seed=3)
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_decode_gpu_multi_token_tokens_as_m(q_len):
+    """The AMD tables' tokens-as-M tile (S^T = K Q^T) with several query tokens on one row block."""
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
+
+    config = DecodeLaunchConfig(32, 64, 4, 2, tokens_as_m=True)
+    check_multi_token_gpu(8, q_len, (1, 4), seed=5, config=config)
+
+
 def check_multi_token_gpu(heads, q_len, splits_list, seed, **kwargs):
     """Speculative decode of 3 requests (the shortest as long as its query) against float64, per split count."""
     tensors = _make_case(3, heads, q_len, 512, 64, 64, [q_len, 100, 5000], torch.bfloat16, torch.bfloat16, "cuda", seed)
@@ -467,10 +478,15 @@ def test_backend_decode_graphs_through_locked_workspace():
 
 @pytest.mark.gpu
 @requires_gpu
-def test_decode_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("tile", ["table", "tokens_as_m"])
+def test_decode_cuda_graph_replay_matches_eager(tile):
+    """Replays with new lengths (0, 1, 2 and random), block tables and queries equal eager calls, no NaN."""
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
     from mla_multi.kernels.mla_decode import mla_decode_fwd
 
-    heads, lora, rope, block_size, max_blocks = 16, 512, 64, 64, 64
+    config = DecodeLaunchConfig(32, 64, 4, 2, tokens_as_m=True) if tile == "tokens_as_m" else None
+    heads = 32 if config else 16
+    lora, rope, block_size, max_blocks = 512, 64, 64, 64
     scale = 576**-0.5
     num_blocks = 512
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -488,7 +504,7 @@ def test_decode_cuda_graph_replay_matches_eager():
         def step():
             mla_decode_fwd(
                 q_nope, q_pe, cache, block_table, seq_lens, scale,
-                k_scale=None, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse,
+                k_scale=None, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
             )
 
         step()  # compile outside the capture
