@@ -167,8 +167,9 @@ def mma_repeat(ttgir: str) -> int | None:
         if kind == "amd_mfma" and instr:
             im, inn = int(instr.group(1)), int(instr.group(2))
         elif kind == "nvidia_mma":
-            major = int(re.search(r"versionMajor = (\d+)", body).group(1))
-            im, inn = (16, int(instr.group(2))) if major >= 3 and instr else (16, 8)
+            major = re.search(r"versionMajor = (\d+)", body)
+            wgmma = major is not None and int(major.group(1)) >= 3 and instr is not None
+            im, inn = (16, int(instr.group(2))) if wgmma else (16, 8)
         else:
             im, inn = 16, 16
         layouts[name] = (int(warps.group(1)), int(warps.group(2)), im, inn)

@@ -549,15 +549,16 @@ def wgmma_decode_reason(platform, kv_dtype: torch.dtype, kv_lora_rank: int = 512
     return "" if ok else reason
 
 
-def load_k_transposed(platform, kv_dtype: torch.dtype) -> bool:
+def load_k_transposed(platform, kv_dtype: torch.dtype, config: DecodeLaunchConfig) -> bool:
     """Whether the decode kernel loads K^T separately instead of transposing the tile.
 
     On NVIDIA an FP8 tile is converted in registers; used both converted and
     transposed it is no longer copied asynchronously (pipelined), so K^T is
     read a second time (from L2).  The AMD pipeliner has no such limit and the
     extra tile would cost registers there.  The interpreter takes the NVIDIA path.
+    A ``tokens_as_m`` tile (QK as K Q^T) is never transposed, so never loads K^T.
     """
-    return kv_dtype in _FP8_DTYPES and not platform.is_rocm()
+    return kv_dtype in _FP8_DTYPES and not platform.is_rocm() and not config.tokens_as_m
 
 
 # ---------------------------------------------------------------------------

@@ -197,28 +197,28 @@ def _decode_tile(
         qk_t = tl.dot(kv_hi, tl.trans(q_hi), acc=qk_t)
         qk_t = tl.dot(k_pe, tl.trans(q_pe), acc=qk_t)
         qk = tl.trans(qk_t)
-    elif LOAD_K_TRANSPOSED:
-        # K^T is loaded a second time (an L2 hit) instead of transposed:
-        # a tile that is converted in registers and also transposed for
-        # the other product would not be pipelined (async copies)
-        if PAGE_SIZE % BLOCK_N == 0:
-            kt_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
-        else:
-            kt_ptrs = row_ptrs
-        kt_lo = tl.load(kt_ptrs[None, :] + offs_lo[:, None], mask=pos_valid[None, :], other=0.0)
-        kt_hi = tl.load(kt_ptrs[None, :] + offs_hi[:, None], mask=pos_valid[None, :], other=0.0)
-        if FP8_BITS_BIAS != 0:
-            kt_lo = _fp8_bits_to_float(kt_lo, FP8_BITS_BIAS).to(q_lo.dtype)
-            kt_hi = _fp8_bits_to_float(kt_hi, FP8_BITS_BIAS).to(q_lo.dtype)
-        else:
-            kt_lo = kt_lo.to(q_lo.dtype)
-            kt_hi = kt_hi.to(q_lo.dtype)
-        qk = tl.dot(q_lo, kt_lo)
-        qk = tl.dot(q_hi, kt_hi, acc=qk)
-        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
     else:
-        qk = tl.dot(q_lo, tl.trans(kv_lo))
-        qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
+        if LOAD_K_TRANSPOSED:
+            # K^T is loaded a second time (an L2 hit) instead of transposed:
+            # a tile that is converted in registers and also transposed for
+            # the other product would not be pipelined (async copies)
+            if PAGE_SIZE % BLOCK_N == 0:
+                kt_ptrs = KV_cache + page * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
+            else:
+                kt_ptrs = row_ptrs
+            kt_lo = tl.load(kt_ptrs[None, :] + offs_lo[:, None], mask=pos_valid[None, :], other=0.0)
+            kt_hi = tl.load(kt_ptrs[None, :] + offs_hi[:, None], mask=pos_valid[None, :], other=0.0)
+            if FP8_BITS_BIAS != 0:
+                kt_lo = _fp8_bits_to_float(kt_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+                kt_hi = _fp8_bits_to_float(kt_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+            else:
+                kt_lo = kt_lo.to(q_lo.dtype)
+                kt_hi = kt_hi.to(q_lo.dtype)
+            qk = tl.dot(q_lo, kt_lo)
+            qk = tl.dot(q_hi, kt_hi, acc=qk)
+        else:
+            qk = tl.dot(q_lo, tl.trans(kv_lo))
+            qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
         qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
     if ROW_SCALED:
         qk = qk * qk_scale[:, None]
@@ -738,7 +738,7 @@ def mla_decode_fwd(
             BLOCK_H=config.block_h,
             BLOCK_N=config.block_n,
             HAS_K_SCALE=k_scale is not None,
-            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype) and not config.tokens_as_m,
+            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype, config),
             FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
             FP8_BITS_BIAS=fp8_bits_bias,
             DIRECT_OUTPUT=direct,
@@ -913,7 +913,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                         specs.append(_wgmma_spec(name, config, cache_dtype, constexprs))
                     continue
                 constexprs |= {
-                    "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype) and not config.tokens_as_m,
+                    "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype, config),
                     "FP8_COMPUTE_FP16": cache_dtype in FP8_DTYPES,
                     "FP8_BITS_BIAS": _FP8_EXPONENT_BIAS[cache_dtype] if bits else 0,
                     "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
