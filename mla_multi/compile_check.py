@@ -21,7 +21,11 @@ largest over the kernel's dots, from the TTGIR's MFMA / WMMA / MMA layouts;
 its warps' tile is computed again by each of them).
 
 It fails (exit status 1) on a compile error, on any spill for gfx942, gfx950
-or sm_90, and on shared memory over the target's per-block limit.
+or sm_90, on shared memory over the target's per-block limit, and on sm_90
+where ``ptxas`` serialises a kernel's wgmma instructions (its "Potential
+Performance Loss" note C7514 and kin, read from ``ptxas -v`` over the
+kernel's PTX: every warpgroup product then waits for the one before, as
+when an accumulator is read or kept in flight across a loop's back edge).
 
 Usage: ``python -m mla_multi.compile_check --targets gfx942,sm_90 --kernels mla_decode``
 (the CLI's ``mla-multi compile-check`` calls `main`).
@@ -98,6 +102,7 @@ class CompileResult:
     shared_bytes: int | None = None
     shared_limit: int | None = None
     mma_repeat: int | None = None
+    wgmma_serialized: str = ""
     error: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -200,6 +205,31 @@ def _nvidia_counts(cubin: bytes) -> dict[str, int | None]:
     return {"registers": int(match.group(1)), "spills": int(match.group(2))}
 
 
+def wgmma_serialization(ptxas_log: str) -> str:
+    """The reason `ptxas -v` gives for serialising a kernel's wgmma instructions, or "" where it gives none."""
+    match = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?)(?: in the function|$)", ptxas_log, re.M)
+    return " ".join(match.group(1).split()) if match else ""
+
+
+def _ptxas_log(ptx: str, arch: int) -> str:
+    """What the installed Triton's ptxas says (-v) while assembling `ptx` for sm_{arch}a."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        tool = compiler.get_ptxas(arch)
+    except TypeError:  # older Triton: one ptxas for every arch
+        tool = compiler.get_ptxas()
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        run = subprocess.run(
+            [getattr(tool, "path", tool), f"-arch=sm_{arch}a", "-v", source, "-o", os.path.join(folder, "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    return run.stdout + run.stderr
+
+
 def compile_one(module_name: str, index: int, target_name: str) -> CompileResult:
     """Compile spec `index` of `module_name` for `target_name` (runs in a worker process)."""
     module = importlib.import_module(module_name)
@@ -238,6 +268,8 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
         else:
             counts = _nvidia_counts(compiled.asm["cubin"])
             result.spill_unit = "stack bytes"
+            if target.arch == 90:
+                result.wgmma_serialized = wgmma_serialization(_ptxas_log(compiled.asm["ptx"], 90))
         for key, value in counts.items():
             setattr(result, key, value)
         result.ok = True
@@ -247,6 +279,8 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
     if result.ok:
         if result.spills and target.spills_fatal:
             result.problems.append(f"{result.spills} spilled {result.spill_unit}")
+        if result.wgmma_serialized:
+            result.problems.append(f"ptxas serialises its wgmma instructions ({result.wgmma_serialized})")
         if result.shared_bytes is not None and result.shared_bytes > limit:
             result.problems.append(f"shared memory {result.shared_bytes} B over the {limit} B limit")
     else:

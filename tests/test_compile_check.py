@@ -74,6 +74,78 @@ def test_sm90_wide_decode_tile_spills_with_loop_invariant_code_motion():
     assert hoisted.problems == [f"{hoisted.spills} spilled stack bytes"]
 
 
+try:  # Gluon with Hopper's warpgroup MMA (Triton >= 3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+if gluon is not None:
+
+    @gluon.jit
+    def _rescaled_products(Out, n, IN_FLIGHT: gl.constexpr):
+        """acc = (acc / 2) + A B, n times: waited for in each iteration, or (IN_FLIGHT) left running across
+        the loop's back edge while the next iteration reads the accumulator."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a = gl.allocate_shared_memory(gl.bfloat16, [64, 64], shared)
+        b = gl.allocate_shared_memory(gl.bfloat16, [64, 64], shared)
+        acc = gl.zeros([64, 64], gl.float32, layout)
+        if IN_FLIGHT:
+            acc = warpgroup_mma_init(acc)
+        for _ in range(n):
+            if IN_FLIGHT:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                acc = warpgroup_mma(a, b, acc * 0.5, is_async=True)
+            else:
+                acc = warpgroup_mma(a, b, acc * 0.5, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if IN_FLIGHT:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        gl.store(Out + rows[:, None] * 64 + cols[None, :], acc)
+
+
+def test_wgmma_serialization_reads_the_ptxas_note():
+    note = (
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
+        "stage in the function '_kernel' in line 0\nptxas info    : Used 168 registers"
+    )
+    assert compile_check.wgmma_serialization(note) == (
+        "non wgmma instructions reading accumulator registers of a wgmma between start and end of the pipeline stage"
+    )
+    assert compile_check.wgmma_serialization("ptxas info    : Used 168 registers, used 4 barriers") == ""
+
+
+@pytest.mark.skipif(gluon is None, reason="this Triton has no Gluon with Hopper warpgroup MMA")
+def test_sm90_check_fails_a_kernel_whose_wgmma_ptxas_serialises():
+    """An accumulator kept in flight across the loop's back edge and read there makes ptxas serialise
+    every wgmma of the kernel; the check reports it and fails the instance.  Waited for in each
+    iteration, the same products pass."""
+    from mla_multi.kernels.launch_config import CompileSpec
+
+    def spec(in_flight):
+        return CompileSpec(
+            name=f"rescaled_products[in_flight={in_flight}]", fn=_rescaled_products,
+            signature={"Out": "*fp32", "n": "i32", "IN_FLIGHT": "constexpr"}, constexprs={"IN_FLIGHT": in_flight},
+            options={"num_warps": 4},
+        )
+
+    waited = compile_check.compile_spec(spec(False), "sm_90")
+    assert waited.passed and waited.wgmma_serialized == "", waited
+    in_flight = compile_check.compile_spec(spec(True), "sm_90")
+    assert in_flight.ok and not in_flight.passed, in_flight
+    assert "non wgmma instructions reading accumulator registers" in in_flight.wgmma_serialized, in_flight
+    assert in_flight.problems == [f"ptxas serialises its wgmma instructions ({in_flight.wgmma_serialized})"]
+
+
 def test_mma_repeat_reads_the_dot_layouts():
     """Warps on an M x N product beyond its instruction tiles repeat it: read from the TTGIR."""
     mfma = (
