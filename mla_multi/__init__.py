@@ -22,6 +22,7 @@ from mla_multi.registry import NoBackendError, UnknownBackendError, select_decod
 from mla_multi.workspace import WorkspaceLockedError, WorkspaceManager
 
 from mla_multi import ops  # noqa: E402  (the functional ops, `mm.ops.*`)
+from mla_multi import library  # noqa: E402,F401  (registers torch.ops.mla_multi.*)
 
 __version__ = "0.1.0"
 

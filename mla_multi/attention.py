@@ -22,7 +22,7 @@ from mla_multi.dims import MLADims
 from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills
 from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
-from mla_multi.workspace import WorkspaceManager
+from mla_multi.workspace import WorkspaceManager, current_workspace_manager
 
 
 def default_workspace_tokens(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
@@ -67,6 +67,7 @@ class MLAAttention:
         prefill_backend: str | None = None,
         decode_backend: str | None = None,
         dcp=None,
+        workspace: WorkspaceManager | None = None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -132,8 +133,17 @@ class MLAAttention:
         self.decode_impl = self.decode_backend.get_decode_impl_cls()(
             decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
         )
-        self.workspace = WorkspaceManager(self.device)
-        self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len)
+        if workspace is not None and not isinstance(workspace, WorkspaceManager):
+            raise ValueError(f"workspace={workspace!r}; accepted: None (the device's shared one) or a WorkspaceManager")
+        self.workspace = workspace if workspace is not None else current_workspace_manager(self.device)
+        self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
+        # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
+        # prefill run one after the other, so they share the buffer
+        self.workspace.reserve(
+            self._gather_spec(self.workspace_tokens),
+            purpose="prefill: one gathered context chunk",
+            what=f"workspace_tokens={self.workspace_tokens} latent rows of {lkv + dims.qk_rope_head_dim}",
+        )
         # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
         ops.error_flag(self.device)
 
@@ -143,8 +153,12 @@ class MLAAttention:
         return self.W_UK
 
     def lock_workspace(self) -> None:
-        """Forbid workspace growth (call before capturing CUDA graphs of decode)."""
+        """Forbid growth of the workspace (shared by every layer of the device: locking it once locks it for
+        all); call before capturing CUDA graphs."""
         self.workspace.lock()
+
+    def _gather_spec(self, num_tokens: int):
+        return ((num_tokens, self.dims.kv_lora_rank + self.dims.qk_rope_head_dim), self.dtype)
 
     def backends(self) -> dict[str, str]:
         return {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
@@ -164,6 +178,7 @@ class MLAAttention:
             raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
         num_decodes, num_prefills, _, _ = split_decodes_and_prefills(metadata)
         if num_decodes > 0:
+            self._decode_inputs(metadata, num_decodes)
             self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
         if num_prefills > 0:
             self._prefill_metadata(metadata)
@@ -172,6 +187,21 @@ class MLAAttention:
         """Indices of the decode requests that carry a query token (padding rows carry none)."""
         query_lens = metadata.query_lens_cpu[:num_decodes]
         return torch.nonzero(query_lens > 0).flatten()
+
+    def _decode_inputs(self, metadata: CommonAttentionMetadata, num_decodes: int):
+        """(block_table, seq_lens) of the decode requests that carry a query token, once per step."""
+        key = ("decode_inputs", num_decodes)
+        found = metadata.backend_plans.get(key)
+        if found is None:
+            # Decode rows with no new token (padding) carry no query.
+            rows = self._decode_rows(metadata, num_decodes)
+            if len(rows) == num_decodes:
+                found = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
+            else:
+                index = rows.to(metadata.block_table.device)
+                found = metadata.block_table[index], metadata.seq_lens[index]
+            metadata.backend_plans[key] = found
+        return found
 
     def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
         if not self.decode_backend.requires_plan:
@@ -256,13 +286,7 @@ class MLAAttention:
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims
         p, v = d.qk_nope_head_dim, d.v_head_dim
-        # Decode rows with no new token (padding) carry no query.
-        rows = self._decode_rows(metadata, num_decodes)
-        if len(rows) == num_decodes:
-            block_table, seq_lens = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
-        else:
-            index = rows.to(metadata.block_table.device)
-            block_table, seq_lens = metadata.block_table[index], metadata.seq_lens[index]
+        block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
         q_decode = q[:num_decode_tokens]
         q_nope, q_pe = q_decode[..., :p], q_decode[..., p:]
         # Absorb W_UK into the query: [B, N, P] x [N, P, Lkv] -> [B, N, Lkv].
@@ -274,10 +298,19 @@ class MLAAttention:
         else:
             # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
+        extra = {} if plan is None else {"plan": plan}
+        if self.dcp is None and hasattr(self.decode_impl, "choose_num_kv_splits"):
+            # the split count of the step, chosen by its first layer
+            splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype, self.decode_impl.max_partial_rows)
+            splits = metadata.backend_plans.get(splits_key)
+            if splits is None:
+                splits = metadata.backend_plans[splits_key] = self.decode_impl.choose_num_kv_splits(
+                    block_table.shape[0], 1, metadata.max_seq_len, self.kv_cache_dtype
+                )
+            extra["num_kv_splits"] = splits
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
-            k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len,
-            **({} if plan is None else {"plan": plan}),
+            k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **extra,
         )
         # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].
         decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
@@ -311,6 +344,7 @@ class MLAAttention:
                         chunked.seq_lens_cpu[chunk_idx], scale=self.k_scale, out_dtype=self.dtype,
                     )
                 else:
+                    (gathered,) = self.workspace.get_simultaneous(self._gather_spec(chunked.seq_tot[chunk_idx]))
                     rows = ops.gather_cache(
                         kv_cache,
                         prefill_metadata.block_table,
@@ -320,6 +354,7 @@ class MLAAttention:
                         out_dtype=self.dtype,
                         cu_seq_lens=chunked.cu_seq_lens[chunk_idx],
                         num_tokens=chunked.seq_tot[chunk_idx],
+                        out=gathered,
                     )
                 chunk_key, chunk_value = self._up_project(rows[:, : d.kv_lora_rank], rows[:, d.kv_lora_rank :])
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(

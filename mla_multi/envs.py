@@ -130,10 +130,18 @@ ENV_VARS: dict[str, EnvVar] = {
 }
 
 
+_NAMES = tuple(ENV_VARS)
+
+
 def __getattr__(name: str) -> Any:
     if name in ENV_VARS:
         return ENV_VARS[name].read()
     raise AttributeError(f"module 'mla_multi.envs' has no attribute {name!r}")
+
+
+def snapshot() -> tuple:
+    """The raw values of every variable, cheaply: a key under which decisions made from them can be cached."""
+    return tuple(map(os.environ.get, _NAMES))
 
 
 def validate_all() -> dict[str, Any]:

@@ -39,6 +39,20 @@ merge; more heads make splits dearer (each split writes ``rows`` partial rows).
 The same shape of model underlies FlashDecoding's and vLLM's occupancy-aware
 split choice; vLLM's Triton MLA uses only sequence length and SM count.
 
+The workspace bound (``max_partial_rows``)
+------------------------------------------
+Every decode layer of a device shares one workspace (`mla_multi.workspace`),
+reserved once for the most partial results any batch can ask: ``B * Q * s``
+rows of ``N`` heads when ``s > 1`` (one split writes straight to the output).
+`max_partial_rows` bounds that product simply: the programs of a split launch,
+``B * head_blocks * s``, never exceed ``PARTIAL_WAVES`` waves of the device
+(nor the splits one request may take), and `num_kv_splits` never picks a
+split count past that bound.  With 16 waves the bound changes the modelled
+cost of a choice by at most 3.3 % (H100, every B <= 256, S <= 32768, 16-128
+heads; 0 in most configurations) and reserves, for 256 requests of 32768
+tokens, 4224 rows of 16 heads (134 MiB) or 1056 rows of 128 heads (268 MiB)
+on an H100 or H200.
+
 ``MLA_MULTI_NUM_KV_SPLITS`` overrides the choice (still clamped to the
 reservation).
 """
@@ -51,6 +65,8 @@ import torch
 
 __all__ = [
     "MIN_TOKENS_PER_SPLIT",
+    "PARTIAL_WAVES",
+    "max_partial_rows",
     "PROGRAM_OVERHEAD_TOKENS",
     "num_kv_splits",
     "max_num_kv_splits",
@@ -64,6 +80,8 @@ REDUCE_SPLITS_PER_STEP = 64
 # Upper bound of the reservation whatever the device: with 128 heads and 256
 # decode requests a split costs 67 MB of float32 workspace.
 MAX_KV_SPLITS_CAP = 256
+# Waves of split programs (see "The workspace bound") a decode batch may launch when it splits.
+PARTIAL_WAVES = 16
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -89,6 +107,46 @@ def max_num_kv_splits(max_model_len: int, platform) -> int:
     return max(1, min(by_length, by_device, MAX_KV_SPLITS_CAP))
 
 
+def _occupancy(platform, num_heads: int, q_len: int, kv_cache_dtype: torch.dtype,
+               kv_lora_rank: int = 512, qk_rope_head_dim: int = 64) -> tuple:
+    """(launch configuration, head blocks per request, programs the device runs at once)."""
+    from mla_multi.kernels.launch_config import decode_config
+
+    config = decode_config(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
+    head_blocks = -(-(num_heads * q_len) // config.block_h)
+    slots = max(1, platform.num_compute_units * config.programs_per_cu)
+    return config, head_blocks, slots
+
+
+def max_partial_rows(
+    platform,
+    num_heads: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    *,
+    q_len: int = 1,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    kv_cache_dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """The most split-KV partial rows (requests x query tokens x splits) a decode batch of at most
+    `max_num_seqs` requests of `q_len` tokens can ask on `platform`, sequences up to `max_model_len`.
+
+    `num_kv_splits` given this bound never exceeds it; the workspace reserves
+    this many rows of ``num_heads x attn_logits_width`` float32 values. At
+    least ``max_num_seqs * q_len`` (a batch that does not split still views
+    one split per row).
+    """
+    for name, value in (("num_heads", num_heads), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("q_len", q_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}; accepted: an int >= 1")
+    _, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
+    max_splits = max_num_kv_splits(max_model_len, platform)
+    programs = max(head_blocks * max_splits, PARTIAL_WAVES * slots)
+    return q_len * max(max_num_seqs, min(max_num_seqs * max_splits, programs // head_blocks))
+
+
 def _env_override() -> int | None:
     from mla_multi import envs
 
@@ -106,6 +164,7 @@ def num_kv_splits(
     kv_lora_rank: int = 512,
     qk_rope_head_dim: int = 64,
     kv_cache_dtype: torch.dtype = torch.bfloat16,
+    max_partial_rows: int | None = None,
 ) -> int:
     """The number of KV splits for a decode batch (see the module docstring for the model).
 
@@ -118,6 +177,8 @@ def num_kv_splits(
         max_num_kv_splits: the splits reserved in the workspace; never exceeded.
         q_len: query tokens per request (multi-token decode).
         kv_lora_rank, qk_rope_head_dim, kv_cache_dtype: cache row shape and type.
+        max_partial_rows: the partial rows reserved in the workspace (`max_partial_rows()`);
+            ``batch_size * q_len * splits`` never exceeds it when splitting. None: no bound.
 
     Returns:
         An int in 1 .. max_num_kv_splits.
@@ -132,18 +193,17 @@ def num_kv_splits(
             raise ValueError(f"{name}={value!r}; accepted: an int >= 1")
     if max_seq_len < 0:
         raise ValueError(f"max_seq_len={max_seq_len}; accepted: >= 0")
+    if max_partial_rows is not None:
+        # splits whose partial rows fit the reservation
+        max_num_kv_splits = max(1, min(max_num_kv_splits, max_partial_rows // (batch_size * q_len)))
     forced = _env_override()
     if forced is not None:
         return max(1, min(int(forced), max_num_kv_splits))
     if max_seq_len <= MIN_TOKENS_PER_SPLIT:
         return 1
 
-    from mla_multi.kernels.launch_config import decode_config
-
-    config = decode_config(platform, num_heads, q_len, kv_cache_dtype)
+    config, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype)
     rows = num_heads * q_len
-    head_blocks = -(-rows // config.block_h)
-    slots = max(1, platform.num_compute_units * config.programs_per_cu)
     # an FP8 tile is converted to 16 bits before its products: its token slot lasts as long as a 16-bit one
     row_bytes = (kv_lora_rank + qk_rope_head_dim) * max(2, _element_size(kv_cache_dtype))
     partial_bytes_per_split = batch_size * rows * (kv_lora_rank + 1) * 4 * 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_multi import checks, errors
+from mla_multi import checks, envs, errors, library
 from mla_multi.backends import reference
 from mla_multi.backends.base import FP8_DTYPES
 from mla_multi.dims import MLADims
@@ -97,6 +97,108 @@ def mla_decode(
     reads a block-table entry outside [0, num_blocks), gets NaN (TRITON,
     REFERENCE) and is recorded for `raise_pending_errors`.
     """
+    if torch.compiler.is_compiling():
+        return library.mla_decode_traced(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+            k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
+        )
+    scale = _check_float("scale", scale)
+    try:
+        key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+    except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
+        key = None
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:
+        plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+        if key is not None:
+            if len(_DECODE_PLANS) >= _PLANS_MAX:
+                _DECODE_PLANS.clear()
+            _DECODE_PLANS[key] = plan
+    elif plan.data_checks:
+        checks.report_pending_errors(plan.device)
+        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+        checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
+    out, lse = plan.run(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale)
+    if return_lse and lse is None:
+        raise ValueError(
+            f"return_lse=True, but the decode backend {plan.backend_cls.name} returns no LSE with the installed "
+            "library; accepted: return_lse=False, or a backend that returns it (backend='TRITON')"
+        )
+    return (out, lse) if return_lse else out
+
+
+# Plans of the functional ops: a repeated call with the same shapes, strides, dtypes, devices, alignment,
+# options and MLA_MULTI_* environment skips the checks that the first call ran, the backend selection,
+# the split heuristic, the launch configuration and Triton's argument binding.
+_DECODE_PLANS: dict = {}
+_PLANS_MAX = 256
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
+
+
+def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> tuple:
+    if k_scale is None or isinstance(k_scale, bool):
+        scale_key = k_scale
+    elif torch.is_tensor(k_scale):
+        scale_key = _layout(k_scale)
+    else:
+        scale_key = ("value", float(k_scale))
+    if num_kv_splits is not None and (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)):
+        raise TypeError("num_kv_splits")
+    return (
+        _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(block_table), _layout(seq_lens), scale_key,
+        num_kv_splits, backend, envs.snapshot(),
+    )
+
+
+class _DecodePlan:
+    """What `mla_decode` decided for one key: the backend, its impl and (TRITON) the bound kernels.
+
+    The TRITON partials are allocated per call rather than sliced from the
+    device's shared workspace: a CUDA graph captured over a functional call
+    must not read a buffer that a later, larger call reallocates.
+    """
+
+    def __init__(self, backend_cls, impl, device, data_checks: bool, k_scale) -> None:
+        self.backend_cls = backend_cls
+        self.impl = impl
+        self.device = device
+        self.data_checks = data_checks
+        self.k_scale = k_scale  # the tensor of a float k_scale, made once
+        self.num_kv_splits = None
+        self.kernel_plan = None
+        self.logits_shape = None
+
+    def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale):
+        if self.k_scale is not None or not torch.is_tensor(k_scale):
+            k_scale = self.k_scale
+        if seq_lens.dtype != torch.int32:
+            seq_lens = seq_lens.to(torch.int32)
+        if self.logits_shape is None:
+            impl = self.impl
+            impl.scale = float(scale)
+            return impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
+                                    num_kv_splits=self.num_kv_splits)
+        device = q_nope.device
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
+        lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
+        attn_logits = torch.empty(self.logits_shape, dtype=torch.float32, device=device)
+        kernel_plan = self.kernel_plan
+        if kernel_plan is None:
+            from mla_multi.kernels.mla_decode import DecodeKernelPlan
+
+            kernel_plan = self.kernel_plan = DecodeKernelPlan(
+                q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
+                platform=self.impl.platform,
+            )
+        kernel_plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
+        return out, lse
+
+
+def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> _DecodePlan:
+    """Check the inputs of `mla_decode` (all of them, once per key) and decide how to run them."""
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
     checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None), device=device)
@@ -105,7 +207,6 @@ def mla_decode(
     batch = q_nope.shape[0]
     checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(batch, None), device=device)
     checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
-    scale = _check_float("scale", scale)
     checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
     _check_positive_int("num_kv_splits", num_kv_splits)
     checks.report_pending_errors(device)
@@ -118,17 +219,23 @@ def mla_decode(
         dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend
     )
     impl = backend_cls.get_decode_impl_cls()(
-        num_heads, scale, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device
+        num_heads, 1.0, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device
     )
-    out, lse = impl.forward_mqa(
-        q_nope, q_pe, kv_cache, block_table, seq_lens.to(torch.int32), k_scale=k_scale, num_kv_splits=num_kv_splits
-    )
-    if return_lse and lse is None:
-        raise ValueError(
-            f"return_lse=True, but the decode backend {backend_cls.name} returns no LSE with the installed library; "
-            "accepted: return_lse=False, or a backend that returns it (backend='TRITON')"
+    scale_tensor = None if k_scale is None or torch.is_tensor(k_scale) else _scale_tensor(k_scale, device)
+    plan = _DecodePlan(backend_cls, impl, device, checks.data_checks_enabled(device), scale_tensor)
+    from mla_multi.backends.triton import TritonDecodeImpl
+    from mla_multi.kernels import interpreter_active
+
+    if isinstance(impl, TritonDecodeImpl) and device.type == "cuda" and not interpreter_active():
+        from mla_multi.kernels.mla_decode import attn_logits_width
+
+        plan.num_kv_splits = impl.choose_num_kv_splits(
+            batch, q_len, None, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
         )
-    return (out, lse) if return_lse else out
+        plan.logits_shape = (batch * q_len, num_heads, plan.num_kv_splits, attn_logits_width(dims.kv_lora_rank))
+    else:
+        plan.num_kv_splits = num_kv_splits
+    return plan
 
 
 def mla_prefill(
@@ -155,6 +262,11 @@ def mla_prefill(
     longer than max_seqlen_*, gets NaN rows (TRITON, REFERENCE) and is recorded
     for `raise_pending_errors`.
     """
+    if torch.compiler.is_compiling():
+        return library.mla_prefill_traced(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+            causal=causal, return_lse=return_lse, backend=backend,
+        )
     checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     num_heads, qk_head_dim = q.shape[1], q.shape[2]
@@ -198,6 +310,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     both are -inf the output is 0 and the LSE -inf. Returns (output [T, N, D]
     in prefix_output's dtype, lse [N, T] float32).
     """
+    if torch.compiler.is_compiling():
+        return library.merge_attn_states_traced(prefix_output, prefix_lse, suffix_output, suffix_lse)
     checks.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=FLOAT_DTYPES)
     device = prefix_output.device
     tokens, heads, _ = prefix_output.shape
@@ -223,6 +337,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     data checks a slot past the cache is skipped too and recorded for
     `raise_pending_errors`.
     """
+    if torch.compiler.is_compiling():
+        return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     tokens = kv_c.shape[0]
@@ -243,7 +359,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
 
 
 def gather_cache(
-    kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None, cu_seq_lens=None, num_tokens=None
+    kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None, cu_seq_lens=None, num_tokens=None,
+    out=None,
 ) -> torch.Tensor:
     """Gather cached rows of several requests into one contiguous tensor.
 
@@ -253,10 +370,17 @@ def gather_cache(
     `out_dtype` (default: the cache dtype; bfloat16 for an fp8 cache, dequantised
     with `scale`). Reads seq_lens on the host to size the output unless the
     caller passes `cu_seq_lens` ([B + 1] int32 on the device) and `num_tokens`.
+    `out` ([num_tokens, W] of the output dtype, on the GPU path) receives the
+    rows instead of a new tensor.
     Without the data checks a row outside its block-table row or in a block
     outside the cache is NaN, a negative length gives no rows; both are
     recorded for `raise_pending_errors`.
     """
+    if torch.compiler.is_compiling():
+        return library.gather_cache_traced(
+            kv_cache, block_table, seq_starts, seq_lens,
+            scale=scale, out_dtype=out_dtype, cu_seq_lens=cu_seq_lens, num_tokens=num_tokens,
+        )
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES)
     device = kv_cache.device
     checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
@@ -286,7 +410,10 @@ def gather_cache(
         if num_tokens is None:
             num_tokens = max(0, int(cu_seq_lens[-1]))
         dtype = out_dtype or (torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype)
-        out = torch.empty(num_tokens, kv_cache.shape[-1], dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(num_tokens, kv_cache.shape[-1], dtype=dtype, device=device)
+        else:
+            checks.check_tensor("out", out, ndim=2, dtypes=(dtype,), shape=(num_tokens, kv_cache.shape[-1]), device=device)
         return gather_kernel(
             kv_cache, block_table, cu_seq_lens.to(torch.int32), seq_starts.to(torch.int32), out,
             _scale_tensor(scale, device),

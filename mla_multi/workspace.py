@@ -1,4 +1,4 @@
-"""One reusable device buffer for the scratch tensors of attention.
+"""One reusable device buffer for the scratch tensors of attention, shared by every layer of a device.
 
 `get_simultaneous((shape, dtype), ...)` hands out views of a single byte
 buffer, laid out one after the other; they are valid until the next call.
@@ -7,11 +7,22 @@ MLA builder reserves ``(max_num_seqs, num_heads, max_num_kv_splits,
 kv_lora_rank + 1)`` float32 for split-KV logits) and `lock()` forbids growth,
 so a forward captured in a CUDA graph never allocates: a request that would
 grow a locked workspace raises `WorkspaceLockedError` naming the sizes.
+
+Layers run one after another on a stream, so the scratch of 61 layers is the
+scratch of one: `current_workspace_manager(device)` is the one manager of a
+device (after vLLM's ``current_workspace_manager()``), created on first use,
+which every `MLAAttention` and every functional op of that device reserves
+into and slices; `set_workspace_manager` installs one of the user's (for
+example one per stream, for layers that run concurrently on several streams).
+Reservations grow the buffer to the largest of them, never to their sum, and
+each is kept under its purpose so that `describe()` can say what the buffer
+holds and why.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +46,7 @@ def _spec_bytes(spec: TensorSpec) -> int:
         raise ValueError(f"workspace spec dtype={dtype!r}; accepted: a torch.dtype")
     if any((not isinstance(d, int)) or d < 0 for d in shape):
         raise ValueError(f"workspace spec shape={tuple(shape)!r}; accepted: non-negative ints")
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 class WorkspaceManager:
@@ -45,6 +56,8 @@ class WorkspaceManager:
         self.device = torch.device(device)
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._locked = False
+        # purpose -> (bytes, what): the largest reservation made for each purpose
+        self.reservations: dict[str, tuple[int, str]] = {}
 
     @property
     def size_bytes(self) -> int:
@@ -59,9 +72,20 @@ class WorkspaceManager:
         """Bytes that `get_simultaneous(*specs)` needs, alignment included."""
         return sum(_aligned(_spec_bytes(spec)) for spec in specs)
 
-    def reserve(self, *specs: TensorSpec) -> None:
-        """Grow (never shrink) so that `get_simultaneous(*specs)` fits; raises when locked and too small."""
-        self._ensure(self.required_bytes(*specs))
+    def reserve(self, *specs: TensorSpec, purpose: str | None = None, what: str = "") -> None:
+        """Grow (never shrink) so that `get_simultaneous(*specs)` fits; raises when locked and too small.
+
+        `purpose` names the reservation for `describe()` (e.g. "decode: TRITON
+        split-KV partials, output, LSE"); `what` says how it was sized.
+        """
+        nbytes = self.required_bytes(*specs)
+        self._ensure(nbytes)
+        if purpose is not None and nbytes >= self.reservations.get(purpose, (0, ""))[0]:
+            self.reservations[purpose] = (nbytes, what)
+
+    def describe(self) -> list[tuple[str, int, str]]:
+        """(purpose, bytes, how it was sized) of every reservation, largest first; the buffer holds the largest."""
+        return sorted(((p, b, w) for p, (b, w) in self.reservations.items()), key=lambda row: -row[1])
 
     def get_simultaneous(self, *specs: TensorSpec) -> list[torch.Tensor]:
         """Views [shape] of `dtype`, one per spec, that do not overlap each other.
@@ -93,3 +117,51 @@ class WorkspaceManager:
                 "requested; reserve() the worst case before lock()"
             )
         self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+_MANAGERS: dict[torch.device, WorkspaceManager] = {}
+_MANAGERS_LOCK = threading.Lock()
+
+
+def _device_key(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def current_workspace_manager(device: torch.device | str | None = None) -> WorkspaceManager:
+    """The workspace every layer and functional op on `device` shares (created, empty, on first use).
+
+    `device` None means the current CUDA device where there is one, else the CPU.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = _device_key(device)
+    manager = _MANAGERS.get(key)
+    if manager is None:
+        with _MANAGERS_LOCK:
+            manager = _MANAGERS.get(key)
+            if manager is None:
+                manager = _MANAGERS[key] = WorkspaceManager(key)
+    return manager
+
+
+def set_workspace_manager(manager: WorkspaceManager | None, device: torch.device | str | None = None) -> None:
+    """Make `manager` the shared workspace of its device (or of `device`); None forgets the device's one.
+
+    Layers built afterwards reserve into it; layers built before keep the
+    manager they were given.
+    """
+    if manager is not None and not isinstance(manager, WorkspaceManager):
+        raise ValueError(f"manager={manager!r}; accepted: a WorkspaceManager or None")
+    if device is None:
+        if manager is None:
+            raise ValueError("set_workspace_manager(None) needs the device whose workspace to forget")
+        device = manager.device
+    key = _device_key(device)
+    with _MANAGERS_LOCK:
+        if manager is None:
+            _MANAGERS.pop(key, None)
+        else:
+            _MANAGERS[key] = manager

@@ -304,8 +304,11 @@ class MLADecodeImpl(ABC):
         self.block_size = block_size
         self.device = device
 
-    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
-        """Size `workspace_manager` for the worst case before it is locked (default: nothing to reserve)."""
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
+        """Size `workspace_manager` for the worst case before it is locked (default: nothing to reserve).
+
+        `dtype` is the query's (the output's) dtype where the caller knows it."""
 
     @abstractmethod
     def forward_mqa(

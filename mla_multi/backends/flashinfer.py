@@ -352,7 +352,8 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         return ("FLASHINFER", "decode", self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
                 self.kv_cache_dtype, self.block_size, self.scale)
 
-    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
         """Remember the worst case: CUDA-graph plans size their fixed page-index buffer from it."""
         self.max_blocks = -(-max_model_len // self.block_size)
 

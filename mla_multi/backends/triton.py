@@ -134,6 +134,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         self.platform = current_platform()
         self.max_num_kv_splits: int | None = None
         self.max_model_len: int | None = None
+        self.max_partial_rows: int | None = None
 
     def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
         from mla_multi.kernels.mla_decode import attn_logits_width
@@ -145,41 +146,67 @@ class TritonDecodeImpl(MLADecodeImpl):
             (lse_shape, torch.float32),
         )
 
-    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1) -> None:
-        """Reserve split-KV logits, output and LSE for `max_num_seqs` requests of `max_query_len` tokens."""
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
+        """Reserve what any batch of at most `max_num_seqs` requests of `max_query_len` tokens can ask:
+        the split-KV partials (`heuristics.max_partial_rows` rows), the latent output (in `dtype`, default
+        float32) and the LSE."""
         from mla_multi import errors
-        from mla_multi.heuristics import max_num_kv_splits
+        from mla_multi.heuristics import max_num_kv_splits, max_partial_rows
 
         # the kernels' error flag must exist before a graph captures its address
         errors.error_flag(workspace_manager.device)
         self.max_model_len = max_model_len
         self.max_num_kv_splits = max_num_kv_splits(max_model_len, self.platform)
-        out_shape = (max_num_seqs, max_query_len, self.num_heads, self.kv_lora_rank)
-        # The output dtype is the query's; reserve for the widest (float32 would only appear in tests).
-        workspace_manager.reserve(
-            *self._workspace_specs(max_num_seqs * max_query_len, self.max_num_kv_splits, out_shape, torch.float32)
+        rows = max_partial_rows(
+            self.platform, self.num_heads, max_num_seqs, max_model_len, q_len=max_query_len,
+            kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, kv_cache_dtype=self.kv_cache_dtype,
         )
+        self.max_partial_rows = rows if self.max_partial_rows is None else max(rows, self.max_partial_rows)
+        out_shape = (max_num_seqs, max_query_len, self.num_heads, self.kv_lora_rank)
+        workspace_manager.reserve(
+            *self._workspace_specs(self.max_partial_rows, 1, out_shape, dtype or torch.float32),
+            purpose=f"decode (TRITON, {self.num_heads} heads): split-KV partials, latent output, LSE",
+            what=(f"{self.max_partial_rows} partial rows (heuristics.max_partial_rows: {max_num_seqs} requests x "
+                  f"{max_query_len} tokens, sequences up to {max_model_len}) x {self.num_heads} heads; "
+                  f"output [{max_num_seqs}, {max_query_len}, {self.num_heads}, {self.kv_lora_rank}]"),
+        )
+
+    def choose_num_kv_splits(self, batch: int, q_len: int, bound: int | None, kv_cache_dtype, num_kv_splits=None,
+                             max_blocks: int | None = None) -> int:
+        """The split count of a batch: forced (`num_kv_splits`) or the heuristic's, within the reservation.
+
+        `bound` is a host-side bound of the batch's sequence lengths (None: the
+        reservation's max_model_len, else `max_blocks * block_size`)."""
+        from mla_multi.heuristics import max_num_kv_splits as reserve_splits
+        from mla_multi.heuristics import num_kv_splits as choose_splits
+
+        limit = self.max_num_kv_splits
+        if bound is None:
+            bound = self.max_model_len or (max_blocks or 1) * self.block_size
+        if limit is None:
+            # Not reserved ahead: size by the longest sequence this call can see.
+            limit = reserve_splits(max(1, bound), self.platform)
+        rows = self.max_partial_rows
+        if rows is not None:
+            limit = max(1, min(limit, rows // max(1, batch * q_len)))
+        if num_kv_splits is None:
+            num_kv_splits = choose_splits(
+                self.platform, max(1, batch), self.num_heads, bound, limit, q_len=q_len,
+                kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, kv_cache_dtype=kv_cache_dtype,
+                max_partial_rows=rows,
+            )
+        return max(1, min(int(num_kv_splits), limit))
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None):
-        from mla_multi.heuristics import max_num_kv_splits as reserve_splits
-        from mla_multi.heuristics import num_kv_splits as choose_splits
         from mla_multi.kernels.mla_decode import mla_decode_fwd
 
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
-        limit = self.max_num_kv_splits
-        if limit is None:
-            # Not reserved ahead: size by the longest sequence this call can see.
-            bound = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_cache.shape[1]
-            limit = reserve_splits(max(1, bound), self.platform)
-        if num_kv_splits is None:
-            bound = max_seq_len if max_seq_len is not None else (self.max_model_len or block_table.shape[1] * kv_cache.shape[1])
-            num_kv_splits = choose_splits(
-                self.platform, max(1, batch), self.num_heads, bound, limit, q_len=q_len,
-                kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, kv_cache_dtype=kv_cache.dtype,
-            )
-        num_kv_splits = max(1, min(int(num_kv_splits), limit))
+        num_kv_splits = self.choose_num_kv_splits(
+            batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
+        )
         out_shape = tuple(q_nope.shape)
         specs = self._workspace_specs(batch * q_len, num_kv_splits, out_shape, q_nope.dtype)
         if workspace_manager is not None:

@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels.launch import BoundLaunch
 from mla_multi.kernels.launch_config import (
     CompileSpec,
     DecodeLaunchConfig,
@@ -624,148 +625,225 @@ def mla_decode_fwd(
     Returns:
         (out, lse), the buffers passed in.
     """
-    batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag
-    )
-    if error_flag is None:
-        error_flag = errors.error_flag(q_nope.device)
     if platform is None:
         from mla_multi.platforms import current_platform
 
         platform = current_platform()
-    # the warpgroup kernels read an FP8 cache in 4-byte words or wider copies: rows must start on 4-byte boundaries
-    fp8_rows_unaligned = kv_cache.dtype in FP8_DTYPES and any(
-        value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
+    try:
+        key = decode_plan_key(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, config,
+            platform, error_flag,
+        )
+    except (AttributeError, TypeError):  # not tensors: the plan's checks say what was wrong
+        key = None
+    plan = _KERNEL_PLANS.get(key)
+    if plan is None:
+        plan = DecodeKernelPlan(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
+            config=config, platform=platform, error_flag=error_flag,
+        )
+        if len(_KERNEL_PLANS) >= _KERNEL_PLANS_MAX:
+            _KERNEL_PLANS.clear()
+        if key is not None and not isinstance(num_kv_splits, bool):
+            _KERNEL_PLANS[key] = plan
+    plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
+    return out, lse
+
+
+# key (`decode_plan_key`) -> DecodeKernelPlan: a repeated call with the same shapes, strides, dtypes and
+# alignment skips the checks, the launch configuration and Triton's argument binding
+_KERNEL_PLANS: dict = {}
+_KERNEL_PLANS_MAX = 512
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
+
+
+def decode_plan_key(
+    q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, config, platform,
+    error_flag,
+) -> tuple:
+    """What a `DecodeKernelPlan` depends on: every tensor's shape, strides, dtype, device and 16-byte
+    alignment (Triton's specialisation), the split count, the configuration and the platform."""
+    return (
+        _layout(q_nope), _layout(q_pe), _layout(kv_cache), kv_cache.data_ptr() % 4, _layout(block_table),
+        _layout(seq_lens), None if k_scale is None else _layout(k_scale), num_kv_splits, _layout(attn_logits),
+        _layout(out), _layout(lse), config, id(platform), None if error_flag is None else _layout(error_flag),
+        None if error_flag is None else error_flag.data_ptr(),
     )
-    if config is None:
-        config = decode_config(
-            platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
+
+
+class DecodeKernelPlan:
+    """The launches of one decode shape: checked once, configured once, bound once.
+
+    Built from one set of tensors (see `mla_decode_fwd` for their meaning);
+    `launch` then runs any tensors with the same `decode_plan_key` without
+    further Python work than passing them on: no checks, no configuration,
+    no allocation, no synchronisation.
+    """
+
+    def __init__(
+        self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, *,
+        config: DecodeLaunchConfig | None = None, platform: Any = None, error_flag: torch.Tensor | None = None,
+    ) -> None:
+        batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag
         )
+        if platform is None:
+            from mla_multi.platforms import current_platform
 
-    cache = kv_cache
-    fp8_bits_bias = 0
-    if kv_cache.dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, kv_cache.dtype):
-        cache = kv_cache.view(torch.uint8)
-        fp8_bits_bias = _FP8_EXPONENT_BIAS[kv_cache.dtype]
-
-    if q_nope.dim() == 3:
-        # a [B, N, D] tensor is [B, 1, N, D] with any token stride
-        qn_strides = (q_nope.stride(0), 0, q_nope.stride(1))
-        qp_strides = (q_pe.stride(0), 0, q_pe.stride(1))
-        o_strides = (out.stride(0), 0, out.stride(1))
-        lse_strides = (lse.stride(0), 0, lse.stride(1))
-    else:
-        qn_strides = (q_nope.stride(0), q_nope.stride(1), q_nope.stride(2))
-        qp_strides = (q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
-
-    if batch == 0:
-        return out, lse
-    rows = q_len * num_heads
-    direct = num_kv_splits == 1
-    grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
-    args = (
-        q_nope,
-        q_pe,
-        cache,
-        block_table,
-        seq_lens,
-        k_scale if k_scale is not None else seq_lens,
-        attn_logits,
-        out,
-        lse,
-        error_flag,
-        float(scale),
-        num_heads,
-        num_kv_splits,
-        block_table.shape[1] * kv_cache.shape[1],
-        kv_cache.shape[0],
-        *qn_strides,
-        *qp_strides,
-        cache.stride(0),
-        cache.stride(1),
-        block_table.stride(0),
-        attn_logits.stride(0),
-        attn_logits.stride(1),
-        attn_logits.stride(2),
-        *o_strides,
-        *lse_strides,
-    )
-    if config.warpgroup:
-        reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
-        if not reason and fp8_rows_unaligned:
-            reason = (
-                f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
-                f"{tuple(kv_cache.stride())}); accepted: a data pointer and block/token strides that are multiples of 4"
-            )
-        if not reason and config.raw_stages and (kv_cache.dtype != torch.float8_e4m3fn or not config.warp_specialised):
-            reason = (
-                f"raw FP8 stages (raw_stages={config.raw_stages}) need a float8_e4m3fn kv_cache and a warp-specialised "
-                f"kernel (wgmma_ws or wgmma_rm); got a {kv_cache.dtype} kv_cache and kernel {config.kernel}"
-            )
-        if not reason and config.warp_specialised and config.num_stages == 0 and (
-            not config.raw_stages or config.kernel != "wgmma_ws" or config.block_h > 16
-        ):
-            reason = (
-                f"no float16 stages (num_stages=0) means P V on the FP8 tensor cores from the raw stages, which "
-                f"needs raw_stages > 0, kernel wgmma_ws and block_h <= 16; got raw_stages={config.raw_stages}, "
-                f"kernel {config.kernel}, block_h={config.block_h}"
-            )
-        if reason:
-            raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
-        from mla_multi.kernels import mla_decode_wgmma
-
-        mla_decode_wgmma.launch_split_kernel(
-            grid,
-            args,
-            q_len=q_len,
-            kv_lora_rank=kv_lora_rank,
-            rope_dim=rope_dim,
-            page_size=kv_cache.shape[1],
-            config=config,
-            has_k_scale=k_scale is not None,
-            fp8_cache=kv_cache.dtype in FP8_DTYPES,
-            direct=direct,
+            platform = current_platform()
+        device = q_nope.device
+        self.error_flag = errors.error_flag(device) if error_flag is None else error_flag
+        self.batch = batch
+        self.num_kv_splits = num_kv_splits
+        self.kv_lora_rank = kv_lora_rank
+        # the warpgroup kernels read an FP8 cache in 4-byte words or wider copies: rows must start on 4-byte boundaries
+        fp8_rows_unaligned = kv_cache.dtype in FP8_DTYPES and any(
+            value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
         )
-    else:
-        _mla_decode_split_kernel[grid](
-            *args,
-            Q_LEN=q_len,
-            KV_LORA_RANK=kv_lora_rank,
-            ROPE_DIM=rope_dim,
-            PAGE_SIZE=kv_cache.shape[1],
-            BLOCK_H=config.block_h,
-            BLOCK_N=config.block_n,
-            HAS_K_SCALE=k_scale is not None,
-            LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype, config),
-            FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
-            FP8_BITS_BIAS=fp8_bits_bias,
-            DIRECT_OUTPUT=direct,
-            DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
-            TOKENS_AS_M=config.tokens_as_m,
-            **config.launch_options(),
-        )
-    if not direct:
-        reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
-        block_dv = min(reduce_config.block_dv, kv_lora_rank)
-        _mla_decode_reduce_kernel[(batch * q_len, num_heads, kv_lora_rank // block_dv)](
-            attn_logits,
-            out,
-            lse,
+        if config is None:
+            config = decode_config(
+                platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
+            )
+        self.config = config
+        self.fp8_bits = kv_cache.dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, kv_cache.dtype)
+        fp8_bits_bias = _FP8_EXPONENT_BIAS[kv_cache.dtype] if self.fp8_bits else 0
+        cache = kv_cache.view(torch.uint8) if self.fp8_bits else kv_cache
+
+        if q_nope.dim() == 3:
+            # a [B, N, D] tensor is [B, 1, N, D] with any token stride
+            qn_strides = (q_nope.stride(0), 0, q_nope.stride(1))
+            qp_strides = (q_pe.stride(0), 0, q_pe.stride(1))
+            o_strides = (out.stride(0), 0, out.stride(1))
+            lse_strides = (lse.stride(0), 0, lse.stride(1))
+        else:
+            qn_strides = (q_nope.stride(0), q_nope.stride(1), q_nope.stride(2))
+            qp_strides = (q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
+            o_strides = (out.stride(0), out.stride(1), out.stride(2))
+            lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
+        self.has_k_scale = k_scale is not None
+        self.int_args = (
+            num_heads,
             num_kv_splits,
+            block_table.shape[1] * kv_cache.shape[1],
+            kv_cache.shape[0],
+            *qn_strides,
+            *qp_strides,
+            cache.stride(0),
+            cache.stride(1),
+            block_table.stride(0),
             attn_logits.stride(0),
             attn_logits.stride(1),
             attn_logits.stride(2),
             *o_strides,
             *lse_strides,
-            Q_LEN=q_len,
-            KV_LORA_RANK=kv_lora_rank,
-            BLOCK_DV=block_dv,
-            BLOCK_SPLITS=reduce_config.block_splits,
-            **reduce_config.launch_options(),
         )
-    return out, lse
+        self.split = self.reduce = None
+        self.tma = False
+        if batch == 0:
+            return
+        rows = q_len * num_heads
+        direct = num_kv_splits == 1
+        grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
+        if config.warpgroup:
+            reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
+            if not reason and fp8_rows_unaligned:
+                reason = (
+                    f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
+                    f"{tuple(kv_cache.stride())}); accepted: a data pointer and block/token strides that are multiples of 4"
+                )
+            if not reason and config.raw_stages and (kv_cache.dtype != torch.float8_e4m3fn or not config.warp_specialised):
+                reason = (
+                    f"raw FP8 stages (raw_stages={config.raw_stages}) need a float8_e4m3fn kv_cache and a warp-specialised "
+                    f"kernel (wgmma_ws or wgmma_rm); got a {kv_cache.dtype} kv_cache and kernel {config.kernel}"
+                )
+            if not reason and config.warp_specialised and config.num_stages == 0 and (
+                not config.raw_stages or config.kernel != "wgmma_ws" or config.block_h > 16
+            ):
+                reason = (
+                    f"no float16 stages (num_stages=0) means P V on the FP8 tensor cores from the raw stages, which "
+                    f"needs raw_stages > 0, kernel wgmma_ws and block_h <= 16; got raw_stages={config.raw_stages}, "
+                    f"kernel {config.kernel}, block_h={config.block_h}"
+                )
+            if reason:
+                raise ValueError(f"decode config {config.name} runs the warpgroup kernel, which cannot run here: {reason}")
+            from mla_multi.kernels import mla_decode_wgmma
+
+            self.split, self.tma = mla_decode_wgmma.bind_split_kernel(
+                grid,
+                device,
+                kv_cache,
+                q_len=q_len,
+                kv_lora_rank=kv_lora_rank,
+                rope_dim=rope_dim,
+                page_size=kv_cache.shape[1],
+                config=config,
+                has_k_scale=k_scale is not None,
+                fp8_cache=kv_cache.dtype in FP8_DTYPES,
+                direct=direct,
+            )
+        else:
+            self.split = BoundLaunch(
+                _mla_decode_split_kernel,
+                grid,
+                dict(
+                    Q_LEN=q_len,
+                    KV_LORA_RANK=kv_lora_rank,
+                    ROPE_DIM=rope_dim,
+                    PAGE_SIZE=kv_cache.shape[1],
+                    BLOCK_H=config.block_h,
+                    BLOCK_N=config.block_n,
+                    HAS_K_SCALE=k_scale is not None,
+                    LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype, config),
+                    FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
+                    FP8_BITS_BIAS=fp8_bits_bias,
+                    DIRECT_OUTPUT=direct,
+                    DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
+                    TOKENS_AS_M=config.tokens_as_m,
+                    **config.launch_options(),
+                ),
+                device,
+            )
+        if not direct:
+            reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
+            block_dv = min(reduce_config.block_dv, kv_lora_rank)
+            self.reduce = BoundLaunch(
+                _mla_decode_reduce_kernel,
+                (batch * q_len, num_heads, kv_lora_rank // block_dv),
+                dict(
+                    Q_LEN=q_len,
+                    KV_LORA_RANK=kv_lora_rank,
+                    BLOCK_DV=block_dv,
+                    BLOCK_SPLITS=reduce_config.block_splits,
+                    **reduce_config.launch_options(),
+                ),
+                device,
+            )
+            self.reduce_int_args = (
+                num_kv_splits, attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), *o_strides,
+                *lse_strides,
+            )
+
+    def launch(self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale) -> None:
+        """Run the plan on tensors with the plan's key (writes `out` and `lse`)."""
+        split = self.split
+        if split is None:
+            return
+        cache = kv_cache.view(torch.uint8) if self.fp8_bits else kv_cache
+        args = (
+            q_nope, q_pe, cache, block_table, seq_lens, k_scale if self.has_k_scale else seq_lens, attn_logits, out,
+            lse, self.error_flag, float(scale), *self.int_args,
+        )
+        if self.tma:
+            from mla_multi.kernels.mla_decode_wgmma import tma_keywords
+
+            split(*args, **tma_keywords(kv_cache, self.config.block_n, self.kv_lora_rank))
+        else:
+            split(*args)
+        if self.reduce is not None:
+            self.reduce(attn_logits, out, lse, *self.reduce_int_args)
 
 
 # ---------------------------------------------------------------------------

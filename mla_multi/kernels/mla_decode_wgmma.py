@@ -77,6 +77,7 @@ import torch
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels.launch import BoundLaunch
 
 try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python side
     from triton.experimental import gluon
@@ -1642,17 +1643,13 @@ def tma_loader(config, fp8_cache: bool) -> bool:
     return config.warp_specialised and config.tma and fp8_cache == (config.raw_stages > 0)
 
 
-def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
-    """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
+def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
+                             tma: bool) -> dict:
     ws = config.warp_specialised
-    kernel = ws_split_kernel if ws else split_kernel
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
-    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader(config, fp8_cache) else None
-    if descriptors is not None:
-        extra |= {"TMA": True, "KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]}
-    extra = extra if ws else {}
-    kernel[grid](
-        *args,
+    if tma:
+        extra["TMA"] = True
+    return dict(
         Q_LEN=q_len,
         KV_LORA_RANK=kv_lora_rank,
         ROPE_DIM=rope_dim,
@@ -1664,5 +1661,40 @@ def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, pag
         FP8_CACHE=fp8_cache,
         DIRECT_OUTPUT=direct,
         num_warps=config.num_warps,
-        **extra,
+        **(extra if ws else {}),
     )
+
+
+def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
+    """The TMA descriptor arguments of a bound split kernel for `kv_cache` (built once per cache and kept)."""
+    descriptors = _tma_cache_descriptors(kv_cache, block_n, kv_lora_rank)
+    return {"KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]}
+
+
+def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
+                      fp8_cache, direct):
+    """The warpgroup split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
+    takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
+    `tma_cache_reason` reads."""
+    ws = config.warp_specialised
+    kernel = ws_split_kernel if ws else split_kernel
+    tma_ok = ws and tma_loader(config, fp8_cache) and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank)
+    constexprs = _split_kernel_constexprs(
+        q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
+        has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok,
+    )
+    names = ("KV_desc", "KV_pe_desc") if tma_ok else ()
+    return BoundLaunch(kernel, grid, constexprs, device, keyword_names=names), tma_ok
+
+
+def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
+    """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
+    ws = config.warp_specialised
+    kernel = ws_split_kernel if ws else split_kernel
+    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader(config, fp8_cache) else None
+    constexprs = _split_kernel_constexprs(
+        q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
+        has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=ws and descriptors is not None,
+    )
+    keywords = {"KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]} if ws and descriptors is not None else {}
+    kernel[grid](*args, **keywords, **constexprs)

@@ -1,0 +1,150 @@
+"""Eager and graph-replayed time of the decode op and of a layer's decode step, beside FlashMLA where it is
+installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
+
+    PYTHONPATH=. python3 bench/host_bench.py
+
+Eager: `triton.testing.do_bench` of the plain call (the host path included), median. Captured: one CUDA graph
+of 20 calls replayed, median per call. Working set over L2: every case reads at least 128 MiB of cache.
+"""
+import torch
+from triton.testing import do_bench
+
+import mla_multi as mm
+
+dev = "cuda"
+BS = 64
+torch.manual_seed(0)
+try:
+    import flash_mla
+except Exception:  # noqa: BLE001
+    flash_mla = None
+
+
+def graph_time(fn, reps=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return do_bench(g.replay, return_mode="median") * 1000 / reps
+
+
+def eager_time(fn):
+    fn()
+    return do_bench(fn, return_mode="median") * 1000
+
+
+def busy_eager(fn, calls=50):
+    """Per-call time of `calls` eager calls queued behind 5 ms of other GPU work (host overlaps the GPU)."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        for _ in range(12):
+            a @ a  # ~5 ms of earlier work
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+print("decode op (bf16, block 64): eager / captured us; FlashMLA eager / captured")
+scale = 192**-0.5
+for n, b, s in ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (128, 32, 8192), (16, 64, 8192),
+                (64, 64, 8192), (128, 1, 32768)):
+    copies = max(1, (128 << 20) // (b * s * 576 * 2))
+    nb = b * s // BS
+    caches = [torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
+    bt = torch.randperm(nb, device=dev).int().reshape(b, s // BS)
+    sl = torch.full((b,), s, dtype=torch.int32, device=dev)
+    qn = torch.randn(b, n, 512, device=dev, dtype=torch.bfloat16)
+    qp = torch.randn(b, n, 64, device=dev, dtype=torch.bfloat16)
+    state = {"i": 0}
+
+    def ours():
+        state["i"] = (state["i"] + 1) % len(caches)
+        return mm.ops.mla_decode(qn, qp, caches[state["i"]], bt, sl, scale)
+
+    e, c, busy = eager_time(ours), graph_time(ours), busy_eager(ours)
+    line = f"N={n:3d} B={b:3d} S={s:5d}  ours {e:7.1f} / {c:7.1f} (busy GPU: {busy:7.1f})"
+    if flash_mla is not None:
+        q = torch.cat([qn, qp], -1).unsqueeze(1)
+        meta = flash_mla.get_mla_metadata()[0]
+
+        def theirs():
+            state["i"] = (state["i"] + 1) % len(caches)
+            return flash_mla.flash_mla_with_kvcache(q, caches[state["i"]].view(-1, BS, 1, 576), bt, sl, 512, meta,
+                                                    softmax_scale=scale, use_legacy=True)[0]
+
+        try:
+            fe, fc = eager_time(theirs), graph_time(theirs)
+            ref = theirs().squeeze(1)
+            state["i"] -= 1
+            err = ((ours().float() - ref.float()).norm() / ref.float().norm()).item()
+            line += f"  FlashMLA {fe:7.1f} / {fc:7.1f}  eager ratio {e / fe:5.2f}  diff {err:.1e}"
+        except Exception as error:  # noqa: BLE001
+            line += f"  FlashMLA failed: {type(error).__name__}: {str(error)[:100]}"
+    print(line, flush=True)
+
+print("layer decode step, N=128 (plan outside): eager / captured us")
+dims = mm.MLADims.deepseek_v3(num_heads=128)
+weight = (torch.randn(128 * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
+for b, s in ((1, 8192), (64, 4096), (128, 4096)):
+    layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=8192, max_num_seqs=128)
+    nb = b * s // BS + 1
+    cache = torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(nb, device=dev)[: b * (s // BS)].int().reshape(b, s // BS)
+    md = mm.CommonAttentionMetadata.from_lengths([1] * b, [s] * b, bt, BS)
+    q = torch.randn(b, 128, 192, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(b, 512, device=dev, dtype=torch.bfloat16)
+    kpe = torch.randn(b, 64, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(b, 128 * 128, device=dev, dtype=torch.bfloat16)
+    layer.plan(md)
+
+    def step():
+        return layer.forward(q, kv, kpe, cache, md, output=out)
+
+    e = eager_time(step)
+    layer.lock_workspace()
+    c = graph_time(step)
+    layer.workspace.unlock()
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        step()
+        sync = "no sync"
+    except Exception as error:  # noqa: BLE001
+        sync = f"SYNC: {str(error)[:120]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"B={b:3d} S={s:5d}  eager {e:7.1f}  captured {c:7.1f}  eager - captured {e - c:6.1f}  ({sync})", flush=True)
+
+print("61 layers of DeepSeek-V3, max_num_seqs 256, max_model_len 32768 (workspace beyond the weights)")
+for heads in (16, 128):
+    mm.workspace.set_workspace_manager(None, dev)
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    weight = torch.randn(heads * 256, 512, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    one = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256)
+    after_one = torch.cuda.memory_allocated() - base
+    layers = [one] + [mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256)
+                      for _ in range(60)]
+    after_all = torch.cuda.memory_allocated() - base
+    # W_UK / W_UV copies are per-layer weights (2 x heads x 128 x 512 bf16), not workspace
+    weights = 61 * 2 * heads * 128 * 512 * 2
+    print(f"heads {heads:3d}: one layer {after_one / 2**20:8.1f} MiB (weights {weights / 61 / 2**20:.1f}), "
+          f"61 layers {after_all / 2**20:8.1f} MiB, 61 layers minus their weights "
+          f"{(after_all - weights) / 2**20:8.1f} MiB, workspace {layers[0].workspace.size_bytes / 2**20:.1f} MiB")
+    del layers, one

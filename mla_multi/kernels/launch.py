@@ -1,0 +1,147 @@
+"""Launching a compiled Triton (or Gluon) kernel without Triton's per-call Python work.
+
+`kernel[grid](*args, **constexprs)` binds the arguments, computes their
+specialisation (pointer alignment, integers equal to 1 or divisible by 16),
+looks the compiled kernel up and only then launches: 20-40 µs of Python per
+launch on a current host, more than a decode kernel of a small batch runs.
+A `BoundLaunch` pays that once: its first call goes through Triton and keeps
+the compiled kernel and its launcher; later calls hand the new runtime
+arguments straight to the launcher.
+
+That is only valid while the arguments keep the specialisation of the first
+call, so a bound launch belongs to a plan whose key covers it: the shapes,
+strides and dtypes of every tensor (hence every integer argument derived from
+them) and the 16-byte alignment of every pointer (`alignment_key`).
+
+The direct path relies on how `JITFunction.run` calls the launcher
+(``kernel.run(grid_0, grid_1, grid_2, stream, kernel.function,
+kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)``),
+which is the same from Triton 3.3 to 3.9. `direct_launch_reason()` checks that
+contract in the installed Triton's own source once; where it does not hold,
+or while a launch hook is installed (a profiler), every call goes through
+Triton as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["BoundLaunch", "alignment_key", "direct_launch_reason"]
+
+_LAUNCH_CALL = (
+    "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def direct_launch_reason() -> str:
+    """Why compiled kernels cannot be launched directly with this Triton ("" when they can)."""
+    try:
+        from triton.runtime import jit
+
+        source = inspect.getsource(jit.JITFunction.run)
+    except Exception as error:  # any failure means: go through Triton
+        return f"the installed Triton's JITFunction.run cannot be read ({type(error).__name__}: {error})"
+    if " ".join(_LAUNCH_CALL.split()) not in " ".join(source.split()):
+        return "the installed Triton's JITFunction.run launches differently from Triton 3.3-3.9"
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_knobs():
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def _hook_installed(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (its `calls` list is empty when nothing is installed)
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _hooks_installed() -> bool:
+    runtime = _runtime_knobs()
+    return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
+
+
+def alignment_key(*tensors: torch.Tensor | None) -> int:
+    """One int whose bit i says whether tensor i's address is a multiple of 16 bytes (Triton's pointer
+    specialisation); None counts as aligned."""
+    bits = 0
+    for i, tensor in enumerate(tensors):
+        if tensor is not None and tensor.data_ptr() % 16:
+            bits |= 1 << i
+    return bits
+
+
+class BoundLaunch:
+    """One kernel, one grid and fixed constexprs, launched with new runtime arguments.
+
+    `positional` runtime arguments fill the kernel's first parameters in
+    order; `keyword_names` are further runtime parameters passed by name
+    (e.g. TMA descriptors). The first `__call__` compiles (or finds) the
+    kernel through Triton; later calls launch it directly on the current
+    stream of `device`.
+    """
+
+    __slots__ = ("kernel", "grid", "constexprs", "keyword_names", "device_index", "_run", "_function",
+                 "_metadata", "_tail", "_keyword_positions", "_num_positional")
+
+    def __init__(self, kernel, grid: tuple[int, ...], constexprs: dict[str, Any], device: torch.device,
+                 keyword_names: tuple[str, ...] = ()) -> None:
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = constexprs
+        self.keyword_names = keyword_names
+        self.device_index = device.index if device.type == "cuda" else None
+        self._run = None
+
+    def __call__(self, *args, **keywords) -> None:
+        run = self._run
+        if run is not None and not _hooks_installed():
+            values = list(args)
+            values += self._tail
+            for name, position in self._keyword_positions:
+                values[position] = keywords[name]
+            stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            g0, g1, g2 = self.grid
+            runtime = _runtime_knobs()
+            # the (empty) hooks passed on as Triton passes them
+            run(g0, g1, g2, stream, self._function, self._metadata, None, runtime.launch_enter_hook,
+                runtime.launch_exit_hook, *values)
+            return
+        compiled = self.kernel[self.grid](*args, **keywords, **self.constexprs)
+        if run is None and self.device_index is not None and not direct_launch_reason():
+            self._bind(compiled, args, keywords)
+
+    def _bind(self, compiled, args, keywords) -> None:
+        try:
+            device = self.device_index
+            binder = self.kernel.device_caches[device][4]
+            bound_args, _, _ = binder(*args, **keywords, **self.constexprs)
+            names = list(bound_args)
+            values = list(bound_args.values())
+            if any(values[i] is not arg for i, arg in enumerate(args)):
+                return
+            tail = values[len(args):]
+            positions = tuple((name, names.index(name)) for name in self.keyword_names)
+            for name, position in positions:
+                if position < len(args):
+                    return
+                tail[position - len(args)] = None
+            run = compiled.run  # initialises the module and its launcher
+            self._function = compiled.function
+            self._metadata = compiled.packed_metadata
+            self._tail = tail
+            self._keyword_positions = positions
+            self._num_positional = len(args)
+            self._run = run
+        except Exception:  # noqa: BLE001 - keep launching through Triton
+            self._run = None

@@ -1,0 +1,295 @@
+"""The public functional ops as torch.library ops in the ``mla_multi`` namespace.
+
+`torch.compile` (``fullgraph=True`` included) and `torch.export` see each op of
+`mla_multi.ops` as one opaque node, ``torch.ops.mla_multi.<op>``: Dynamo does
+not trace the checks or the backend selection, Inductor never re-traces the
+Triton kernels, and the graph needs no break around them.  Eagerly nothing
+changes: `mla_multi.ops.<op>` runs its Python body as before; only while
+compiling (``torch.compiler.is_compiling()``) does it call ``<op>_traced``
+here, which converts its arguments to the schema and calls the registered op.
+
+Each registered kernel (``CompositeExplicitAutograd``: every device, one
+Python function) calls the public `mla_multi.ops.<op>` itself, so every check
+-- the ones that read index data included -- runs when the compiled code runs,
+never in the traced graph.  The fake (meta) kernels compute output shapes and
+dtypes from the inputs' metadata alone.
+
+The ops are defined with ``torch.library.Library(...).define`` / ``.impl``
+rather than ``torch.library.custom_op``, whose Python wrapper adds about
+15 us to every call (``bench/registration_cost.py`` measures both).
+
+Schemas (scales that the Python API takes as float or tensor are ``Tensor?``:
+the ``*_traced`` wrappers turn a float into a 1-element float32 tensor on the
+inputs' device):
+
+* ``mla_decode(... bool return_lse=False) -> (Tensor out, Tensor lse)``: lse is
+  [B, (Q,) N] (float32, float64 for float64 queries) when ``return_lse``, else an
+  empty float32 tensor of shape [0]; ``return_lse=True`` with a backend that
+  returns no LSE raises ValueError, as the eager op does.
+* ``mla_prefill(... bool return_lse=False) -> (Tensor out, Tensor lse)``: lse is
+  [N, Tq] when ``return_lse``, else shape [0].
+* ``merge_attn_states(...) -> (Tensor, Tensor)``.
+* ``concat_and_cache_mla(..., Tensor(a!) kv_cache, ...) -> ()``: writes kv_cache.
+* ``gather_cache(...) -> Tensor``: [num_tokens, W] when ``num_tokens`` is
+  given (the eager result must have that many rows, else ValueError), else a
+  data-dependent (unbacked) number of rows.
+
+Every output of the registered ops is contiguous (the kernels make a
+non-contiguous backend result contiguous) and never aliases an input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_multi.backends.base import FP8_DTYPES
+
+__all__ = [
+    "LIBRARY",
+    "SCHEMAS",
+    "mla_decode_traced",
+    "mla_prefill_traced",
+    "merge_attn_states_traced",
+    "concat_and_cache_mla_traced",
+    "gather_cache_traced",
+]
+
+NAMESPACE = "mla_multi"
+
+SCHEMAS: dict[str, str] = {
+    "mla_decode": (
+        "mla_decode(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, *, "
+        "Tensor? k_scale=None, int? num_kv_splits=None, str? backend=None, bool return_lse=False) -> (Tensor, Tensor)"
+    ),
+    "mla_prefill": (
+        "mla_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, float scale, *, bool causal=True, bool return_lse=False, str? backend=None) "
+        "-> (Tensor, Tensor)"
+    ),
+    "merge_attn_states": (
+        "merge_attn_states(Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, Tensor suffix_lse) "
+        "-> (Tensor, Tensor)"
+    ),
+    "concat_and_cache_mla": (
+        "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *, "
+        "Tensor? scale=None) -> ()"
+    ),
+    "gather_cache": (
+        "gather_cache(Tensor kv_cache, Tensor block_table, Tensor seq_starts, Tensor seq_lens, *, Tensor? scale=None, "
+        "ScalarType? out_dtype=None, Tensor? cu_seq_lens=None, SymInt? num_tokens=None) -> Tensor"
+    ),
+}
+
+LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _schema in SCHEMAS.values():
+    LIBRARY.define(_schema)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _ops():
+    # Imported here: mla_multi.ops imports this module.
+    from mla_multi import ops
+
+    return ops
+
+
+class _Eager:
+    """Run the public op's eager body from a registered kernel.
+
+    The public ops divert to the registered op while
+    `torch.compiler.is_compiling()` holds; the compiled code calls the kernels
+    when the flag is down, but a kernel run with real tensors inside a compile
+    session (Inductor folding constants, say) would otherwise call itself.
+    """
+
+    __slots__ = ("flag",)
+
+    def __enter__(self):
+        self.flag = torch.compiler.is_compiling()
+        if self.flag:
+            torch.compiler._is_compiling_flag = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.flag:
+            torch.compiler._is_compiling_flag = True
+        return False
+
+
+def _scale_tensor(scale, device: torch.device):
+    """A float scale as a 1-element float32 tensor on `device`; None and tensors pass through."""
+    if scale is None or torch.is_tensor(scale):
+        return scale
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _no_lse(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- mla_decode
+
+
+def _mla_decode_kernel(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_scale=None, num_kv_splits=None,
+                       backend=None, return_lse=False):
+    with _Eager():
+        result = _ops().mla_decode(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+            k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
+        )
+    if return_lse:
+        out, lse = result
+        return out.contiguous(), lse.contiguous()
+    return result.contiguous(), _no_lse(result)
+
+
+def _mla_decode_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_scale=None, num_kv_splits=None,
+                     backend=None, return_lse=False):
+    out = q_nope.new_empty(q_nope.shape)
+    lse = q_nope.new_empty(q_nope.shape[:-1], dtype=_lse_dtype(q_nope.dtype)) if return_lse else _no_lse(q_nope)
+    return out, lse
+
+
+def mla_decode_traced(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_scale=None, num_kv_splits=None,
+                      backend=None, return_lse=False):
+    """`mla_multi.ops.mla_decode` through ``torch.ops.mla_multi.mla_decode`` (what a compiled graph records)."""
+    out, lse = torch.ops.mla_multi.mla_decode(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, float(scale),
+        k_scale=_scale_tensor(k_scale, q_nope.device), num_kv_splits=num_kv_splits, backend=backend,
+        return_lse=bool(return_lse),
+    )
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- mla_prefill
+
+
+def _mla_prefill_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
+                        return_lse=False, backend=None):
+    with _Eager():
+        result = _ops().mla_prefill(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+            causal=causal, return_lse=return_lse, backend=backend,
+        )
+    if return_lse:
+        out, lse = result
+        return out.contiguous(), lse.contiguous()
+    return result.contiguous(), _no_lse(result)
+
+
+def _mla_prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
+                      return_lse=False, backend=None):
+    tokens, heads = q.shape[0], q.shape[1]
+    out = q.new_empty((tokens, heads, v.shape[-1]))
+    lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q.dtype)) if return_lse else _no_lse(q)
+    return out, lse
+
+
+def mla_prefill_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
+                       return_lse=False, backend=None):
+    """`mla_multi.ops.mla_prefill` through ``torch.ops.mla_multi.mla_prefill``."""
+    out, lse = torch.ops.mla_multi.mla_prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scale),
+        causal=bool(causal), return_lse=bool(return_lse), backend=backend,
+    )
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- merge_attn_states
+
+
+def _merge_attn_states_kernel(prefix_output, prefix_lse, suffix_output, suffix_lse):
+    with _Eager():
+        out, lse = _ops().merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse)
+    return out.contiguous(), lse.contiguous()
+
+
+def _merge_attn_states_fake(prefix_output, prefix_lse, suffix_output, suffix_lse):
+    out = prefix_output.new_empty(prefix_output.shape)
+    lse = prefix_lse.new_empty(prefix_lse.shape)
+    return out, lse
+
+
+def merge_attn_states_traced(prefix_output, prefix_lse, suffix_output, suffix_lse):
+    """`mla_multi.ops.merge_attn_states` through ``torch.ops.mla_multi.merge_attn_states``."""
+    return torch.ops.mla_multi.merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse)
+
+
+# --------------------------------------------------------------------------- concat_and_cache_mla
+
+
+def _concat_and_cache_mla_kernel(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None):
+    with _Eager():
+        _ops().concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
+
+
+def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None):
+    return None
+
+
+def concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None):
+    """`mla_multi.ops.concat_and_cache_mla` through ``torch.ops.mla_multi.concat_and_cache_mla``."""
+    torch.ops.mla_multi.concat_and_cache_mla(
+        kv_c, k_pe, kv_cache, slot_mapping, scale=_scale_tensor(scale, kv_cache.device)
+    )
+
+
+# --------------------------------------------------------------------------- gather_cache
+
+
+def _gather_out_dtype(kv_cache, out_dtype):
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if kv_cache.dtype in FP8_DTYPES else kv_cache.dtype
+
+
+def _gather_cache_kernel(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None,
+                         cu_seq_lens=None, num_tokens=None):
+    with _Eager():
+        out = _ops().gather_cache(
+            kv_cache, block_table, seq_starts, seq_lens,
+            scale=scale, out_dtype=out_dtype, cu_seq_lens=cu_seq_lens, num_tokens=num_tokens,
+        )
+    if num_tokens is not None and out.shape[0] != num_tokens:
+        # A compiled graph sized everything after this op by num_tokens.
+        raise ValueError(
+            f"num_tokens={num_tokens}, but seq_lens add up to {out.shape[0]} rows; accepted: num_tokens = sum(seq_lens)"
+        )
+    return out.contiguous()
+
+
+def _gather_cache_fake(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None,
+                       cu_seq_lens=None, num_tokens=None):
+    if num_tokens is None:
+        num_tokens = torch.library.get_ctx().new_dynamic_size()
+    return kv_cache.new_empty((num_tokens, kv_cache.shape[-1]), dtype=_gather_out_dtype(kv_cache, out_dtype))
+
+
+def gather_cache_traced(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None,
+                        cu_seq_lens=None, num_tokens=None):
+    """`mla_multi.ops.gather_cache` through ``torch.ops.mla_multi.gather_cache``."""
+    return torch.ops.mla_multi.gather_cache(
+        kv_cache, block_table, seq_starts, seq_lens, scale=_scale_tensor(scale, kv_cache.device),
+        out_dtype=out_dtype, cu_seq_lens=cu_seq_lens, num_tokens=num_tokens,
+    )
+
+
+# --------------------------------------------------------------------------- registration
+
+_KERNELS = {
+    "mla_decode": (_mla_decode_kernel, _mla_decode_fake),
+    "mla_prefill": (_mla_prefill_kernel, _mla_prefill_fake),
+    "merge_attn_states": (_merge_attn_states_kernel, _merge_attn_states_fake),
+    "concat_and_cache_mla": (_concat_and_cache_mla_kernel, _concat_and_cache_mla_fake),
+    "gather_cache": (_gather_cache_kernel, _gather_cache_fake),
+}
+
+for _name, (_kernel, _fake) in _KERNELS.items():
+    LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=LIBRARY)

@@ -1,0 +1,143 @@
+"""One workspace per device: its sizing as a pure function of (platform, config), the bound the split
+heuristic keeps to, sharing across layers, and the plans the functional ops reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_multi as mm
+from mla_multi import ops
+from mla_multi.heuristics import max_num_kv_splits, max_partial_rows, num_kv_splits
+from mla_multi.memory import memory_plan
+from mla_multi.platforms import SPECS, override
+from mla_multi.workspace import WorkspaceManager, current_workspace_manager, set_workspace_manager
+
+MIB = 2**20
+DEVICES = ("H100", "H200", "MI300X", "MI355X")
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch):
+    monkeypatch.delenv("MLA_MULTI_NUM_KV_SPLITS", raising=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_memory_plan_deepseek_v3(device, heads):
+    with override(device):
+        plan = memory_plan(mm.MLADims.deepseek_v3(num_heads=heads), 256, 32768, decode_backend="TRITON",
+                           prefill_backend="TRITON")
+    purposes = [purpose for purpose, _, _ in plan.entries]
+    assert any(p.startswith("decode") for p in purposes) and any(p.startswith("prefill") for p in purposes)
+    # one buffer: the largest reservation, not the sum
+    assert plan.workspace_bytes == max(b for _, b, _ in plan.entries)
+    decode = plan.decode_bytes()
+    # what the kernels can ask: partial rows x heads x 528 float32 (attn_logits_width), the bf16 output, the LSE
+    rows = max_partial_rows(SPECS[device], heads, 256, 32768)
+    expected = rows * heads * 528 * 4 + 256 * heads * 512 * 2 + 256 * heads * 4
+    assert expected <= decode <= expected + 3 * 256
+    if device in ("H100", "H200"):
+        assert decode <= (160 if heads == 16 else 640) * MIB
+    assert str(plan).count("MiB") == len(plan.entries) + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (64, 1), (128, 1), (128, 2)])
+def test_split_heuristic_keeps_to_the_reserved_rows(device, heads, q_len):
+    platform = SPECS[device]
+    max_num_seqs, max_model_len = 256, 32768
+    rows = max_partial_rows(platform, heads, max_num_seqs, max_model_len, q_len=q_len)
+    limit = max_num_kv_splits(max_model_len, platform)
+    assert rows >= max_num_seqs * q_len and rows >= q_len * limit  # one request may still take every split
+    largest = 0
+    for batch in (1, 2, 3, 7, 16, 33, 64, 100, 128, 191, 256):
+        for seq_len in (256, 1000, 4096, 8192, 20000, 32768):
+            splits = num_kv_splits(platform, batch, heads, seq_len, limit, q_len=q_len, max_partial_rows=rows)
+            assert 1 <= splits <= limit
+            if splits > 1:
+                assert batch * q_len * splits <= rows, (batch, seq_len, splits, rows)
+                largest = max(largest, batch * q_len * splits)
+    assert largest > 0  # the bound was exercised by batches that split
+
+
+def test_env_override_stays_within_the_reserved_rows(monkeypatch):
+    platform = SPECS["H100"]
+    rows = max_partial_rows(platform, 128, 256, 32768)
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "256")
+    splits = num_kv_splits(platform, 200, 128, 32768, 256, max_partial_rows=rows)
+    assert 200 * splits <= rows and splits >= 1
+
+
+def _layer(heads=16, *, workspace=None, max_num_seqs=8, max_model_len=256, dtype=torch.float32):
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    weight = torch.randn(heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, dtype=dtype)
+    return mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs, workspace_tokens=64, workspace=workspace)
+
+
+def test_layers_share_one_workspace_per_device():
+    shared = WorkspaceManager("cpu")
+    set_workspace_manager(shared)
+    try:
+        assert current_workspace_manager("cpu") is shared
+        first = _layer(max_num_seqs=32, max_model_len=4096)
+        one_layer = shared.size_bytes
+        assert one_layer > 0
+        layers = [first] + [_layer(max_num_seqs=32, max_model_len=4096) for _ in range(3)]
+        assert all(layer.workspace is shared for layer in layers)
+        assert shared.size_bytes == one_layer  # four layers reserve what one does
+        views = [layer.workspace.get_simultaneous(((8,), torch.float32))[0] for layer in layers]
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+        layers[0].lock_workspace()
+        assert all(layer.workspace.is_locked for layer in layers)  # locked once, for every layer
+        shared.unlock()
+        # a layer given its own workspace keeps it
+        own = WorkspaceManager("cpu")
+        assert _layer(workspace=own).workspace is own and own.size_bytes > 0
+        with pytest.raises(ValueError, match="workspace="):
+            _layer(workspace="cpu")
+    finally:
+        set_workspace_manager(None, "cpu")
+
+
+def test_functional_decode_reuses_its_plan_and_still_checks_data():
+    ops._DECODE_PLANS.clear()
+    generator = torch.Generator().manual_seed(3)
+    heads, blocks, block_size = 4, 6, 16
+    q_nope = torch.randn(2, heads, 512, generator=generator)
+    q_pe = torch.randn(2, heads, 64, generator=generator)
+    cache = torch.randn(blocks, block_size, 576, generator=generator)
+    block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 17], dtype=torch.int32)
+    first = mm.ops.mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.1)
+    assert len(ops._DECODE_PLANS) == 1
+    q_nope2 = torch.randn(2, heads, 512, generator=generator)
+    second = mm.ops.mla_decode(q_nope2, q_pe, cache, block_table, seq_lens, 0.2)
+    assert len(ops._DECODE_PLANS) == 1  # same key: planned once
+    # the plan does not freeze the data: new query, new scale, new result (float64 reference)
+    keys = cache.double().view(-1, 576)
+    for out, q, scale in ((first, q_nope, 0.1), (second, q_nope2, 0.2)):
+        for b, length in enumerate(seq_lens.tolist()):
+            rows = torch.cat([keys[blk * block_size:(blk + 1) * block_size] for blk in block_table[b].tolist()])[:length]
+            query = torch.cat([q[b], q_pe[b]], dim=-1).double()
+            weights = torch.softmax(scale * query @ rows.T, dim=-1)
+            torch.testing.assert_close(out[b].double(), weights @ rows[:, :512], rtol=1e-5, atol=1e-5)
+    # the data checks still run on a planned key (CPU tensors: always)
+    bad = block_table.clone()
+    bad[1, 0] = blocks + 3
+    with pytest.raises(ValueError, match="block_table"):
+        mm.ops.mla_decode(q_nope, q_pe, cache, bad, seq_lens, 0.1)
+    # another shape is another plan
+    mm.ops.mla_decode(q_nope[:1], q_pe[:1], cache, block_table[:1], seq_lens[:1], 0.1)
+    assert len(ops._DECODE_PLANS) == 2
+
+
+def test_direct_launch_contract_of_the_installed_triton():
+    pytest.importorskip("triton")
+    from mla_multi.kernels.launch import alignment_key, direct_launch_reason
+
+    assert direct_launch_reason() == ""
+    aligned = torch.empty(64, dtype=torch.uint8)
+    assert alignment_key(aligned, None) == (1 if aligned.data_ptr() % 16 else 0)
+    assert alignment_key(aligned[1:]) == 1
