@@ -117,8 +117,17 @@ def collect_info(as_spec: str | None = None) -> dict:
                 if hasattr(backend, "info"):
                     row["declares"] = _guarded(backend.info)
         info["phases"] = phases
+        info["workspace"] = _guarded(lambda: _workspace_plans(dtype))
     info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
     return info
+
+
+def _workspace_plans(dtype) -> list[str]:
+    """What the shared workspace holds for DeepSeek-V3 at 16 and 128 heads (256 sequences of 32768 tokens)."""
+    from mla_multi.dims import MLADims
+    from mla_multi.memory import memory_plan
+
+    return [str(memory_plan(MLADims.deepseek_v3(num_heads=heads), 256, 32768, dtype=dtype)) for heads in (16, 128)]
 
 
 def _print_info(info: dict) -> None:
@@ -151,6 +160,11 @@ def _print_info(info: dict) -> None:
             print(f"  {row['name']:<16} {state}" + (f"  (uses {uses})" if uses else ""))
             for reason in row["reasons"]:
                 print(f"      - {reason}")
+    plans = info.get("workspace")
+    if isinstance(plans, list):
+        print("\nShared workspace (one per device, every layer; DeepSeek-V3, max_num_seqs 256, max_model_len 32768):")
+        for plan in plans:
+            print("  " + plan.replace("\n", "\n  "))
     decode = info.get("triton_decode")
     if isinstance(decode, dict):
         print(f"\nTRITON decode kernels (DeepSeek dims): warpgroup kernels {decode['warpgroup_kernels']}")

@@ -50,7 +50,8 @@ rows of ``N`` heads when ``s > 1`` (one split writes straight to the output).
 split count past that bound.  With 16 waves the bound changes the modelled
 cost of a choice by at most 3.3 % (H100, every B <= 256, S <= 32768, 16-128
 heads; 0 in most configurations) and reserves, for 256 requests of 32768
-tokens, 4224 rows of 16 heads (134 MiB) or 1056 rows of 128 heads (268 MiB)
+tokens, 4224 rows of 16 heads (136 MiB of partials) or 1056 rows of 128 heads
+(272 MiB)
 on an H100 or H200.
 
 ``MLA_MULTI_NUM_KV_SPLITS`` overrides the choice (still clamped to the

@@ -8,6 +8,8 @@ float64 math; caches start as NaN so that a wrong slot shows.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -175,6 +177,12 @@ def test_registered_op_values_match_eager_op():
     assert torch.equal(op_out, out) and torch.equal(op_lse, lse)
     op_out, no_lse = torch.ops.mla_multi.mla_decode(q_nope, q_pe, kv_cache, table, seq_lens, 0.3)
     assert torch.equal(op_out, out) and no_lse.shape == (0,) and no_lse.dtype == torch.float32
+    # The fakes promise contiguous outputs; the PyTorch merge lays its output out [N, T, D].
+    merge_args = (torch.randn(5, HEADS, 8), torch.randn(HEADS, 5), torch.randn(5, HEADS, 8), torch.randn(HEADS, 5))
+    eager_out, eager_lse = mm.ops.merge_attn_states(*merge_args)
+    op_out, op_lse = torch.ops.mla_multi.merge_attn_states(*merge_args)
+    assert op_out.is_contiguous() and op_lse.is_contiguous()
+    assert torch.equal(op_out, eager_out) and torch.equal(op_lse, eager_lse)
     # A kernel run with real tensors inside a compile session calls the eager body, not itself.
     with torch.compiler._compile_session_context():
         assert torch.compiler.is_compiling()
@@ -366,8 +374,9 @@ def test_compiled_cache_write_and_gather_match_eager(mode):
     assert rel_err(y, y64) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
 def test_compiled_merge_matches_eager_and_float64(mode):
+    """In grad mode too (parameters requiring grad): the forward runs; no gradient flows through the op."""
     torch.manual_seed(3)
     lin_a, lin_b, lin_o = torch.nn.Linear(6, HEADS * 8), torch.nn.Linear(6, HEADS * 8), torch.nn.Linear(HEADS * 8, 4)
     lse_a, lse_b = torch.randn(HEADS, 5), torch.randn(HEADS, 5)
@@ -379,7 +388,8 @@ def test_compiled_merge_matches_eager_and_float64(mode):
         return lin_o(out.reshape(-1, HEADS * 8)), lse
 
     x = torch.randn(5, 6)
-    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": contextlib.nullcontext}[mode]
+    with context():
         y, lse = torch.compile(fn, fullgraph=True)(x)
         y_eager, lse_eager = fn(x)
         a, b = lin_a(x).double().view(-1, HEADS, 8), lin_b(x).double().view(-1, HEADS, 8)

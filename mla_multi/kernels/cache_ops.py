@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels.launch import BoundLaunch, layout_key
 from mla_multi.kernels.launch_config import CompileSpec, cache_ops_config
 from mla_multi.kernels.mla_decode import _fp8_bits_to_float
 
@@ -271,7 +272,26 @@ def concat_and_cache_mla(
         return
     error_flag = _error_flag(error_flag, kv_cache.device)
     fp8, cache, config = _launch_view(kv_cache)
-    _concat_and_cache_mla_kernel[(num_tokens,)](
+    key = (layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
+           None if scale is None else layout_key(scale), error_flag.data_ptr(), id(config))
+    launch = _CONCAT_LAUNCHES.get(key)
+    if launch is None:
+        launch = BoundLaunch(
+            _concat_and_cache_mla_kernel,
+            (num_tokens,),
+            dict(
+                KV_LORA_RANK=kv_c.shape[1],
+                ROPE_DIM=k_pe.shape[1],
+                FP8_BIAS=_FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
+                FP8_MAX=FP8_MAX[kv_cache.dtype] if fp8 else 0.0,
+                **config.launch_options(),
+            ),
+            kv_cache.device,
+        )
+        if len(_CONCAT_LAUNCHES) >= 256:
+            _CONCAT_LAUNCHES.clear()
+        _CONCAT_LAUNCHES[key] = launch
+    launch(
         kv_c,
         k_pe,
         cache,
@@ -284,12 +304,11 @@ def concat_and_cache_mla(
         cache.stride(1),
         kv_cache.shape[1],
         kv_cache.shape[0] * kv_cache.shape[1],
-        KV_LORA_RANK=kv_c.shape[1],
-        ROPE_DIM=k_pe.shape[1],
-        FP8_BIAS=_FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
-        FP8_MAX=FP8_MAX[kv_cache.dtype] if fp8 else 0.0,
-        **config.launch_options(),
     )
+
+
+# the bound launches of concat_and_cache_mla, by the layout of its tensors (the token count included)
+_CONCAT_LAUNCHES: dict = {}
 
 
 def gather_cache(

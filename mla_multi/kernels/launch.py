@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BoundLaunch", "alignment_key", "direct_launch_reason"]
+__all__ = ["BoundLaunch", "alignment_key", "direct_launch_reason", "layout_key"]
 
 _LAUNCH_CALL = (
     "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
@@ -69,6 +69,12 @@ def _hook_installed(hook) -> bool:
 def _hooks_installed() -> bool:
     runtime = _runtime_knobs()
     return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
+
+
+def layout_key(tensor: torch.Tensor) -> tuple:
+    """Shape, strides, dtype, device and 16-byte alignment of `tensor`: what a bound launch's validity and
+    the checks made when it was planned depend on."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
 
 
 def alignment_key(*tensors: torch.Tensor | None) -> int:
