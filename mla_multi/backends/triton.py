@@ -154,8 +154,10 @@ class TritonDecodeImpl(MLADecodeImpl):
         from mla_multi import errors
         from mla_multi.heuristics import max_num_kv_splits, max_partial_rows
 
-        # the kernels' error flag must exist before a graph captures its address
-        errors.error_flag(workspace_manager.device)
+        # the kernels' error flag must exist before a graph captures its address (a memory plan reserves
+        # on the meta device: nothing runs there)
+        if workspace_manager.device.type != "meta":
+            errors.error_flag(workspace_manager.device)
         self.max_model_len = max_model_len
         self.max_num_kv_splits = max_num_kv_splits(max_model_len, self.platform)
         rows = max_partial_rows(
