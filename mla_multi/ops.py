@@ -267,6 +267,58 @@ def mla_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             causal=causal, return_lse=return_lse, backend=backend,
         )
+    try:
+        key = (
+            _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
+            max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
+        )
+        hash(key)
+    except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what was wrong
+        key = None
+    plan = _PREFILL_PLANS.get(key)
+    if plan is None:
+        plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
+        if key is not None:
+            if len(_PREFILL_PLANS) >= _PLANS_MAX:
+                _PREFILL_PLANS.clear()
+            _PREFILL_PLANS[key] = plan
+    elif plan.data_checks:
+        _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return plan.impl.forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
+    )
+
+
+_PREFILL_PLANS: dict = {}
+
+
+class _PrefillPlan:
+    """What `mla_prefill` decided for one key: the backend and its impl (whose wrappers and plans persist)."""
+
+    def __init__(self, backend_cls, impl, data_checks: bool) -> None:
+        self.backend_cls = backend_cls
+        self.impl = impl
+        self.data_checks = data_checks
+
+
+def _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The checks of `mla_prefill` that read the cumulative lengths (when the data checks are on)."""
+    device = q.device
+    if not checks.data_checks_enabled(device):
+        return
+    checks.report_pending_errors(device)
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        values = cu.cpu()
+        if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()) or int(values[-1]) > total:
+            raise ValueError(f"{name}={values.tolist()}; accepted: non-decreasing from 0 up to {total}")
+    for name, cu, bound in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        if bound < longest:
+            raise ValueError(f"{name}={bound} is below the longest sequence ({longest}); accepted: >= {longest}")
+
+
+def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend) -> _PrefillPlan:
+    """Check the inputs of `mla_prefill` (all of them, once per key) and choose the backend."""
     checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     num_heads, qk_head_dim = q.shape[1], q.shape[2]
@@ -281,16 +333,7 @@ def mla_prefill(
     scale = _check_float("scale", scale)
     if qk_head_dim < 2:
         raise ValueError(f"q has head dim {qk_head_dim}; accepted: at least 2")
-    if checks.data_checks_enabled(device):
-        checks.report_pending_errors(device)
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-            values = cu.cpu()
-            if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()) or int(values[-1]) > total:
-                raise ValueError(f"{name}={values.tolist()}; accepted: non-decreasing from 0 up to {total}")
-        for name, cu, bound in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
-            longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-            if bound < longest:
-                raise ValueError(f"{name}={bound} is below the longest sequence ({longest}); accepted: >= {longest}")
+    _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
     rope = min(64, qk_head_dim - 1)
     dims = MLADims(num_heads, qk_nope_head_dim=qk_head_dim - rope, qk_rope_head_dim=rope, v_head_dim=v.shape[-1])
@@ -298,9 +341,7 @@ def mla_prefill(
     impl = backend_cls.get_prefill_impl_cls()(
         num_heads, scale, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, device
     )
-    return impl.forward_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
-    )
+    return _PrefillPlan(backend_cls, impl, checks.data_checks_enabled(device))
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):

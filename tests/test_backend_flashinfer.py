@@ -480,3 +480,44 @@ def test_first_plan_of_a_configuration_is_logged_once_at_info(caplog):
     records = [r for r in caplog.records if "FLASHINFER decode test: first plan took" in r.getMessage()]
     assert len(records) == 1 and records[0].levelname == "INFO"
     assert "mla-multi warmup" in records[0].getMessage()
+
+
+def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
+    """forward_varlen reuses its wrapper's plan while the same length tensors come back unchanged, and plans
+    again for new tensors, changed contents or another causality (a fake wrapper counts the plans)."""
+    import sys
+    import types
+
+    fi_backend = fi
+    plans = []
+
+    class Wrapper:
+        def __init__(self, float_workspace_buffer, kv_layout, backend):
+            self.planned = None
+
+        def plan(self, **kwargs):
+            plans.append((kwargs["qo_indptr"].tolist(), kwargs["kv_indptr"].tolist(), kwargs["causal"]))
+            self.planned = plans[-1]
+
+        def run(self, q, k, v, return_lse, lse_base, lse_layout):
+            return torch.full((q.shape[0], q.shape[1], v.shape[-1]), float(len(plans)))
+
+    package = types.ModuleType("flashinfer")
+    package.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setattr(fi_backend, "float_workspace", lambda device: torch.empty(0, dtype=torch.uint8))
+    impl = fi_backend.FlashInferPrefillImpl(2, 0.1, 512, 128, 64, 128, torch.device("cpu"))
+    q = torch.randn(5, 2, 192)
+    v = torch.randn(5, 2, 128)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    for _ in range(3):
+        impl.forward_varlen(q, q, v, cu, cu, 3, 3, causal=True, return_softmax_lse=False)
+    assert len(plans) == 1
+    impl.forward_varlen(q, q, v, cu, cu, 3, 3, causal=False, return_softmax_lse=False)
+    assert len(plans) == 2 and plans[-1][2] is False
+    cu[1] = 3  # changed in place: the version counter moves
+    impl.forward_varlen(q, q, v, cu, cu, 3, 3, causal=False, return_softmax_lse=False)
+    assert len(plans) == 3 and plans[-1][0] == [0, 3, 5]
+    other = cu.clone()  # equal values, another tensor: planned again (its contents are not compared)
+    impl.forward_varlen(q, q, v, other, other, 3, 3, causal=False, return_softmax_lse=False)
+    assert len(plans) == 4

@@ -40,6 +40,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -649,7 +650,16 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
 
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
         (wrapper,) = self._wrappers(1, q.device)
-        self._plan_one(wrapper, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), causal, q.dtype)
+        # A call with the same length tensors (the same objects, still alive), unchanged since (their
+        # version counters), reuses the plan: a loop of calls over one batch plans once. Lengths written
+        # behind PyTorch's back (by a kernel through a raw pointer) are not seen: pass new tensors, or use
+        # MLAAttention.plan, then.
+        last = getattr(self, "_planned_for", None)
+        planned = (cu_seqlens_q._version, cu_seqlens_k._version, q.shape[0], k.shape[0], bool(causal), q.dtype,
+                   self.scale)
+        if last is None or last[0]() is not cu_seqlens_q or last[1]() is not cu_seqlens_k or last[2] != planned:
+            self._plan_one(wrapper, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), causal, q.dtype)
+            self._planned_for = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), planned)
         return self._run(wrapper, q, k, v.contiguous(), return_softmax_lse)
 
     def _planned(self, prefill_metadata, dtype: torch.dtype) -> FlashInferPrefillPlan | None:
