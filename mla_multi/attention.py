@@ -176,7 +176,7 @@ class MLAAttention:
         """
         if not isinstance(metadata, CommonAttentionMetadata):
             raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
-        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(metadata)
+        num_decodes, num_prefills, _, _ = self._split(metadata)
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
             self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
@@ -187,6 +187,14 @@ class MLAAttention:
         """Indices of the decode requests that carry a query token (padding rows carry none)."""
         query_lens = metadata.query_lens_cpu[:num_decodes]
         return torch.nonzero(query_lens > 0).flatten()
+
+    @staticmethod
+    def _split(metadata: CommonAttentionMetadata) -> tuple[int, int, int, int]:
+        """`split_decodes_and_prefills` of the step, computed once."""
+        found = metadata.backend_plans.get("split")
+        if found is None:
+            found = metadata.backend_plans["split"] = split_decodes_and_prefills(metadata)
+        return found
 
     def _decode_inputs(self, metadata: CommonAttentionMetadata, num_decodes: int):
         """(block_table, seq_lens) of the decode requests that carry a query token, once per step."""
@@ -276,7 +284,7 @@ class MLAAttention:
         slot_mapping = metadata.slot_mapping if self.dcp is None else self.dcp.local_slot_mapping(metadata)
         ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, scale=self.k_scale)
 
-        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
+        num_decodes, num_prefills, num_decode_tokens, _ = self._split(metadata)
         if num_decode_tokens > 0:
             self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output)
         if num_prefills > 0:
@@ -299,7 +307,8 @@ class MLAAttention:
             # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
         extra = {} if plan is None else {"plan": plan}
-        if self.dcp is None and hasattr(self.decode_impl, "choose_num_kv_splits"):
+        triton = hasattr(self.decode_impl, "choose_num_kv_splits")
+        if self.dcp is None and triton:
             # the split count of the step, chosen by its first layer
             splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype, self.decode_impl.max_partial_rows)
             splits = metadata.backend_plans.get(splits_key)
@@ -308,8 +317,10 @@ class MLAAttention:
                     block_table.shape[0], 1, metadata.max_seq_len, self.kv_cache_dtype
                 )
             extra["num_kv_splits"] = splits
+            extra["step_plans"] = metadata.backend_plans
         latent_out, _ = forward_mqa(
-            ql_nope, q_pe.contiguous(), kv_cache, block_table, seq_lens,
+            # the TRITON kernels take the query's strides as they are
+            ql_nope, q_pe if triton and self.dcp is None else q_pe.contiguous(), kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **extra,
         )
         # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].

@@ -201,9 +201,24 @@ class TritonDecodeImpl(MLADecodeImpl):
         return max(1, min(int(num_kv_splits), limit))
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
-                    workspace_manager=None, max_seq_len: int | None = None):
-        from mla_multi.kernels.mla_decode import mla_decode_fwd
+                    workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None):
+        """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
+        workspace views and the bound kernels of the step, so that every later layer only launches."""
+        from mla_multi.kernels.launch import layout_key
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd
 
+        if k_scale is not None and not torch.is_tensor(k_scale):
+            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
+        key = None
+        if step_plans is not None and workspace_manager is not None:
+            key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
+                   id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
+                   max_seq_len, id(workspace_manager), self.scale)
+            found = step_plans.get(key)
+            if found is not None and found[0] is workspace_manager._buffer:
+                _, attn_logits, out, lse, plan = found
+                plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
+                return out, lse
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
@@ -215,12 +230,18 @@ class TritonDecodeImpl(MLADecodeImpl):
             attn_logits, out, lse = workspace_manager.get_simultaneous(*specs)
         else:
             attn_logits, out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs)
-        if k_scale is not None and not torch.is_tensor(k_scale):
-            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
-        return mla_decode_fwd(
-            q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
-            num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
+        if key is None or q_nope.device.type != "cuda":
+            return mla_decode_fwd(
+                q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
+                num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
+            )
+        plan = DecodeKernelPlan(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
+            platform=self.platform,
         )
+        plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
+        step_plans[key] = (workspace_manager._buffer, attn_logits, out, lse, plan)
+        return out, lse
 
 
 class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
