@@ -96,6 +96,23 @@ for n, b, s in ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (1
         except Exception as error:  # noqa: BLE001
             line += f"  FlashMLA failed: {type(error).__name__}: {str(error)[:100]}"
     print(line, flush=True)
+    if (n, b) == (128, 1):
+        import time
+
+        def host_us(fn, calls=300):
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = (time.perf_counter() - start) / calls * 1e6
+            torch.cuda.synchronize()
+            return host
+
+        parts = f"host per call: ours {host_us(ours):.1f} us"
+        if flash_mla is not None:
+            parts += f", FlashMLA {host_us(theirs):.1f} us"
+        print("    " + parts, flush=True)
 
 print("layer decode step, N=128 (plan outside): eager / captured us")
 dims = mm.MLADims.deepseek_v3(num_heads=128)
@@ -148,3 +165,37 @@ for heads in (16, 128):
           f"61 layers {after_all / 2**20:8.1f} MiB, 61 layers minus their weights "
           f"{(after_all - weights) / 2**20:8.1f} MiB, workspace {layers[0].workspace.size_bytes / 2**20:.1f} MiB")
     del layers, one
+
+print("mixed step peak: 64 decodes + 16 prefills x 512 new tokens with 3584 cached, N=16, 61-layer reservation")
+mm.workspace.set_workspace_manager(None, dev)
+heads = 16
+dims = mm.MLADims.deepseek_v3(num_heads=heads)
+weight = (torch.randn(heads * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
+layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256)
+query_lens = [1] * 64 + [512] * 16
+seq_lens = [4096] * 64 + [4096] * 16
+blocks = 4096 // BS
+nb = len(seq_lens) * blocks
+cache = torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16)
+bt = torch.randperm(nb, device=dev).int().reshape(len(seq_lens), blocks)
+md = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, bt, BS)
+t = sum(query_lens)
+q = torch.randn(t, heads, 192, device=dev, dtype=torch.bfloat16)
+kv = torch.randn(t, 512, device=dev, dtype=torch.bfloat16)
+kpe = torch.randn(t, 64, device=dev, dtype=torch.bfloat16)
+out = torch.empty(t, heads * 128, device=dev, dtype=torch.bfloat16)
+layer.plan(md)
+layer.forward(q, kv, kpe, cache, md, output=out)
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated()
+torch.cuda.reset_peak_memory_stats()
+layer.forward(q, kv, kpe, cache, md, output=out)
+torch.cuda.synchronize()
+peak = torch.cuda.max_memory_allocated() - before
+chunk = layer.workspace_tokens
+bound = min(chunk, 16 * 3584) * heads * (128 + 128) * 2
+print(f"workspace {layer.workspace.size_bytes / 2**20:.1f} MiB reserved; step peak beyond it and the step's tensors "
+      f"{peak / 2**20:.1f} MiB; one chunk's up-projected K and V (tokens x N x (P + V), bf16) {bound / 2**20:.1f} MiB; "
+      f"chunks {md.backend_plans and [p for k, p in md.backend_plans.items() if isinstance(k, tuple) and k[0] == 'prefill_metadata'][0].chunked_context.num_chunks}")
+e = eager_time(lambda: layer.forward(q, kv, kpe, cache, md, output=out))
+print(f"mixed step eager {e:.1f} us")

@@ -111,6 +111,8 @@ class MLAAttention:
         self.kv_b_proj_weight = kv_b_proj_weight
         self.W_UK = weight[:, :p, :].contiguous()  # [N, P, Lkv]: q_nope @ W_UK -> absorbed query
         self.W_UV = weight[:, p:, :].contiguous()  # [N, V, Lkv]: latent output @ W_UV^T -> per-head V
+        self._W_UK_rows = self.W_UK.view(n * p, lkv)  # the same weights as rows of one product each
+        self._W_UV_rows = self.W_UV.view(n * v, lkv)
 
         self.dcp = dcp
         decode_heads = n
@@ -327,13 +329,26 @@ class MLAAttention:
         decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
         output[:num_decode_tokens] = decoded.reshape(num_decode_tokens, d.num_heads * v)
 
+    # tokens up-projected at a time for K's nope part: bounds the temporary beside K and V
+    _UP_PROJECT_BLOCK = 8192
+
     def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent rows -> per-head k [T, N, P + R] and v [T, N, V]."""
+        """Latent rows -> per-head k [T, N, P + R] and v [T, N, V], both contiguous.
+
+        V comes straight from its own product; K's nope part is computed in
+        blocks of tokens into K, so a chunk costs K and V plus one block's
+        temporary, never the [T, N, P + V] product besides them.
+        """
         d = self.dims
-        kv = torch.matmul(kv_c, self.kv_b_proj_weight.t()).view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
-        k_nope, value = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
-        key = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, d.num_heads, -1)], dim=-1)
-        return key, value.contiguous()
+        n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
+        tokens = kv_c.shape[0]
+        value = torch.matmul(kv_c, self._W_UV_rows.t()).view(tokens, n, v)
+        key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
+        for start in range(0, tokens, self._UP_PROJECT_BLOCK):
+            end = min(tokens, start + self._UP_PROJECT_BLOCK)
+            key[start:end, :, :p] = torch.matmul(kv_c[start:end], self._W_UK_rows.t()).view(end - start, n, p)
+        key[:, :, p:] = k_pe.unsqueeze(1)
+        return key, value
 
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
         d = self.dims
@@ -347,6 +362,7 @@ class MLAAttention:
             suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
                 prefill_metadata, q_prefill, key, value, True
             )
+            del key, value  # the chunks' K and V take their place: one chunk's at a time
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:
@@ -371,6 +387,7 @@ class MLAAttention:
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
                     prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value
                 )
+                del chunk_key, chunk_value
                 if context_out is None:
                     context_out, context_lse = chunk_out, chunk_lse
                 else:
