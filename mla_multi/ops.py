@@ -380,6 +380,20 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     """
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
+    try:
+        key = (_layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
+               _layout(scale) if torch.is_tensor(scale) else scale, envs.snapshot())
+        plan = _CACHE_WRITE_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
+        key = plan = None
+    if plan is not None:
+        # checked when planned; the data checks run on every call where they are on
+        if plan.data_checks:
+            checks.report_pending_errors(plan.device)
+            checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+            checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+        plan.launch(kv_c, k_pe, kv_cache, slot_mapping, plan.scale if plan.scale is not None else scale)
+        return None
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     tokens = kv_c.shape[0]
@@ -395,8 +409,24 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     if _use_triton(kv_cache) and _use_triton(kv_c):
         from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
 
-        return cache_kernel(kv_c, k_pe, kv_cache, slot_mapping.long(), _scale_tensor(scale, kv_cache.device))
+        scale_tensor = _scale_tensor(scale, kv_cache.device)
+        cache_kernel(kv_c, k_pe, kv_cache, slot_mapping.long(), scale_tensor)
+        if key is not None and kv_cache.device.type == "cuda" and slot_mapping.dtype == torch.int64:
+            from mla_multi.kernels.cache_ops import ConcatAndCachePlan
+
+            plan = ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale_tensor, errors.error_flag(device))
+            plan.device = device
+            plan.data_checks = checks.data_checks_enabled(device)
+            plan.scale = None if torch.is_tensor(scale) else scale_tensor
+            if len(_CACHE_WRITE_PLANS) >= _PLANS_MAX:
+                _CACHE_WRITE_PLANS.clear()
+            _CACHE_WRITE_PLANS[key] = plan
+        return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+# layout key -> the checked, bound cache write (GPU tensors; see _DECODE_PLANS)
+_CACHE_WRITE_PLANS: dict = {}
 
 
 def gather_cache(

@@ -271,14 +271,35 @@ def concat_and_cache_mla(
     if num_tokens == 0:
         return
     error_flag = _error_flag(error_flag, kv_cache.device)
-    fp8, cache, config = _launch_view(kv_cache)
     key = (layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
-           None if scale is None else layout_key(scale), error_flag.data_ptr(), id(config))
-    launch = _CONCAT_LAUNCHES.get(key)
-    if launch is None:
-        launch = BoundLaunch(
+           None if scale is None else layout_key(scale), error_flag.data_ptr())
+    plan = _CONCAT_LAUNCHES.get(key)
+    if plan is None:
+        plan = ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale, error_flag)
+        if len(_CONCAT_LAUNCHES) >= 256:
+            _CONCAT_LAUNCHES.clear()
+        _CONCAT_LAUNCHES[key] = plan
+    plan.launch(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+class ConcatAndCachePlan:
+    """The bound cache-write kernel of one layout (the token count included): `launch` only launches.
+
+    Built from checked tensors (`concat_and_cache_mla` checks them); valid for
+    any tensors of the same shapes, strides, dtypes, devices and alignment.
+    """
+
+    def __init__(self, kv_c, k_pe, kv_cache, slot_mapping, scale, error_flag) -> None:
+        fp8, cache, config = _launch_view(kv_cache)
+        self.fp8 = fp8
+        self.error_flag = error_flag
+        self.int_args = (
+            kv_c.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1), kv_cache.shape[1],
+            kv_cache.shape[0] * kv_cache.shape[1],
+        )
+        self.bound = BoundLaunch(
             _concat_and_cache_mla_kernel,
-            (num_tokens,),
+            (kv_c.shape[0],),
             dict(
                 KV_LORA_RANK=kv_c.shape[1],
                 ROPE_DIM=k_pe.shape[1],
@@ -288,26 +309,14 @@ def concat_and_cache_mla(
             ),
             kv_cache.device,
         )
-        if len(_CONCAT_LAUNCHES) >= 256:
-            _CONCAT_LAUNCHES.clear()
-        _CONCAT_LAUNCHES[key] = launch
-    launch(
-        kv_c,
-        k_pe,
-        cache,
-        slot_mapping,
-        scale if fp8 else slot_mapping,
-        error_flag,
-        kv_c.stride(0),
-        k_pe.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        kv_cache.shape[1],
-        kv_cache.shape[0] * kv_cache.shape[1],
-    )
+
+    def launch(self, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+        cache = kv_cache.view(torch.uint8) if self.fp8 else kv_cache
+        self.bound(kv_c, k_pe, cache, slot_mapping, scale if self.fp8 else slot_mapping, self.error_flag,
+                   *self.int_args)
 
 
-# the bound launches of concat_and_cache_mla, by the layout of its tensors (the token count included)
+# the plans of concat_and_cache_mla, by the layout of its tensors (the token count included)
 _CONCAT_LAUNCHES: dict = {}
 
 
