@@ -293,3 +293,15 @@ def test_import_fails_when_the_forced_backend_does_not_fit(imports):
     assert "supported vendors: rocm" in result.stderr
     # The configuration the import selects for is printed with the reasons.
     assert "num_heads=128" in result.stderr and "dtype=bfloat16" in result.stderr
+
+
+def test_snapshot_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("MLA_MULTI_NUM_KV_SPLITS", raising=False)
+    before = envs.snapshot()
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "4")
+    during = envs.snapshot()
+    assert during != before and envs.MLA_MULTI_NUM_KV_SPLITS == 4
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "8")
+    assert envs.snapshot() != during and envs.MLA_MULTI_NUM_KV_SPLITS == 8  # parsed again for a new value
+    monkeypatch.delenv("MLA_MULTI_NUM_KV_SPLITS")
+    assert envs.snapshot() == before and envs.MLA_MULTI_NUM_KV_SPLITS is None
