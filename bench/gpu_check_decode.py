@@ -48,22 +48,22 @@ def main() -> int:
         sh([py, "-m", "mla_multi.compile_check", "--targets", "sm_90", "--kernels", "mla_decode"], "compile_sm90.txt",
            200)
     if mode in ("all", "bench"):
-        sh([py, "bench/decode.py", "--kernel-times", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 120)
-        sh([py, "bench/decode.py", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
+        sh([py, "-m", "mla_multi", "bench", "decode", "--kernel-times", "--json", os.path.join(OUT, "bench.json")], "bench.txt", 120)
+        sh([py, "-m", "mla_multi", "bench", "decode", "--kv-dtype", "float8_e4m3fn", "--cases", "32x4096,128x4096,128x16384",
             "--json", os.path.join(OUT, "bench_fp8.json")], "bench.txt", 60)
     if mode in ("all", "candidates"):
         # the sm_90 64-row configurations with and without loop-invariant code
         # motion (with it they spill), against the 16-row tile
-        sh([py, "bench/decode.py", "--heads", "64,128", "--cases", "32x4096,128x4096",
+        sh([py, "-m", "mla_multi", "bench", "decode", "--heads", "64,128", "--cases", "32x4096,128x4096",
             "--configs", "h64n64w8s2nolicm,h64n64w8s2,h16n64w4s2"],
            "candidates.txt", 150)
-        sh([py, "bench/decode.py", "--heads", "128", "--cases", "128x4096", "--kv-dtype", "float8_e4m3fn",
+        sh([py, "-m", "mla_multi", "bench", "decode", "--heads", "128", "--cases", "128x4096", "--kv-dtype", "float8_e4m3fn",
             "--configs", "h64n32w8s2nolicm,h64n32w8s2,h16n64w8s2"],
            "candidates.txt", 100)
     if mode in ("all", "sweep"):
-        sh([py, "bench/decode.py", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],
+        sh([py, "-m", "mla_multi", "bench", "decode", "--heads", "16", "--cases", "32x4096,1x32768", "--splits", "4,8,16,64,128"],
            "sweep.txt", 50)
-        sh([py, "bench/decode.py", "--heads", "32,64", "--cases", "32x4096,128x4096"], "sweep.txt", 40)
+        sh([py, "-m", "mla_multi", "bench", "decode", "--heads", "32,64", "--cases", "32x4096,128x4096"], "sweep.txt", 40)
     return 0
 
 

@@ -1,7 +1,7 @@
 """One GPU session for the prefill kernels: GPU tests, then the benchmark.
 
 Runs ``pytest -m gpu`` on the prefill and merge kernel tests and then
-``bench/prefill.py`` (optionally sweeping launch configurations), writing every
+``mla-multi bench prefill`` (optionally sweeping launch configurations), writing every
 log under ``--out``. Usage on a CUDA machine::
 
     PYTHONPATH=. python3 bench/gpu_check_prefill.py --out /tmp/prefill-check \\
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             print("".join(log.readlines()[-25:]), flush=True)
     if not args.skip_bench:
         codes["bench"] = _run(
-            [sys.executable, "-m", "bench.prefill", "--heads", args.heads, "--shapes", args.shapes,
+            [sys.executable, "-m", "mla_multi", "bench", "prefill", "--heads", args.heads, "--shapes", args.shapes,
              "--configs", args.configs, "--json", os.path.join(args.out, "bench.json")]
             + (["--extra"] if args.extra else []),
             os.path.join(args.out, "bench.log"),

@@ -23,6 +23,7 @@ from mla_multi.workspace import WorkspaceLockedError, WorkspaceManager
 
 from mla_multi import ops  # noqa: E402  (the functional ops, `mm.ops.*`)
 from mla_multi import library  # noqa: E402,F401  (registers torch.ops.mla_multi.*)
+from mla_multi.library import set_step  # noqa: E402  (the current step of the compiled MLAAttention.forward)
 from mla_multi import memory, workspace  # noqa: E402,F401  (mm.memory.memory_plan, mm.workspace.current_workspace_manager)
 
 __version__ = "0.1.0"

@@ -148,6 +148,10 @@ class MLAAttention:
         )
         # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
         ops.error_flag(self.device)
+        # torch.ops.mla_multi.mla_attention finds the layer by this id (forward under torch.compile)
+        from mla_multi import library
+
+        self.layer_id: int = library.register_layer(self)
 
     @property
     def W_UK_T(self) -> torch.Tensor:
@@ -175,9 +179,14 @@ class MLAAttention:
         was not called, except under CUDA-graph capture: call it with
         `cuda_graph=True` before capturing, and again (with the new lengths)
         before each replay. Backends without a planning stage ignore it.
+        It also makes `metadata` the current step of the layer's device, which
+        the compiled forward runs (`mla_multi.set_step`).
         """
         if not isinstance(metadata, CommonAttentionMetadata):
             raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        from mla_multi import library
+
+        library.set_current_metadata(self.device, metadata)  # the step a compiled forward runs
         num_decodes, num_prefills, _, _ = self._split(metadata)
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
@@ -264,7 +273,17 @@ class MLAAttention:
 
         q [T, N, P + R]; kv_c_normed [T, Lkv]; k_pe [T, R] (rotary applied);
         kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype.
+
+        Under `torch.compile` the whole forward is one opaque op,
+        ``torch.ops.mla_multi.mla_attention``, that runs this eager forward with
+        the current step of q's device (set by `plan` or `mla_multi.set_step`);
+        `metadata` is not read there and may be None.
         """
+        if torch.compiler.is_compiling():
+            if output is None:
+                output = q.new_empty((q.shape[0], self.dims.num_heads * self.dims.v_head_dim))
+            torch.ops.mla_multi.mla_attention(q, kv_c_normed, k_pe, kv_cache, output, self.layer_id)
+            return output
         d = self.dims
         n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
         if not isinstance(metadata, CommonAttentionMetadata):

@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--block-size", type=int, default=64)
     warmup.set_defaults(func=cmd_warmup)
     bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill or dcp (decode context parallelism)")
-    bench.add_argument("phase", choices=("decode", "prefill", "dcp"))
+    bench.add_argument("phase", choices=("decode", "prefill", "dcp", "layer"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",

@@ -44,13 +44,32 @@ inputs' device):
 Every output of the registered ops is contiguous, as the fakes promise (the
 kernels copy a non-contiguous backend result, e.g. the PyTorch merge's output,
 which is laid out [N, T, D]), and never aliases an input.
+
+One more op is a whole layer, as vLLM's unified attention op is:
+``mla_attention(Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) kv_cache,
+Tensor(b!) output, int layer_id) -> ()``.  `MLAAttention.forward` calls it while
+compiling, so a model compiled with ``fullgraph=True`` holds each attention
+layer as one node whose inputs are tensors and an int.  Its kernel finds the
+layer by ``layer_id`` (`register_layer`: every `MLAAttention` has one; the
+registry holds weak references) and the step's `CommonAttentionMetadata` as the
+*current step* of q's device (`set_current_metadata`; `MLAAttention.plan` and
+`set_step` set it), then runs the layer's eager forward into ``output``.  The
+metadata never enters the graph: new lengths and batch compositions do not
+recompile, and planning stays outside the compiled region.  The op is tagged
+``cudagraph_unsafe``: its kernel reads the current step on the host at every
+call, which a replayed graph would not.  It is not in `SCHEMAS` (the functional
+ops of `mla_multi.ops`).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from mla_multi.backends.base import FP8_DTYPES
+from mla_multi.metadata import CommonAttentionMetadata
 
 __all__ = [
     "LIBRARY",
@@ -60,6 +79,12 @@ __all__ = [
     "merge_attn_states_traced",
     "concat_and_cache_mla_traced",
     "gather_cache_traced",
+    "ATTENTION_SCHEMA",
+    "register_layer",
+    "layer_by_id",
+    "set_current_metadata",
+    "current_metadata",
+    "set_step",
 ]
 
 NAMESPACE = "mla_multi"
@@ -296,3 +321,124 @@ _KERNELS = {
 for _name, (_kernel, _fake) in _KERNELS.items():
     LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=LIBRARY)
+
+
+# --------------------------------------------------------------------------- mla_attention: one MLAAttention layer
+
+ATTENTION_SCHEMA = (
+    "mla_attention(Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) kv_cache, Tensor(b!) output, int layer_id) "
+    "-> ()"
+)
+LIBRARY.define(ATTENTION_SCHEMA, tags=(torch.Tag.cudagraph_unsafe,))
+
+# layer_id -> weak reference to its MLAAttention; ids are never reused, a freed layer's entry is dropped
+_LAYERS: dict[int, weakref.ref] = {}
+_NEXT_LAYER_ID = 0
+_LAYERS_LOCK = threading.Lock()
+
+
+def register_layer(layer) -> int:
+    """A new id for `layer` (an `MLAAttention`), by which ``torch.ops.mla_multi.mla_attention`` finds it.
+
+    Only a weak reference is kept: registering does not keep a layer alive.
+    """
+    global _NEXT_LAYER_ID
+    with _LAYERS_LOCK:
+        layer_id = _NEXT_LAYER_ID
+        _NEXT_LAYER_ID += 1
+        _LAYERS[layer_id] = weakref.ref(layer, lambda _ref, layer_id=layer_id: _LAYERS.pop(layer_id, None))
+    return layer_id
+
+
+def layer_by_id(layer_id: int):
+    """The live layer registered under `layer_id`; ValueError for an id never given out or a freed layer."""
+    ref = _LAYERS.get(layer_id)
+    layer = ref() if ref is not None else None
+    if layer is not None:
+        return layer
+    if isinstance(layer_id, int) and not isinstance(layer_id, bool) and 0 <= layer_id < _NEXT_LAYER_ID:
+        raise ValueError(
+            f"layer_id={layer_id}: that MLAAttention was freed; a compiled model must keep its layers alive "
+            "(compile again for the live layers)"
+        )
+    raise ValueError(f"layer_id={layer_id!r}; accepted: the layer_id of a live MLAAttention")
+
+
+# device -> the CommonAttentionMetadata of the step that runs on it
+_CURRENT_STEP: dict[torch.device, CommonAttentionMetadata] = {}
+
+
+def _device_key(device) -> torch.device:
+    """`device` with its index ("cuda" is the current CUDA device, as for tensors created there)."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            device = torch.device(device.type, module.current_device())
+    return device
+
+
+def set_current_metadata(device, metadata: CommonAttentionMetadata | None) -> None:
+    """Make `metadata` the current step of `device` (None: no current step)."""
+    if metadata is not None and not isinstance(metadata, CommonAttentionMetadata):
+        raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata or None")
+    key = _device_key(device)
+    if metadata is None:
+        _CURRENT_STEP.pop(key, None)
+    else:
+        _CURRENT_STEP[key] = metadata
+
+
+def current_metadata(device) -> CommonAttentionMetadata | None:
+    """The current step of `device`, or None."""
+    return _CURRENT_STEP.get(_device_key(device))
+
+
+class set_step:
+    """Make `metadata` the current step of its device (``metadata.block_table.device``, or `device`).
+
+    The compiled `MLAAttention.forward` reads the step from here; `MLAAttention.plan(metadata)` sets it
+    too, so call this only where a step runs without `plan`. Takes effect at the call; used as a
+    context manager (``with mla_multi.set_step(metadata): ...``) it restores the previous step on exit.
+    ``set_step(None, device=...)`` clears the device's step.
+    """
+
+    def __init__(self, metadata: CommonAttentionMetadata | None, device=None) -> None:
+        if metadata is None and device is None:
+            raise ValueError("set_step(None) needs the device whose step to clear; accepted: set_step(None, device=...)")
+        if metadata is not None and not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata or None")
+        self.metadata = metadata
+        self.device = _device_key(metadata.block_table.device if device is None else device)
+        self.previous = _CURRENT_STEP.get(self.device)
+        set_current_metadata(self.device, metadata)
+
+    def __enter__(self) -> CommonAttentionMetadata | None:
+        return self.metadata
+
+    def __exit__(self, *exc_info) -> None:
+        set_current_metadata(self.device, self.previous)
+
+
+def _mla_attention_kernel(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
+    layer = layer_by_id(layer_id)
+    metadata = current_metadata(q.device)
+    if metadata is None:
+        raise ValueError(
+            f"no current step on {q.device} for the compiled MLAAttention.forward (layer_id={layer_id}); call "
+            "layer.plan(metadata) or mla_multi.set_step(metadata) with the step's CommonAttentionMetadata before it"
+        )
+    if q.dim() >= 1 and q.shape[0] != metadata.num_actual_tokens:
+        raise ValueError(
+            f"q has {q.shape[0]} tokens, the current step on {q.device} {metadata.num_actual_tokens}; call "
+            "layer.plan(metadata) or mla_multi.set_step(metadata) for each step before the compiled forward"
+        )
+    _eager(layer.forward, q, kv_c_normed, k_pe, kv_cache, metadata, output=output)
+
+
+def _mla_attention_fake(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
+    return None  # writes kv_cache and output in place, as declared; nothing changes shape
+
+
+LIBRARY.impl("mla_attention", _mla_attention_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::mla_attention", _mla_attention_fake, lib=LIBRARY)

@@ -12,7 +12,7 @@ host launch path included, is printed beside it).  Small cases rotate through
 several caches (one captured call each) so that the timed working set is
 larger than L2.
 
-    mla-multi bench decode (or PYTHONPATH=. python3 bench/decode.py) [--heads 16,128] [--cases 32x4096,...]
+    mla-multi bench decode (or PYTHONPATH=. python3 -m mla_multi bench decode) [--heads 16,128] [--cases 32x4096,...]
         [--configs h16n64w4s2,h32n32w8s2] [--json out.json]
 
 With ``--backends all`` it times every decode backend installed on the machine
@@ -275,6 +275,13 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
             row["us"][name] = ms * 1e3
             row["tflop_s"][name] = flops / (ms * 1e-3) / 1e12
             del graph
+            # the eager call as an engine makes it (the plan made outside, the host path included)
+            extra = {} if plans[0] is None else {"plan": plans[0]}
+            eager = triton.testing.do_bench(
+                lambda: impl.forward_mqa(q_nope, q_pe, cache, tables[0], seq_lens, k_scale=k_scale,
+                                         workspace_manager=workspace, max_seq_len=seq_len, **extra),
+                warmup=25, rep=100, return_mode="median")
+            row.setdefault("eager_us", {})[name] = eager * 1e3
         except Exception as error:  # one backend failing must not hide the others
             row.setdefault("errors", {})[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     del cache
@@ -283,16 +290,19 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
 
 
 def format_backend_rows(rows) -> str:
-    """Markdown: one column per backend (µs), the registry's choice starred, chosen / best speed."""
+    """Markdown: one column per backend (captured µs / eager µs), the registry's choice starred, chosen / best
+    speed (captured)."""
     names = sorted({n for r in rows for n in r["us"]})
-    header = "| N | B x S | Q | kv | " + " | ".join(f"{n} µs" for n in names) + " | chosen | chosen / best speed |"
+    header = ("| N | B x S | Q | kv | " + " | ".join(f"{n} µs captured / eager" for n in names)
+              + " | chosen | chosen / best speed |")
     lines = [header, "|" + "--:|" * (len(names) + 6)]
     for r in rows:
         best = min(r["us"].values()) if r["us"] else float("nan")
         cells = []
         for n in names:
             value = r["us"].get(n)
-            text = "-" if value is None else f"{value:.1f}"
+            eager = r.get("eager_us", {}).get(n)
+            text = "-" if value is None else f"{value:.1f}" + ("" if eager is None else f" / {eager:.1f}")
             cells.append(text + ("*" if n == r["chosen"] else ""))
         chosen_us = r["us"].get(r["chosen"])
         ratio = f"{best / chosen_us:.2f}" if chosen_us else "-"

@@ -1,0 +1,155 @@
+"""A whole `MLAAttention` step, eager and captured, for every installed backend pair.
+
+    mla-multi bench layer [--heads 128] [--steps decode:64x4096,prefill:16x512+3584,mixed:64x4096+16x512+3584]
+
+A step is `plan` + `forward` of one layer on DeepSeek-V3 dims (bf16, block size
+64). Per backend (decode backend for decode steps, prefill backend for prefill
+steps, both for mixed ones) it reports:
+
+* plan µs: the host time of `layer.plan(metadata)` (once per step for all layers);
+* eager µs: `triton.testing.do_bench` of `forward` with the step planned outside;
+* captured µs: `forward` replayed from a CUDA graph (decode steps only, as
+  engines capture them), the workspace locked;
+* eager - captured: what the host path adds to a layer.
+
+Step syntax: ``decode:BxS`` (B decodes of S cached tokens), ``prefill:PxQ+C``
+(P prefills of Q new tokens after C cached), ``mixed:BxS+PxQ+C``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+BLOCK_SIZE = 64
+DEFAULT_STEPS = "decode:1x8192,decode:64x4096,decode:128x4096,prefill:16x512+3584,mixed:64x4096+16x512+3584"
+
+
+def parse_step(text: str) -> tuple[str, list[int], list[int]]:
+    """(kind, query_lens, seq_lens) of a step written as in the module docstring."""
+    kind, _, body = text.partition(":")
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    try:
+        parts = body.split("+")
+        if kind in ("decode", "mixed"):
+            b, s = (int(x) for x in parts.pop(0).split("x"))
+            query_lens += [1] * b
+            seq_lens += [s] * b
+        if kind in ("prefill", "mixed"):
+            p, q = (int(x) for x in parts[0].split("x"))
+            cached = int(parts[1]) if len(parts) > 1 else 0
+            query_lens += [q] * p
+            seq_lens += [q + cached] * p
+    except (ValueError, IndexError):
+        kind = ""
+    if kind not in ("decode", "prefill", "mixed") or not query_lens:
+        raise ValueError(f"step {text!r}; accepted: decode:BxS, prefill:PxQ+C or mixed:BxS+PxQ+C")
+    return kind, query_lens, seq_lens
+
+
+def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backend: str | None) -> dict:
+    import triton
+
+    import mla_multi as mm
+
+    kind, query_lens, seq_lens = parse_step(text)
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    device = torch.device("cuda")
+    weight = (torch.randn(heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank, device=device)
+              / dims.kv_lora_rank**0.5).to(torch.bfloat16)
+    max_len = max(seq_lens)
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=BLOCK_SIZE, max_model_len=max_len,
+                            max_num_seqs=max(256, len(seq_lens)), decode_backend=decode_backend,
+                            prefill_backend=prefill_backend)
+    blocks = -(-max_len // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * blocks
+    cache = torch.randn(num_blocks, BLOCK_SIZE, dims.kv_cache_width, device=device, dtype=torch.bfloat16)
+    table = torch.randperm(num_blocks, device=device).to(torch.int32).reshape(len(seq_lens), blocks)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, dims.qk_head_dim, device=device, dtype=torch.bfloat16)
+    kv_c = torch.randn(tokens, dims.kv_lora_rank, device=device, dtype=torch.bfloat16)
+    k_pe = torch.randn(tokens, dims.qk_rope_head_dim, device=device, dtype=torch.bfloat16)
+    out = torch.empty(tokens, heads * dims.v_head_dim, device=device, dtype=torch.bfloat16)
+
+    def metadata():
+        return mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK_SIZE)
+
+    md = metadata()
+    start = time.perf_counter()
+    layer.plan(md)
+    plan_us = (time.perf_counter() - start) * 1e6
+    fresh = metadata()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    layer.plan(fresh)
+    torch.cuda.synchronize()
+    plan_us = min(plan_us, (time.perf_counter() - start) * 1e6)
+
+    def step():
+        return layer.forward(q, kv_c, k_pe, cache, md, output=out)
+
+    step()
+    eager = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3
+    captured = None
+    if kind == "decode":
+        md = metadata()
+        layer.plan(md, cuda_graph=True)
+        layer.lock_workspace()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(10):
+                    step()
+            captured = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3 / 10
+        finally:
+            layer.workspace.unlock()
+    return {"step": text, "heads": heads, "backends": layer.backends(), "plan_us": plan_us, "eager_us": eager,
+            "captured_us": captured}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--steps", default=DEFAULT_STEPS, help="comma list of steps (see above)")
+    parser.add_argument("--decode-backends", default="", help="comma list (default: the registry's choice)")
+    parser.add_argument("--prefill-backends", default="", help="comma list (default: the registry's choice)")
+    args = parser.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    for text in steps:
+        try:
+            parse_step(text)  # bad syntax fails before any GPU work
+        except ValueError as error:
+            parser.error(str(error))
+    if not torch.cuda.is_available():
+        print("mla-multi bench layer needs a CUDA or ROCm GPU")
+        return 2
+    decode_names = [b for b in args.decode_backends.split(",") if b] or [None]
+    prefill_names = [b for b in args.prefill_backends.split(",") if b] or [None]
+    print(f"| step | decode / prefill backend | plan µs | eager µs | captured µs | eager - captured |")
+    print("|---|---|--:|--:|--:|--:|")
+    for text in steps:
+        for decode in decode_names:
+            for prefill in prefill_names:
+                try:
+                    row = bench_step(text, args.heads, decode, prefill)
+                except Exception as error:  # one pair failing must not hide the others
+                    print(f"| {text} | {decode} / {prefill} | {type(error).__name__}: {str(error)[:120]} | | | |")
+                    continue
+                captured = row["captured_us"]
+                gap = "-" if captured is None else f"{row['eager_us'] - captured:.1f}"
+                print(f"| {text} | {row['backends']['decode']} / {row['backends']['prefill']} | {row['plan_us']:.0f} | "
+                      f"{row['eager_us']:.1f} | {'-' if captured is None else f'{captured:.1f}'} | {gap} |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
