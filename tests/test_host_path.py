@@ -1,0 +1,146 @@
+"""The host path of eager calls, guarded by structure rather than by time (GPU): kernel launches per decode
+call, no synchronisation in a planned forward, no device allocation and no workspace growth after planning,
+plans that follow new data, and the direct launch of bound kernels agreeing with Triton's own launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_multi as mm
+from mla_multi import ops
+
+pytestmark = pytest.mark.gpu
+
+BLOCK = 64
+
+
+def _decode_inputs(batch, heads, seq_len, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = -(-seq_len // BLOCK)
+    num_blocks = batch * blocks + 3
+    cache = torch.randn(num_blocks, BLOCK, 576, device="cuda", dtype=torch.bfloat16, generator=generator)
+    table = torch.randperm(num_blocks, device="cuda", generator=generator)[: batch * blocks].to(torch.int32)
+    table = table.reshape(batch, blocks)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    q_nope = torch.randn(batch, heads, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q_pe = torch.randn(batch, heads, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+    return q_nope, q_pe, cache, table, seq_lens
+
+
+def _reference(q_nope, q_pe, cache, table, seq_lens, scale):
+    rows = cache.double().view(-1, 576)
+    out = torch.empty(q_nope.shape, dtype=torch.float64, device="cuda")
+    for b, length in enumerate(seq_lens.tolist()):
+        slots = (table[b].long().unsqueeze(1) * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()[:length]
+        keys = rows[slots]
+        query = torch.cat([q_nope[b], q_pe[b]], -1).double()
+        out[b] = torch.softmax(scale * query @ keys.T, -1) @ keys[:, :512]
+    return out
+
+
+def _kernel_launches(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memset" not in e.name.lower() and "memcpy" not in e.name.lower()]
+
+
+@pytest.mark.parametrize("heads,batch,seq_len", [(16, 1, 8192), (128, 8, 4096), (128, 64, 1024)])
+def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(heads, batch, seq_len):
+    ops._DECODE_PLANS.clear()
+    scale = 192**-0.5
+    first = _decode_inputs(batch, heads, seq_len, seed=1)
+    out = mm.ops.mla_decode(*first, scale)
+    second = _decode_inputs(batch, heads, seq_len, seed=2)
+    out2 = mm.ops.mla_decode(*second, scale)
+    assert len(ops._DECODE_PLANS) == 1
+    plan = next(iter(ops._DECODE_PLANS.values()))
+    assert plan.kernel_plan is not None
+    from mla_multi.kernels.launch import direct_launch_reason
+
+    if not direct_launch_reason():
+        assert plan.kernel_plan.split._run is not None  # launched directly after the first call
+    for result, inputs in ((out, first), (out2, second)):
+        expected = _reference(*inputs, scale)
+        error = ((result.double() - expected).norm() / expected.norm()).item()
+        assert error < 1e-2, error
+    launches = _kernel_launches(lambda: mm.ops.mla_decode(*second, scale))
+    assert 1 <= len(launches) <= 2, launches  # the split kernel, and the merge when it splits
+
+
+def test_planned_layer_forward_neither_synchronises_nor_allocates_device_memory():
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    weight = (torch.randn(16 * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=BLOCK, max_model_len=4096,
+                            max_num_seqs=16, workspace_tokens=1024)
+    batch, seq_len = 8, 2048
+    q_nope, q_pe, cache, table, _ = _decode_inputs(batch, 16, seq_len)
+    query_lens = [1] * 6 + [100, 37]
+    seq_lens = [seq_len] * 6 + [700, 1500]
+    md = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, 16, 192, device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens, 16 * 128, device="cuda", dtype=torch.bfloat16)
+    layer.plan(md)
+    layer.forward(q, kv_c, k_pe, cache, md, output=out)  # warm: kernels compiled, step plans made
+    torch.cuda.synchronize()
+    buffer = layer.workspace._buffer
+    segments = torch.cuda.memory_stats()["segment.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            layer.forward(q, kv_c, k_pe, cache, md, output=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments  # no cudaMalloc after planning
+    assert layer.workspace._buffer is buffer
+    assert torch.isfinite(out.float()).all()
+
+
+def test_captured_decode_step_replays_new_lengths_with_the_locked_shared_workspace():
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    weight = (torch.randn(16 * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)
+    layers = [mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=BLOCK, max_model_len=4096,
+                              max_num_seqs=8) for _ in range(3)]
+    assert len({id(layer.workspace) for layer in layers}) == 1
+    batch = 4
+    _, _, cache, table, _ = _decode_inputs(batch, 16, 4096)
+    md = mm.CommonAttentionMetadata.from_lengths([1] * batch, [4096] * batch, table, BLOCK)
+    q = torch.randn(batch, 16, 192, device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.randn(batch, 512, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(batch, 64, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(batch, 16 * 128, device="cuda", dtype=torch.bfloat16) for _ in layers]
+
+    def step():
+        for layer, out in zip(layers, outs):
+            layer.forward(q, kv_c, k_pe, cache, md, output=out)
+
+    for layer in layers:
+        layer.plan(md, cuda_graph=True)
+    step()
+    layers[0].lock_workspace()  # once, for every layer
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        # an engine's next step: new lengths (and the new tokens' slots) copied into the captured tensors
+        new_lens = torch.tensor([100, 4096, 1, 2500], dtype=torch.int32, device="cuda")
+        eager_md = mm.CommonAttentionMetadata.from_lengths([1] * batch, new_lens.tolist(), table, BLOCK)
+        md.seq_lens.copy_(new_lens)
+        md.slot_mapping.copy_(eager_md.slot_mapping)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, out in zip(layers, outs):
+            expected = layer.forward(q, kv_c, k_pe, cache.clone(), eager_md)
+            error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+            assert error < 2e-2, error
+    finally:
+        layers[0].workspace.unlock()
