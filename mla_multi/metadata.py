@@ -106,16 +106,24 @@ class CommonAttentionMetadata:
             )
         device = block_table.device
         query_start_loc_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        query_lens_cpu = torch.tensor(query_lens, dtype=torch.int64)
         if query_lens:
-            query_start_loc_cpu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+            query_start_loc_cpu[1:] = query_lens_cpu.cumsum(0)
         seq_lens_cpu = torch.tensor(seq_lens_list, dtype=torch.int32)
-        computed = seq_lens_cpu - torch.tensor(query_lens, dtype=torch.int32)
-        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
-        positions = torch.cat([torch.arange(c, s) for c, s in zip(computed.tolist(), seq_lens_list)]) if query_lens else torch.zeros(0, dtype=torch.int64)
-        block_table_cpu = block_table.cpu()
-        blocks = block_table_cpu[req_of_token, positions // block_size].long() if len(positions) else torch.zeros(0, dtype=torch.int64)
-        slot_mapping = blocks * block_size + positions % block_size
+        computed = seq_lens_cpu - query_lens_cpu.to(torch.int32)
+        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size,
+        # gathered where the block table lives (no copy of it to the host, no synchronisation)
+        total = int(query_start_loc_cpu[-1])
+        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_cpu)
+        offsets = torch.arange(total) - torch.repeat_interleave(query_start_loc_cpu[:-1].long(), query_lens_cpu)
+        positions = torch.repeat_interleave(computed.long(), query_lens_cpu) + offsets
+        if total:
+            width = block_table.shape[1]
+            flat_index = (req_of_token * width + positions // block_size).to(device)
+            blocks = block_table.reshape(-1).index_select(0, flat_index).long()
+            slot_mapping = blocks * block_size + (positions % block_size).to(device)
+        else:
+            slot_mapping = torch.zeros(0, dtype=torch.int64, device=device)
         return cls(
             query_start_loc=query_start_loc_cpu.to(device),
             query_start_loc_cpu=query_start_loc_cpu,
@@ -123,7 +131,7 @@ class CommonAttentionMetadata:
             seq_lens_cpu=seq_lens_cpu,
             num_computed_tokens_cpu=computed,
             block_table=block_table,
-            slot_mapping=slot_mapping.to(device),
+            slot_mapping=slot_mapping,
             block_size=block_size,
             num_reqs=len(query_lens),
             num_actual_tokens=int(query_start_loc_cpu[-1]),
