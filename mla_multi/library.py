@@ -405,7 +405,7 @@ class set_step:
 
     def __init__(self, metadata: CommonAttentionMetadata | None, device=None) -> None:
         if metadata is None and device is None:
-            raise ValueError("set_step(None) needs the device whose step to clear; accepted: set_step(None, device=...)")
+            raise ValueError("set_step(None) needs the device whose step to clear; accepted: set_step(None, device=)")
         if metadata is not None and not isinstance(metadata, CommonAttentionMetadata):
             raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata or None")
         self.metadata = metadata
