@@ -42,20 +42,29 @@ def check_tensor(
 
     `shape` entries of None are free; the last dimension must be contiguous.
     """
-    if not torch.is_tensor(value):
+    if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name}={describe(value)}; accepted: a torch.Tensor")
-    ranks = (ndim,) if isinstance(ndim, int) else ndim
-    if ranks is not None and value.dim() not in ranks:
-        raise ValueError(f"{name} has {value.dim()} dims {tuple(value.shape)}; accepted: {' or '.join(map(str, ranks))} dims")
+    # written for speed: every layer's forward runs these on every call
+    value_shape = value.shape
+    dim = len(value_shape)
+    if ndim is not None and (dim != ndim if isinstance(ndim, int) else dim not in ndim):
+        ranks = (ndim,) if isinstance(ndim, int) else ndim
+        raise ValueError(f"{name} has {dim} dims {tuple(value_shape)}; accepted: {' or '.join(map(str, ranks))} dims")
     if dtypes is not None and value.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {str(value.dtype).replace('torch.', '')}; accepted: {_names(dtypes)}")
     if shape is not None:
-        if len(shape) != value.dim() or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+        mismatch = len(shape) != dim
+        if not mismatch:
+            for expected_size, size in zip(shape, value_shape):
+                if expected_size is not None and expected_size != size:
+                    mismatch = True
+                    break
+        if mismatch:
             expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} has shape {list(value.shape)}; accepted: {expected}")
+            raise ValueError(f"{name} has shape {list(value_shape)}; accepted: {expected}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}; all tensors must be on {device}")
-    if value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
+    if dim > 0 and value_shape[-1] > 1 and value.stride(-1) != 1:
         raise ValueError(f"{name} has last-dimension stride {value.stride(-1)}; accepted: a contiguous last dimension (stride 1)")
     return value
 

@@ -144,3 +144,44 @@ def test_captured_decode_step_replays_new_lengths_with_the_locked_shared_workspa
             assert error < 2e-2, error
     finally:
         layers[0].workspace.unlock()
+
+
+@pytest.mark.parametrize("mode", ["default", "fullgraph"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_compiled_model_step_on_the_gpu_matches_eager(kind, mode):
+    """Linear -> MLAAttention.forward -> Linear compiled by Inductor on the GPU (the registry's backends, bf16):
+    no crash, the same output and cache as eager, within float64 tolerance of naive MLA."""
+    from mla_multi.testing import PagedScenario, relative_error
+
+    torch._dynamo.reset()
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    device = torch.device("cuda")
+    weight = (torch.randn(16 * 256, 512, device=device, generator=torch.Generator(device="cuda").manual_seed(0))
+              / 512**0.5).to(torch.bfloat16)
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=2048, max_num_seqs=8,
+                            workspace_tokens=64)
+    lin_o = torch.nn.Linear(16 * 128, 64, device=device, dtype=torch.bfloat16)
+
+    def model(q, kv_c, k_pe, cache, metadata):
+        return lin_o(layer.forward(q, kv_c, k_pe, cache, metadata))
+
+    scene = PagedScenario(dims, 16, 128, device, torch.bfloat16, seed=3)
+    cache = torch.zeros(128, 16, 576, device=device, dtype=torch.bfloat16)
+    metadata, q, kv_c, k_pe = scene.step([(0, 90), (1, 40), (2, 70)], max_blocks=16)
+    with torch.inference_mode():
+        layer.forward(q, kv_c, k_pe, cache, metadata)
+    requests = {"decode": [(0, 1), (1, 1), (2, 1)], "prefill": [(0, 20), (2, 33)],
+                "mixed": [(0, 1), (1, 1), (2, 17), (3, 30)]}[kind]
+    metadata, q, kv_c, k_pe = scene.step(requests, max_blocks=16)
+    compiled = torch.compile(model, fullgraph=mode == "fullgraph")
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    with torch.inference_mode():
+        layer.plan(metadata)
+        expected = model(q, kv_c, k_pe, eager_cache, metadata)
+        got = compiled(q, kv_c, k_pe, compiled_cache, metadata)
+    torch.cuda.synchronize()
+    assert relative_error(got.float(), expected.float()) < 2e-2
+    assert torch.equal(compiled_cache, eager_cache)
+    reference = torch.nn.functional.linear(scene.reference(requests, q, layer.scale, layer.kv_b_proj_weight).to(
+        device), lin_o.weight.double(), lin_o.bias.double())
+    assert relative_error(got.double(), reference) < 2e-2
