@@ -191,3 +191,40 @@ def test_compiled_model_step_on_the_gpu_matches_eager(kind, mode):
     reference = torch.nn.functional.linear(scene.reference(requests, q, layer.scale, layer.kv_b_proj_weight).to(
         device), lin_o.weight.double(), lin_o.bias.double())
     assert relative_error(got.double(), reference) < 2e-2
+
+
+def _gpu_opcheck_cases():
+    generator = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=generator).to(dtype)
+
+    q_nope, q_pe, cache, table, seq_lens = _decode_inputs(3, 16, 300, seed=5)
+    seq_lens[1] = 0
+    cases = [("mla_decode", (q_nope, q_pe, cache, table, seq_lens, 0.07), dict(return_lse=lse)) for lse in (True, False)]
+    cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 5, 7, 13], dtype=torch.int32, device="cuda")
+    for return_lse, causal in ((True, True), (False, False)):
+        cases.append(("mla_prefill", (randn(9, 16, 192), randn(13, 16, 192), randn(13, 16, 128), cu_q, cu_k, 5, 6, 0.07),
+                      dict(return_lse=return_lse, causal=causal)))
+    cases.append(("merge_attn_states", (randn(5, 16, 128), randn(16, 5, dtype=torch.float32), randn(5, 16, 128),
+                                        randn(16, 5, dtype=torch.float32)), {}))
+    slots = torch.tensor([0, 65, -1, 170, 300], device="cuda")
+    cases.append(("concat_and_cache_mla", (randn(5, 512), randn(5, 64), cache.clone(), slots), {}))
+    starts = torch.tensor([0, 0, 2], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([70, 0, 130], dtype=torch.int32, device="cuda")
+    cases.append(("gather_cache", (cache, table, starts, lens), dict(num_tokens=200)))
+    cases.append(("gather_cache", (cache, table, starts, lens), {}))
+    return cases
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_opcheck_on_the_gpu(index):
+    """torch.library.opcheck of every registered op with GPU tensors (the TRITON kernels run), every utility
+    but test_aot_dispatch_static for gather_cache without num_tokens (a data-dependent size)."""
+    name, args, kwargs = _gpu_opcheck_cases()[index]
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+             "test_aot_dispatch_dynamic"]
+    if name == "gather_cache" and "num_tokens" not in kwargs:
+        utils.remove("test_aot_dispatch_static")
+    torch.library.opcheck(getattr(torch.ops.mla_multi, name).default, args, kwargs, test_utils=utils)
