@@ -111,6 +111,12 @@ class WorkspaceManager:
     def _ensure(self, nbytes: int) -> None:
         if nbytes <= self._buffer.numel():
             return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # growing inside a capture would allocate in the graph's pool and leave earlier views dangling
+            raise WorkspaceLockedError(
+                f"the workspace of {self.device} holds {self._buffer.numel()} bytes and {nbytes} bytes were "
+                "requested while a CUDA graph is being captured; reserve() the worst case (and lock()) before capturing"
+            )
         if self._locked:
             raise WorkspaceLockedError(
                 f"the workspace is locked at {self._buffer.numel()} bytes and {nbytes} bytes were "

@@ -141,3 +141,27 @@ def test_direct_launch_contract_of_the_installed_triton():
     aligned = torch.empty(64, dtype=torch.uint8)
     assert alignment_key(aligned, None) == (1 if aligned.data_ptr() % 16 else 0)
     assert alignment_key(aligned[1:]) == 1
+
+
+def test_the_bound_changes_no_benchmarked_split_choice():
+    """The reservation bound leaves every split choice of the recorded benchmarks as it was (H100 / H200,
+    16-128 heads, B 1-128, S 4096-32768, 1-4 query tokens, bf16 and FP8, reserved for B or 256 requests):
+    the decode kernels run exactly as before it."""
+    changed = []
+    for device in ("H100", "H200"):
+        platform = SPECS[device]
+        for heads in (16, 32, 64, 128):
+            for batch in (1, 8, 32, 64, 128):
+                for seq_len in (4096, 8192, 16384, 32768):
+                    for q_len in (1, 2, 4):
+                        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                            limit = max_num_kv_splits(seq_len, platform)
+                            free = num_kv_splits(platform, batch, heads, seq_len, limit, q_len=q_len, kv_cache_dtype=dtype)
+                            for max_num_seqs, max_model_len in ((batch, seq_len), (256, 32768)):
+                                rows = max_partial_rows(platform, heads, max_num_seqs, max_model_len, q_len=q_len,
+                                                        kv_cache_dtype=dtype)
+                                bound = num_kv_splits(platform, batch, heads, seq_len, limit, q_len=q_len,
+                                                      kv_cache_dtype=dtype, max_partial_rows=rows)
+                                if bound != free:
+                                    changed.append((device, heads, batch, seq_len, q_len, dtype, free, bound))
+    assert not changed, changed[:5]
