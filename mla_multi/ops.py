@@ -30,6 +30,10 @@ CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 __all__ = [
     "mla_decode",
     "mla_prefill",
+    "plan_mla_decode",
+    "plan_mla_prefill",
+    "MLADecodePlan",
+    "MLAPrefillPlan",
     "merge_attn_states",
     "concat_and_cache_mla",
     "gather_cache",
@@ -171,7 +175,10 @@ class _DecodePlan:
         self.kernel_plan = None
         self.logits_shape = None
 
-    def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale):
+    def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
+            attn_logits=None):
+        """(out, lse) of tensors with the plan's key; `out` / `lse` / `attn_logits`, when given, are
+        contiguous tensors of the shapes and dtypes the plan would allocate (checked by the caller)."""
         if self.k_scale is not None or not torch.is_tensor(k_scale):
             k_scale = self.k_scale
         if seq_lens.dtype != torch.int32:
@@ -179,12 +186,20 @@ class _DecodePlan:
         if self.logits_shape is None:
             impl = self.impl
             impl.scale = float(scale)
-            return impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
-                                    num_kv_splits=self.num_kv_splits)
+            result, result_lse = impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
+                                                  num_kv_splits=self.num_kv_splits)
+            if out is not None:
+                result = out.copy_(result)
+            if lse is not None and result_lse is not None:
+                result_lse = lse.copy_(result_lse)
+            return result, result_lse
         device = q_nope.device
-        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
-        lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
-        attn_logits = torch.empty(self.logits_shape, dtype=torch.float32, device=device)
+        if out is None:
+            out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
+        if lse is None:
+            lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
+        if attn_logits is None:
+            attn_logits = torch.empty(self.logits_shape, dtype=torch.float32, device=device)
         kernel_plan = self.kernel_plan
         if kernel_plan is None:
             from mla_multi.kernels.mla_decode import DecodeKernelPlan
@@ -236,6 +251,116 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     else:
         plan.num_kv_splits = num_kv_splits
     return plan
+
+
+class MLADecodePlan:
+    """A decode planned once for one layout (`plan_mla_decode`); `run` only launches.
+
+    In the style of FlashInfer's plan/run: the checks, the backend selection,
+    the split count and (TRITON) the bound kernels and the split-KV partials
+    are made by `plan_mla_decode`; `run` takes tensors of the same shapes,
+    strides, dtypes, devices and alignment (new values, new cache, new
+    lengths) and writes `out` / `lse` when given, so a planned decode
+    allocates nothing. The partials belong to the plan: run one plan on one
+    stream at a time (a CUDA graph captured over `run` stays valid while the
+    plan lives).
+    """
+
+    def __init__(self, plan: _DecodePlan, key: tuple, scale: float, shape: tuple, dtype: torch.dtype) -> None:
+        self._plan = plan
+        self._key = key
+        self.scale = scale
+        self.backend = plan.backend_cls.name
+        self.num_kv_splits = plan.num_kv_splits
+        self._out_shape = shape
+        self._dtype = dtype
+        self._attn_logits = None
+        if plan.logits_shape is not None:
+            self._attn_logits = torch.empty(plan.logits_shape, dtype=torch.float32, device=plan.device)
+
+    def _check_output(self, name: str, tensor, shape, dtype) -> None:
+        if tensor is None:
+            return
+        checks.check_tensor(name, tensor, dtypes=(dtype,), shape=shape, device=self._plan.device)
+        if not tensor.is_contiguous() or tensor.data_ptr() % 16:
+            raise ValueError(f"{name}={checks.describe(tensor)} is not contiguous and 16-byte aligned; accepted: "
+                             f"a contiguous tensor (torch.empty{tuple(shape)})")
+
+    def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, out=None, lse=None):
+        """(out [B, (Q,) N, Lkv], lse [B, (Q,) N] float32) for tensors laid out as the planned ones.
+
+        `k_scale` as given to `plan_mla_decode` (a float scale is planned once);
+        `out` / `lse`: contiguous tensors to write instead of new ones. The LSE is
+        None where the backend returns none and no `lse` was passed.
+        """
+        try:
+            key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self._key[6],
+                                   self._key[7])
+        except (AttributeError, TypeError):
+            key = None
+        if key != self._key:
+            raise ValueError(
+                "the tensors differ from the planned ones in shape, strides, dtype, device, alignment, k_scale or "
+                "MLA_MULTI_* environment; accepted: tensors laid out as at plan_mla_decode (plan again for others)"
+            )
+        self._check_output("out", out, self._out_shape, self._dtype)
+        self._check_output("lse", lse, self._out_shape[:-1], torch.float32)
+        plan = self._plan
+        if plan.data_checks:
+            checks.report_pending_errors(plan.device)
+            checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
+        return plan.run(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale, out=out, lse=lse,
+                        attn_logits=self._attn_logits)
+
+
+def plan_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_scale=None, num_kv_splits=None,
+                    backend=None) -> MLADecodePlan:
+    """Plan `mla_decode` for tensors laid out as these (their values are not read, except by the data
+    checks where they are on); `MLADecodePlan.run` then only launches. Arguments as in `mla_decode`."""
+    scale = _check_float("scale", scale)
+    plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+    key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+    return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype)
+
+
+class MLAPrefillPlan:
+    """A prefill planned once for one layout (`plan_mla_prefill`): the checks and the backend's impl (its
+    wrappers, and FlashInfer's plan while the length tensors are the same, unchanged ones) are kept."""
+
+    def __init__(self, plan: _PrefillPlan, key: tuple, causal: bool, return_lse: bool) -> None:
+        self._plan = plan
+        self._key = key
+        self.backend = plan.backend_cls.name
+        self.causal = causal
+        self.return_lse = return_lse
+
+    def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        """out [Tq, N, Dv] (and lse [N, Tq] with return_lse) for tensors laid out as the planned ones."""
+        _, _, _, _, _, max_seqlen_q, max_seqlen_k, scale, causal, backend, _ = self._key
+        try:
+            key = (_layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
+                   max_seqlen_k, scale, causal, backend, envs.snapshot())
+        except (AttributeError, TypeError):
+            key = None
+        if key != self._key:
+            raise ValueError(
+                "the tensors differ from the planned ones in shape, strides, dtype, device, alignment or "
+                "MLA_MULTI_* environment; accepted: tensors laid out as at plan_mla_prefill (plan again for others)"
+            )
+        if self._plan.data_checks:
+            _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return self._plan.impl.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal=self.causal, return_softmax_lse=self.return_lse)
+
+
+def plan_mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
+                     return_lse=False, backend=None) -> MLAPrefillPlan:
+    """Plan `mla_prefill` for tensors laid out as these; `MLAPrefillPlan.run` then skips the checks and the
+    selection. Arguments as in `mla_prefill` (max_seqlen_* are fixed by the plan)."""
+    plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
+    key = (_layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
+           max_seqlen_k, float(scale), bool(causal), backend, envs.snapshot())
+    return MLAPrefillPlan(plan, key, bool(causal), bool(return_lse))
 
 
 def mla_prefill(

@@ -706,3 +706,58 @@ def test_decode_non_positive_tensor_scale_is_rejected(data_checks):
     args["k_scale"] = torch.tensor([0.0])
     with pytest.raises(ValueError, match="k_scale=0.0; accepted: a positive scale"):
         mm.ops.mla_decode(**args)
+
+
+def test_planned_decode_runs_new_values_into_given_outputs():
+    """plan_mla_decode / MLADecodePlan.run: new query, cache and lengths of the planned layout give the
+    float64 result, written into the given out / lse; another layout is refused; the data checks still run."""
+    generator = torch.Generator().manual_seed(11)
+    heads, blocks, block_size = 3, 5, 8
+    table = torch.tensor([[0, 1, 2], [4, 3, 0]], dtype=torch.int32)
+
+    def inputs():
+        return (torch.randn(2, heads, 32, generator=generator), torch.randn(2, heads, 16, generator=generator),
+                torch.randn(blocks, block_size, 48, generator=generator))
+
+    q_nope, q_pe, cache = inputs()
+    plan = mm.ops.plan_mla_decode(q_nope, q_pe, cache, table, torch.tensor([20, 9], dtype=torch.int32), 0.25)
+    assert plan.backend == "REFERENCE"
+    for lengths in ([20, 9], [3, 24], [0, 1]):
+        q_nope, q_pe, cache = inputs()
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        out = torch.full((2, heads, 32), float("nan"))
+        lse = torch.full((2, heads), float("nan"))
+        got, got_lse = plan.run(q_nope, q_pe, cache, table, seq_lens, out=out, lse=lse)
+        assert got is out and got_lse is lse
+        rows = cache.double().view(-1, 48)
+        for b, length in enumerate(lengths):
+            slots = (table[b].long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:length]
+            if length == 0:
+                assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
+                continue
+            logits = 0.25 * torch.cat([q_nope[b], q_pe[b]], -1).double() @ rows[slots].T
+            torch.testing.assert_close(out[b].double(), torch.softmax(logits, -1) @ rows[slots, :32], rtol=1e-5,
+                                       atol=1e-5)
+            torch.testing.assert_close(lse[b].double(), torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="differ from the planned ones"):
+        plan.run(q_nope[:1], q_pe[:1], cache, table[:1], torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        plan.run(q_nope, q_pe, cache, table, torch.tensor([4, 4], dtype=torch.int32), out=torch.empty(2, heads, 31))
+    bad = table.clone()
+    bad[0, 0] = 99
+    with pytest.raises(ValueError, match="block_table"):
+        plan.run(q_nope, q_pe, cache, bad, torch.tensor([4, 4], dtype=torch.int32))
+
+
+def test_planned_prefill_matches_the_op_and_refuses_other_layouts():
+    generator = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(7, 2, 24, generator=generator), torch.randn(7, 2, 24, generator=generator),
+               torch.randn(7, 2, 16, generator=generator))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    plan = mm.ops.plan_mla_prefill(q, k, v, cu, cu, 4, 4, 0.3, return_lse=True)
+    q2 = torch.randn(7, 2, 24, generator=generator)
+    out, lse = plan.run(q2, k, v, cu, cu)
+    expected, expected_lse = mm.ops.mla_prefill(q2, k, v, cu, cu, 4, 4, 0.3, return_lse=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    with pytest.raises(ValueError, match="differ from the planned ones"):
+        plan.run(q2[:5], k, v, cu, cu)
