@@ -10,6 +10,7 @@ import torch
 from triton.testing import do_bench
 
 import mla_multi as mm
+from mla_multi.testing import capture_graph
 
 dev = "cuda"
 BS = 64
@@ -21,17 +22,9 @@ except Exception:  # noqa: BLE001
 
 
 def graph_time(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return do_bench(g.replay, return_mode="median") * 1000 / reps
+    fn()
+    graph = capture_graph(fn, repeats=reps)
+    return do_bench(graph.replay, return_mode="median") * 1000 / reps
 
 
 def eager_time(fn):

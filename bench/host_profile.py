@@ -17,6 +17,7 @@ import triton
 from triton.testing import do_bench
 
 import mla_multi as mm
+from mla_multi.testing import capture_graph
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
 torch.manual_seed(0)
@@ -25,16 +26,9 @@ BS = 64
 
 
 def graph_time(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return do_bench(g.replay, return_mode="median") * 1000 / reps
+    fn()
+    graph = capture_graph(fn, repeats=reps)
+    return do_bench(graph.replay, return_mode="median") * 1000 / reps
 
 
 def profile(fn, name, calls=300):

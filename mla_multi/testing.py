@@ -138,3 +138,18 @@ class PagedScenario:
         if not outputs:
             return torch.zeros(0, self.dims.num_heads * self.dims.v_head_dim, dtype=torch.float64, device=q.device)
         return torch.cat(outputs)
+
+
+def capture_graph(fn, repeats: int = 1, **graph_kwargs) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `repeats` calls of `fn`, captured after one warm-up call on a side stream (as
+    PyTorch's capture recipe asks); `graph_kwargs` go to `torch.cuda.graph` (e.g. capture_error_mode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, **graph_kwargs):
+        for _ in range(repeats):
+            fn()
+    return graph

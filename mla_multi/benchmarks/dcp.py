@@ -80,16 +80,11 @@ def captured(fn, device: torch.device):
     if device.type != "cuda":
         return fn
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    from mla_multi.testing import capture_graph
+
     # Thread-local capture: the process group's watchdog thread may query events of
     # earlier collectives while this thread captures.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
+    graph = capture_graph(fn, capture_error_mode="thread_local")
     torch.cuda.synchronize()
     return graph.replay
 

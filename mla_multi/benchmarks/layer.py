@@ -54,6 +54,7 @@ def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backen
     import triton
 
     import mla_multi as mm
+    from mla_multi.testing import capture_graph
 
     kind, query_lens, seq_lens = parse_step(text)
     dims = mm.MLADims.deepseek_v3(num_heads=heads)
@@ -99,15 +100,7 @@ def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backen
         layer.plan(md, cuda_graph=True)
         layer.lock_workspace()
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    step()
+            graph = capture_graph(step, repeats=10)
             captured = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3 / 10
         finally:
             layer.workspace.unlock()
