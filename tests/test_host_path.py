@@ -152,20 +152,37 @@ def test_captured_decode_step_replays_new_lengths_with_the_locked_shared_workspa
         layers[0].workspace.unlock()
 
 
+PREFILL_BACKENDS = [None, "TRITON", "FLASHINFER", "CUDA_FLASH_ATTN"]
+DECODE_BACKENDS = [None, "TRITON", "FLASHINFER"]
+
+
+@pytest.mark.parametrize("backends", [(None, None)] + [(p, None) for p in PREFILL_BACKENDS[1:]]
+                         + [(None, d) for d in DECODE_BACKENDS[1:]], ids=lambda b: f"{b[0] or 'default'}-{b[1] or 'default'}")
 @pytest.mark.parametrize("mode", ["default", "fullgraph"])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-def test_compiled_model_step_on_the_gpu_matches_eager(kind, mode):
-    """Linear -> MLAAttention.forward -> Linear compiled by Inductor on the GPU (the registry's backends, bf16):
-    no crash, the same output and cache as eager, within float64 tolerance of naive MLA."""
+def test_compiled_model_step_on_the_gpu_matches_eager(kind, mode, backends):
+    """Linear -> MLAAttention.forward -> Linear compiled by Inductor on the GPU (bf16), with the registry's
+    backends and with each installed one forced: no crash, the same output and cache as eager, within
+    float64 tolerance of naive MLA."""
     from mla_multi.testing import PagedScenario, relative_error
 
+    prefill_backend, decode_backend = backends
+    if (kind == "decode" and prefill_backend) or (kind == "prefill" and decode_backend):
+        pytest.skip("that phase does not run in this step")
     torch._dynamo.reset()
     dims = mm.MLADims.deepseek_v3(num_heads=16)
+    try:
+        if prefill_backend:
+            mm.select_prefill_backend(dims, torch.bfloat16, backend=prefill_backend)
+        if decode_backend:
+            mm.select_decode_backend(dims, torch.bfloat16, backend=decode_backend, block_size=16)
+    except Exception as error:  # a backend that is not installed or cannot run this: its reasons
+        pytest.skip(f"{prefill_backend or decode_backend}: {str(error).splitlines()[0][:200]}")
     device = torch.device("cuda")
     weight = (torch.randn(16 * 256, 512, device=device, generator=torch.Generator(device="cuda").manual_seed(0))
               / 512**0.5).to(torch.bfloat16)
     layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=2048, max_num_seqs=8,
-                            workspace_tokens=64)
+                            workspace_tokens=64, prefill_backend=prefill_backend, decode_backend=decode_backend)
     lin_o = torch.nn.Linear(16 * 128, 64, device=device, dtype=torch.bfloat16)
 
     def model(q, kv_c, k_pe, cache, metadata):
