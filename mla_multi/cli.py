@@ -97,6 +97,9 @@ def collect_info(as_spec: str | None = None) -> dict:
         configs = {
             "prefill": registry.prefill_config(dims, dtype),
             "decode": registry.decode_config(dims, dtype, "auto", 64, platform=target),
+            # DeepSeek-V3.2: top-2048 indices over the fp8_ds_mla cache (decode) and the bf16 rows (prefill)
+            "sparse_decode": registry.sparse_config(dims, dtype, torch.uint8, 2048),
+            "sparse_prefill": registry.sparse_config(dims, dtype, dtype, 2048),
         }
         phases = {}
         for phase, config in configs.items():

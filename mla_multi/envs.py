@@ -115,6 +115,20 @@ ENV_VARS: dict[str, EnvVar] = {
             "Force the decode backend by name, with the same rules as MLA_MULTI_PREFILL_BACKEND.",
         ),
         EnvVar(
+            "MLA_MULTI_SPARSE_DECODE_BACKEND",
+            None,
+            _backend_name,
+            "Force the sparse decode backend (mm.ops.mla_sparse_decode) by name, with the same rules as "
+            "MLA_MULTI_PREFILL_BACKEND.",
+        ),
+        EnvVar(
+            "MLA_MULTI_SPARSE_PREFILL_BACKEND",
+            None,
+            _backend_name,
+            "Force the sparse prefill backend (mm.ops.mla_sparse_prefill) by name, with the same rules as "
+            "MLA_MULTI_PREFILL_BACKEND.",
+        ),
+        EnvVar(
             "MLA_MULTI_NUM_KV_SPLITS",
             None,
             _positive_int,

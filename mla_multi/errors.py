@@ -29,6 +29,7 @@ __all__ = [
     "SEQ_RANGE",
     "SLOT",
     "CU_SEQLENS",
+    "SPARSE_INDEX",
     "ERROR_KINDS",
     "error_flag",
     "has_flag",
@@ -43,6 +44,7 @@ BLOCK_INDEX = 1
 SEQ_RANGE = 2
 SLOT = 4
 CU_SEQLENS = 8
+SPARSE_INDEX = 16
 
 ERROR_KINDS: dict[int, str] = {
     BLOCK_INDEX: "a block-table entry that a request reads lies outside [0, num_blocks) "
@@ -54,6 +56,7 @@ ERROR_KINDS: dict[int, str] = {
     CU_SEQLENS: "cumulative lengths that do not start at 0, decrease, run past the token count, or hold "
     "a sequence longer than max_seqlen (that sequence's rows and LSE are NaN; gather_cache rows no "
     "request covers are NaN)",
+    SPARSE_INDEX: "a sparse decode index outside [-1, num_slots) (that token's output rows and LSE are NaN)",
 }
 
 _flags: dict[torch.device, torch.Tensor] = {}

@@ -30,6 +30,8 @@ CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 __all__ = [
     "mla_decode",
     "mla_prefill",
+    "mla_sparse_decode",
+    "mla_sparse_prefill",
     "plan_mla_decode",
     "plan_mla_prefill",
     "MLADecodePlan",
@@ -469,6 +471,125 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return _PrefillPlan(backend_cls, impl, checks.data_checks_enabled(device))
 
 
+def _check_sparse_extras(tokens: int, heads: int, topk_length, attn_sink, device, lengths_name: str = "topk_length",
+                         length_rows: int | None = None) -> None:
+    rows = tokens if length_rows is None else length_rows
+    if topk_length is not None:
+        checks.check_tensor(lengths_name, topk_length, ndim=1, dtypes=(torch.int32,), shape=(rows,), device=device)
+    if attn_sink is not None:
+        checks.check_tensor("attn_sink", attn_sink, ndim=1, dtypes=(torch.float32,), shape=(heads,), device=device)
+
+
+def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None,
+                      backend=None, return_lse=False):
+    """Sparse MLA decode (DeepSeek Sparse Attention): each query token attends to the cached tokens its
+    indices name, in the absorbed latent space.
+
+    q_nope [T, N, 512] or [B, Q, N, 512] (absorbed), q_pe [.., N, 64];
+    kv_cache [num_blocks, block_size, 576] float (bf16 / fp16 / fp32), FP8
+    with a per-tensor `k_scale`, or uint8 [num_blocks, block_size, 656] in the
+    fp8_ds_mla layout (`mla_multi.ds_mla_cache`); indices int32 [T, topk] or
+    [B, Q, topk]: slot = block * block_size + offset, -1 = no token, a list
+    (a duplicate counts twice); topk_length int32 [T] or [B]: only the first
+    topk_length[i] indices count; attn_sink float32 [N]: out *= exp(lse) /
+    (exp(lse) + exp(attn_sink)), lse unchanged. Returns out [.., N, 512] in
+    q's dtype, and lse [.., N] float32 (natural log) with `return_lse`. A token
+    with no valid index gives 0 and -inf. Without the data checks an index
+    outside [-1, num_slots) makes its token's rows and LSE NaN and is recorded
+    for `raise_pending_errors`; with them (always on CPU tensors) it is a
+    ValueError.
+    """
+    checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None),
+                        device=device)
+    lead = tuple(q_nope.shape[:-2])
+    heads = q_nope.shape[-2]
+    checks.check_tensor("indices", indices, ndim=len(lead) + 1, dtypes=(torch.int32,), shape=(*lead, None),
+                        device=device)
+    topk = indices.shape[-1]
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES + (torch.uint8,), device=device)
+    from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
+
+    width = q_nope.shape[-1] + q_pe.shape[-1]
+    if kv_cache.dtype == torch.uint8:
+        if kv_cache.shape[-1] != FP8_DS_MLA_BYTES or (q_nope.shape[-1], q_pe.shape[-1]) != (512, 64):
+            raise ValueError(
+                f"kv_cache={checks.describe(kv_cache)} with q widths {q_nope.shape[-1]} / {q_pe.shape[-1]}; a uint8 "
+                f"cache is the fp8_ds_mla layout: [num_blocks, block_size, {FP8_DS_MLA_BYTES}] with 512 / 64"
+            )
+        if k_scale is not None:
+            raise ValueError(f"k_scale={k_scale!r} with an fp8_ds_mla cache (its scales are in the cache); accepted: None")
+    elif kv_cache.shape[-1] != width:
+        raise ValueError(f"kv_cache has width {kv_cache.shape[-1]}; accepted: {width} (q_nope + q_pe widths) or a uint8 "
+                         f"fp8_ds_mla cache of {FP8_DS_MLA_BYTES} bytes a token")
+    else:
+        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+    scale = _check_float("scale", scale)
+    batch = lead[0]
+    q_len = lead[1] if len(lead) == 2 else 1
+    tokens = batch * q_len
+    _check_sparse_extras(tokens, heads, topk_length, attn_sink, device, length_rows=batch)
+    checks.report_pending_errors(device)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if checks.data_checks_enabled(device):
+        values = indices.detach().cpu()
+        bad = values[(values < -1) | (values >= num_slots)]
+        if bad.numel():
+            raise ValueError(f"indices hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
+        if topk_length is not None:
+            lengths = topk_length.detach().cpu()
+            if bool((lengths < 0).any()) or bool((lengths > topk).any()):
+                raise ValueError(f"topk_length={lengths.tolist()}; accepted: values in [0, {topk}]")
+
+    dims = MLADims(heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
+    from mla_multi.registry import select_sparse_backend
+
+    backend_cls = select_sparse_backend("sparse_decode", dims, q_nope.dtype, kv_cache.dtype, topk,
+                                        max_query_len=q_len, backend=backend)
+    impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
+    lengths = None if topk_length is None else topk_length.repeat_interleave(q_len)
+    out, lse = impl.forward(
+        q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1), kv_cache, indices.reshape(tokens, topk),
+        scale, k_scale=_scale_tensor(k_scale, device), topk_length=lengths, attn_sink=attn_sink,
+    )
+    out = out.reshape(*lead, heads, q_nope.shape[-1])
+    return (out, lse.reshape(*lead, heads)) if return_lse else out
+
+
+def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, attn_sink=None, backend=None,
+                       return_lse=False):
+    """Sparse MLA prefill: each query token attends to the rows of `kv` its indices name (latent space).
+
+    q_nope [T, N, 512] (absorbed), q_pe [T, N, 64]; kv [S_kv, 576] float;
+    indices int32 [T, topk] into the rows of kv, -1 or >= S_kv = no token;
+    topk_length int32 [T]; attn_sink float32 [N] as in `mla_sparse_decode`.
+    Returns out [T, N, 512] in q's dtype, and lse [T, N] float32 with
+    `return_lse`; a token with no valid index gives 0 and -inf.
+    """
+    checks.check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q_nope.device
+    tokens, heads = q_nope.shape[0], q_nope.shape[1]
+    checks.check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), shape=(tokens, heads, None), device=device)
+    width = q_nope.shape[-1] + q_pe.shape[-1]
+    checks.check_tensor("kv", kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, width), device=device)
+    checks.check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None), device=device)
+    topk = indices.shape[-1]
+    scale = _check_float("scale", scale)
+    _check_sparse_extras(tokens, heads, topk_length, attn_sink, device)
+    if topk_length is not None and checks.data_checks_enabled(device):
+        lengths = topk_length.detach().cpu()
+        if bool((lengths < 0).any()) or bool((lengths > topk).any()):
+            raise ValueError(f"topk_length={lengths.tolist()}; accepted: values in [0, {topk}]")
+    dims = MLADims(heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
+    from mla_multi.registry import select_sparse_backend
+
+    backend_cls = select_sparse_backend("sparse_prefill", dims, q_nope.dtype, kv.dtype, topk, backend=backend)
+    impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
+    out, lse = impl.forward(q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
+    return (out, lse) if return_lse else out
+
+
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     """Combine two partial attentions over disjoint keys by their LSE.
 
@@ -523,6 +644,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     device = kv_c.device
     tokens = kv_c.shape[0]
     checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, None), device=device)
+    if torch.is_tensor(kv_cache) and kv_cache.dtype == torch.uint8:
+        return _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
     width = kv_c.shape[1] + k_pe.shape[1]
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device)
     checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device)
@@ -548,6 +671,36 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
             _CACHE_WRITE_PLANS[key] = plan
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+    """concat_and_cache_mla into a uint8 [num_blocks, block_size, 656] cache (FlashMLA's fp8_ds_mla layout:
+    `mla_multi.ds_mla_cache`), tile scales from the data."""
+    from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES, KV_LORA_RANK, ROPE_DIM, quantize_fp8_ds_mla
+
+    device = kv_c.device
+    tokens = kv_c.shape[0]
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), shape=(None, None, FP8_DS_MLA_BYTES),
+                        device=device)
+    if (kv_c.shape[1], k_pe.shape[1]) != (KV_LORA_RANK, ROPE_DIM):
+        raise ValueError(f"kv_c / k_pe widths {kv_c.shape[1]} / {k_pe.shape[1]} for an fp8_ds_mla cache; "
+                         f"accepted: {KV_LORA_RANK} / {ROPE_DIM}")
+    if scale is not None:
+        raise ValueError(f"scale={scale!r} with an fp8_ds_mla cache, whose tile scales come from the data; accepted: None")
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
+    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    checks.report_pending_errors(device)
+    checks.check_slot_data(slot_mapping, num_slots)
+    slots = slot_mapping.long()
+    # a negative slot skips its token; a slot past the cache is skipped too and recorded
+    errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)
+    keep = (slots >= 0) & (slots < num_slots)
+    rows = quantize_fp8_ds_mla(kv_c, k_pe)
+    # PyTorch's write: selecting the kept tokens reads the mask on the host (a synchronisation on GPUs)
+    kept = torch.nonzero(keep).flatten()
+    kv_cache.view(num_slots, FP8_DS_MLA_BYTES).index_copy_(0, slots[kept], rows[kept])
 
 
 # layout key -> the checked, bound cache write (GPU tensors; see _DECODE_PLANS)

@@ -7,7 +7,8 @@ selection looks at it; an import that raises anything becomes a reason.
 The priority lists for every platform live in `PREFILL_PRIORITIES` and
 `DECODE_PRIORITIES` below and nowhere else; `SELECTION_RULES` beside them holds
 the measured exceptions (a head-count range or cache dtype on which another
-backend is faster), each naming its measurement in bench/RESULTS.md.  `select_*` walks the list of the
+backend is faster), each naming its measurement in bench/RESULTS.md; the sparse
+phases' lists (`SPARSE_DECODE_PRIORITIES`, `SPARSE_PREFILL_PRIORITIES`) sit beside them.  `select_*` walks the list of the
 current platform and returns the first backend without reasons; when none
 fits, `NoBackendError` prints the configuration and one block of reasons per
 backend.  A backend forced by argument or by `MLA_MULTI_PREFILL_BACKEND` /
@@ -31,7 +32,9 @@ from mla_multi.backends.base import (
     DecodeSelectorConfig,
     MLADecodeBackend,
     MLAPrefillBackend,
+    MLASparseBackend,
     PrefillSelectorConfig,
+    SparseSelectorConfig,
     resolve_kv_cache_dtype,
 )
 from mla_multi.dims import MLADims
@@ -39,8 +42,8 @@ from mla_multi.platforms import Platform, current_platform
 
 logger = logging.getLogger("mla_multi")
 
-Phase = Literal["prefill", "decode"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode")
+Phase = Literal["prefill", "decode", "sparse_decode", "sparse_prefill"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode", "sparse_decode", "sparse_prefill")
 
 # name -> "module:Class"
 PREFILL_BACKENDS: dict[str, str] = {
@@ -56,6 +59,14 @@ DECODE_BACKENDS: dict[str, str] = {
     "FLASHINFER": "mla_multi.backends.flashinfer:FlashInferDecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
+}
+
+# Sparse MLA (DeepSeek Sparse Attention), one phase each for decode and prefill.
+SPARSE_DECODE_BACKENDS: dict[str, str] = {
+    "REFERENCE": "mla_multi.backends.reference:ReferenceSparseDecodeBackend",
+}
+SPARSE_PREFILL_BACKENDS: dict[str, str] = {
+    "REFERENCE": "mla_multi.backends.reference:ReferenceSparsePrefillBackend",
 }
 
 # Priority by platform: the first key that matches wins: (vendor, arch), then vendor.
@@ -75,6 +86,15 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("cuda", None): ("FLASHINFER", "TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
+
+# Sparse MLA: the PyTorch REFERENCE serves every platform until the kernels of
+# the sparse phases land (it reads the indices' rows in one gather, no host sync).
+SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", None): ("REFERENCE",),
+    ("cuda", None): ("REFERENCE",),
+    ("cpu", None): ("REFERENCE",),
+}
+SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = dict(SPARSE_DECODE_PRIORITIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,13 +344,23 @@ class Registry:
             raise ValueError(f"phase={phase!r}; accepted: {', '.join(PHASES)}")
 
 
+_FORCING_VARIABLES = {
+    "prefill": "MLA_MULTI_PREFILL_BACKEND",
+    "decode": "MLA_MULTI_DECODE_BACKEND",
+    "sparse_decode": "MLA_MULTI_SPARSE_DECODE_BACKEND",
+    "sparse_prefill": "MLA_MULTI_SPARSE_PREFILL_BACKEND",
+}
+
+
 def _forced_from_env(phase: Phase) -> str | None:
-    return envs.MLA_MULTI_PREFILL_BACKEND if phase == "prefill" else envs.MLA_MULTI_DECODE_BACKEND
+    return getattr(envs, _FORCING_VARIABLES[phase])
 
 
 default_registry = Registry(
-    backends={"prefill": PREFILL_BACKENDS, "decode": DECODE_BACKENDS},
-    priorities={"prefill": PREFILL_PRIORITIES, "decode": DECODE_PRIORITIES},
+    backends={"prefill": PREFILL_BACKENDS, "decode": DECODE_BACKENDS, "sparse_decode": SPARSE_DECODE_BACKENDS,
+              "sparse_prefill": SPARSE_PREFILL_BACKENDS},
+    priorities={"prefill": PREFILL_PRIORITIES, "decode": DECODE_PRIORITIES,
+                "sparse_decode": SPARSE_DECODE_PRIORITIES, "sparse_prefill": SPARSE_PREFILL_PRIORITIES},
     rules=SELECTION_RULES,
 )
 
@@ -383,6 +413,26 @@ def select_decode_backend(
     """The decode backend class for the configuration on the current platform; raises `NoBackendError`."""
     config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform)
     return default_registry.select("decode", config, platform, backend)
+
+
+def sparse_config(dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype, topk: int,
+                  max_query_len: int = 1) -> SparseSelectorConfig:
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"dims={dims!r}; accepted: an MLADims")
+    for name, value in (("topk", topk), ("max_query_len", max_query_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}; accepted: a positive int")
+    return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len)
+
+
+def select_sparse_backend(
+    phase: Literal["sparse_decode", "sparse_prefill"], dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype,
+    topk: int, *, max_query_len: int = 1, backend: str | None = None, platform: Platform | None = None,
+) -> type[MLASparseBackend]:
+    """The sparse backend class of `phase` for the configuration; raises `NoBackendError`."""
+    if phase not in ("sparse_decode", "sparse_prefill"):
+        raise ValueError(f"phase={phase!r}; accepted: sparse_decode, sparse_prefill")
+    return default_registry.select(phase, sparse_config(dims, dtype, kv_dtype, topk, max_query_len), platform, backend)
 
 
 def check_forced_names() -> None:

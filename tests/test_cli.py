@@ -32,7 +32,8 @@ def test_info_text_and_json_commands():
     assert "platform (impersonated): H100" in text.stdout and "decode: selected" in text.stdout
     as_json = run_cli("info", "--json")
     assert as_json.returncode == 0, as_json.stderr
-    assert set(json.loads(as_json.stdout)["phases"]) == {"prefill", "decode"}
+    assert set(json.loads(as_json.stdout)["phases"]) == {"prefill", "decode", "sparse_decode", "sparse_prefill"}
+    assert "sparse_decode: selected" in text.stdout and "fp8_ds_mla" in text.stdout
 
 
 def test_info_unknown_spec_is_an_error():

@@ -397,3 +397,82 @@ class MLADecodeBackend(_BackendDeclarations, ABC):
             cuda_graphs=cls.supports_cuda_graphs,
         )
         return info
+
+
+# --------------------------------------------------------------------------- sparse (DeepSeek Sparse Attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSelectorConfig:
+    """Hashable description of a sparse MLA problem (phase sparse_decode or sparse_prefill).
+
+    kv_dtype is the cache's (decode: float, FP8 with a scale, or uint8 for the
+    fp8_ds_mla layout) or the kv rows' (prefill); topk the index-list length;
+    max_query_len the query tokens per request (decode).
+    """
+
+    dims: MLADims
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    topk: int
+    max_query_len: int = 1
+
+    def describe(self) -> str:
+        d = self.dims
+        kv = "fp8_ds_mla (uint8, 656 bytes a token)" if self.kv_dtype == torch.uint8 else dtype_name(self.kv_dtype)
+        return (
+            f"num_heads={d.num_heads} kv_lora_rank={d.kv_lora_rank} qk_rope_head_dim={d.qk_rope_head_dim} "
+            f"dtype={dtype_name(self.dtype)} kv={kv} topk={self.topk} max_query_len={self.max_query_len}"
+        )
+
+
+class MLASparseImpl(ABC):
+    """Sparse MLA in the latent space: every query token attends to the cached rows its indices name."""
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, device=None) -> None:
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.device = device
+
+    @abstractmethod
+    def forward(self, q_nope, q_pe, kv, indices, scale: float, *, k_scale=None, topk_length=None,
+                attn_sink=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_nope [T, N, Lkv], q_pe [T, N, R]; kv the paged cache (sparse_decode, indices are slots) or
+        [S, Lkv + R] rows (sparse_prefill, indices are rows); indices int32 [T, topk]; topk_length [T];
+        attn_sink float32 [N]. Returns out [T, N, Lkv] in q's dtype and lse [T, N] float32."""
+
+
+class MLASparseBackend(_BackendDeclarations, ABC):
+    """A sparse MLA implementation (one phase) and the declaration of what it can run."""
+
+    supported_kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    max_num_heads: ClassVar[int] = 128
+    max_topk: ClassVar[int] = 1 << 20
+    max_query_len: ClassVar[int] = 1
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[MLASparseImpl]:
+        """The implementation class of this backend."""
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
+        reasons = cls._common_reasons(platform, config.dtype)
+        if config.kv_dtype not in cls.supported_kv_dtypes:
+            names = ", ".join("fp8_ds_mla (uint8)" if d == torch.uint8 else dtype_name(d) for d in cls.supported_kv_dtypes)
+            reasons.append(f"kv dtype {dtype_name(config.kv_dtype)} is not supported; supported: {names}")
+        if config.dims.num_heads > cls.max_num_heads:
+            reasons.append(f"num_heads {config.dims.num_heads} is over the maximum of {cls.max_num_heads}")
+        if config.topk > cls.max_topk:
+            reasons.append(f"topk {config.topk} is over the maximum of {cls.max_topk}")
+        if config.max_query_len > cls.max_query_len:
+            reasons.append(f"max_query_len {config.max_query_len} is over the maximum of {cls.max_query_len}")
+        return reasons
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        info = super().info()
+        info.update(kv_dtypes=[dtype_name(d) for d in cls.supported_kv_dtypes], max_topk=cls.max_topk,
+                    num_heads=f"1..{cls.max_num_heads}", max_query_len=cls.max_query_len)
+        return info

@@ -23,6 +23,8 @@ from mla_multi.backends.base import (
     MLADecodeImpl,
     MLAPrefillBackend,
     MLAPrefillImpl,
+    MLASparseBackend,
+    MLASparseImpl,
 )
 
 _ALL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -278,6 +280,58 @@ def gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale=No
     return torch.cat(pieces)
 
 
+def sparse_attention_reference(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    *,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    bad_is_error: bool = True,
+    latent_width: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA in the latent space: each token attends to the rows its indices name.
+
+    q [T, N, 576] (absorbed query and rotary part), kv_rows [S, 576] (float,
+    already dequantised), indices [T, topk] (a list: duplicates count twice),
+    topk_length [T] (only the first topk_length[t] indices count) and attn_sink
+    [N] (out *= exp(lse) / (exp(lse) + exp(sink)), lse unchanged). Index -1
+    means no token; with `bad_is_error` another index outside [0, S) makes the
+    token's rows and LSE NaN (decode), otherwise it counts as no token
+    (prefill). A token with no valid index gives 0 and LSE -inf. Returns
+    (out [T, N, 512] in q's compute dtype, lse [T, N] float32, or float64 for
+    float64 inputs) and the per-token bad flags [T]. The values are the first
+    `latent_width` columns of the rows.
+    """
+    compute = _compute_dtype(q.dtype)
+    tokens, topk = indices.shape
+    num_rows = kv_rows.shape[0]
+    idx = indices.long()
+    in_range = (idx >= 0) & (idx < num_rows)
+    valid = in_range
+    if topk_length is not None:
+        valid = valid & (torch.arange(topk, device=idx.device).unsqueeze(0) < topk_length.long().unsqueeze(1))
+    bad = ((idx < -1) | (idx >= num_rows)).any(dim=1) if bad_is_error else torch.zeros(
+        tokens, dtype=torch.bool, device=idx.device)
+    rows = kv_rows.to(compute)[idx.clamp(0, max(num_rows - 1, 0))] if num_rows else torch.zeros(
+        tokens, topk, kv_rows.shape[-1], dtype=compute, device=q.device)  # [T, topk, 576]
+    scores = torch.einsum("tnd,tkd->tnk", q.to(compute), rows) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [T, N]; -inf where nothing is valid
+    finite = torch.isfinite(lse)
+    weights = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    weights = torch.where(finite.unsqueeze(-1), weights, torch.zeros_like(weights))
+    out = torch.einsum("tnk,tkd->tnd", weights, rows[..., :latent_width])
+    if attn_sink is not None:
+        sink = attn_sink.to(compute).unsqueeze(0)
+        factor = torch.sigmoid(torch.where(finite, lse, torch.zeros_like(lse)) - sink)
+        out = out * torch.where(finite, factor, torch.ones_like(factor)).unsqueeze(-1)
+    out = out.masked_fill(bad.view(-1, 1, 1), float("nan"))
+    lse = lse.masked_fill(bad.view(-1, 1), float("nan"))
+    return out, lse.to(torch.float64 if compute == torch.float64 else torch.float32), bad
+
+
 # --------------------------------------------------------------------------- backend classes
 
 
@@ -318,3 +372,63 @@ class ReferenceDecodeBackend(MLADecodeBackend):
     def get_decode_impl_cls():
         return ReferenceDecodeImpl
 
+
+
+# --------------------------------------------------------------------------- sparse
+
+
+def _cache_rows(kv_cache: torch.Tensor, k_scale, compute: torch.dtype) -> torch.Tensor:
+    """The paged cache as dequantised rows [num_blocks * block_size, 576] (fp8_ds_mla, FP8 with k_scale, float)."""
+    from mla_multi.ds_mla_cache import dequantize_fp8_ds_mla, is_fp8_ds_mla
+
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    if is_fp8_ds_mla(kv_cache):
+        return dequantize_fp8_ds_mla(flat, compute)
+    return dequantize_cache_rows(flat, k_scale, compute)
+
+
+class ReferenceSparseDecodeImpl(MLASparseImpl):
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        compute = _compute_dtype(q_nope.dtype)
+        rows = _cache_rows(kv, k_scale, compute)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out, lse, bad = sparse_attention_reference(
+            q, rows, indices, scale, topk_length=topk_length, attn_sink=attn_sink, bad_is_error=True,
+            latent_width=q_nope.shape[-1],
+        )
+        # recorded on the device without a synchronisation
+        errors.error_flag(q_nope.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
+        return out.to(q_nope.dtype), lse.float()
+
+
+class ReferenceSparseDecodeBackend(MLASparseBackend):
+    name: ClassVar[str] = "REFERENCE"
+    supported_dtypes = _ALL_FLOAT_DTYPES
+    supported_kv_dtypes = _ALL_FLOAT_DTYPES + FP8_DTYPES + (torch.uint8,)
+    max_num_heads = 1 << 16
+    max_query_len = 1 << 16
+
+    @staticmethod
+    def get_impl_cls():
+        return ReferenceSparseDecodeImpl
+
+
+class ReferenceSparsePrefillImpl(MLASparseImpl):
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out, lse, _ = sparse_attention_reference(
+            q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, bad_is_error=False,
+            latent_width=q_nope.shape[-1],
+        )
+        return out.to(q_nope.dtype), lse.float()
+
+
+class ReferenceSparsePrefillBackend(MLASparseBackend):
+    name: ClassVar[str] = "REFERENCE"
+    supported_dtypes = _ALL_FLOAT_DTYPES
+    supported_kv_dtypes = _ALL_FLOAT_DTYPES
+    max_num_heads = 1 << 16
+
+    @staticmethod
+    def get_impl_cls():
+        return ReferenceSparsePrefillImpl
