@@ -79,6 +79,8 @@ __all__ = [
     "merge_attn_states_traced",
     "concat_and_cache_mla_traced",
     "gather_cache_traced",
+    "mla_sparse_decode_traced",
+    "mla_sparse_prefill_traced",
     "ATTENTION_SCHEMA",
     "register_layer",
     "layer_by_id",
@@ -110,6 +112,16 @@ SCHEMAS: dict[str, str] = {
     "gather_cache": (
         "gather_cache(Tensor kv_cache, Tensor block_table, Tensor seq_starts, Tensor seq_lens, *, Tensor? scale=None, "
         "ScalarType? out_dtype=None, Tensor? cu_seq_lens=None, SymInt? num_tokens=None) -> Tensor"
+    ),
+    "mla_sparse_decode": (
+        "mla_sparse_decode(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor indices, float scale, *, "
+        "Tensor? k_scale=None, Tensor? topk_length=None, Tensor? attn_sink=None, str? backend=None, "
+        "bool return_lse=False) -> (Tensor, Tensor)"
+    ),
+    "mla_sparse_prefill": (
+        "mla_sparse_prefill(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor indices, float scale, *, "
+        "Tensor? topk_length=None, Tensor? attn_sink=None, str? backend=None, bool return_lse=False) "
+        "-> (Tensor, Tensor)"
     ),
 }
 
@@ -308,6 +320,45 @@ def gather_cache_traced(kv_cache, block_table, seq_starts, seq_lens, *, scale=No
     )
 
 
+# --------------------------------------------------------------------------- sparse MLA
+
+
+def _sparse_kernel(fn):
+    def kernel(q_nope, q_pe, kv, indices, scale, *, return_lse=False, **options):
+        result = _eager(fn, q_nope, q_pe, kv, indices, scale, return_lse=return_lse, **options)
+        if return_lse:
+            out, lse = result
+            return out.contiguous(), lse.contiguous()
+        return result.contiguous(), _no_lse(result)
+
+    return kernel
+
+
+def _sparse_fake(q_nope, q_pe, kv, indices, scale, *, return_lse=False, **options):
+    lse = q_nope.new_empty(q_nope.shape[:-1], dtype=torch.float32) if return_lse else _no_lse(q_nope)
+    return q_nope.new_empty(q_nope.shape), lse
+
+
+def mla_sparse_decode_traced(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_length=None,
+                             attn_sink=None, backend=None, return_lse=False):
+    """`mla_multi.ops.mla_sparse_decode` through ``torch.ops.mla_multi.mla_sparse_decode``."""
+    out, lse = torch.ops.mla_multi.mla_sparse_decode(
+        q_nope, q_pe, kv_cache, indices, float(scale), k_scale=_scale_tensor(k_scale, q_nope.device),
+        topk_length=topk_length, attn_sink=attn_sink, backend=backend, return_lse=bool(return_lse),
+    )
+    return (out, lse) if return_lse else out
+
+
+def mla_sparse_prefill_traced(q_nope, q_pe, kv, indices, scale, *, topk_length=None, attn_sink=None, backend=None,
+                              return_lse=False):
+    """`mla_multi.ops.mla_sparse_prefill` through ``torch.ops.mla_multi.mla_sparse_prefill``."""
+    out, lse = torch.ops.mla_multi.mla_sparse_prefill(
+        q_nope, q_pe, kv, indices, float(scale), topk_length=topk_length, attn_sink=attn_sink, backend=backend,
+        return_lse=bool(return_lse),
+    )
+    return (out, lse) if return_lse else out
+
+
 # --------------------------------------------------------------------------- registration
 
 _KERNELS = {
@@ -316,6 +367,8 @@ _KERNELS = {
     "merge_attn_states": (_merge_attn_states_kernel, _merge_attn_states_fake),
     "concat_and_cache_mla": (_concat_and_cache_mla_kernel, _concat_and_cache_mla_fake),
     "gather_cache": (_gather_cache_kernel, _gather_cache_fake),
+    "mla_sparse_decode": (_sparse_kernel(lambda *a, **k: _ops().mla_sparse_decode(*a, **k)), _sparse_fake),
+    "mla_sparse_prefill": (_sparse_kernel(lambda *a, **k: _ops().mla_sparse_prefill(*a, **k)), _sparse_fake),
 }
 
 for _name, (_kernel, _fake) in _KERNELS.items():

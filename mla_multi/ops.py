@@ -499,6 +499,11 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     for `raise_pending_errors`; with them (always on CPU tensors) it is a
     ValueError.
     """
+    if torch.compiler.is_compiling():
+        return library.mla_sparse_decode_traced(
+            q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink,
+            backend=backend, return_lse=return_lse,
+        )
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
     checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None),
@@ -567,6 +572,11 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     Returns out [T, N, 512] in q's dtype, and lse [T, N] float32 with
     `return_lse`; a token with no valid index gives 0 and -inf.
     """
+    if torch.compiler.is_compiling():
+        return library.mla_sparse_prefill_traced(
+            q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, backend=backend,
+            return_lse=return_lse,
+        )
     checks.check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
     device = q_nope.device
     tokens, heads = q_nope.shape[0], q_nope.shape[1]

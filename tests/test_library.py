@@ -411,4 +411,5 @@ def test_schemas_declare_the_mutation_and_the_scale_tensors():
     for name, arg_name in (("mla_decode", "k_scale"), ("concat_and_cache_mla", "scale"), ("gather_cache", "scale")):
         arg = next(a for a in getattr(torch.ops.mla_multi, name).default._schema.arguments if a.name == arg_name)
         assert str(arg.type) == "Optional[Tensor]", (name, arg_name, arg.type)
-    assert set(library.SCHEMAS) == {"mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_mla", "gather_cache"}
+    assert set(library.SCHEMAS) == {"mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_mla", "gather_cache",
+                                    "mla_sparse_decode", "mla_sparse_prefill"}

@@ -229,3 +229,48 @@ def test_sparse_phases_select_with_reasons_and_strict_overrides(monkeypatch):
     # a forced backend that cannot run the configuration raises with its reasons
     with pytest.raises(mm.NoBackendError, match="kv dtype"):
         registry.select_sparse_backend("sparse_prefill", dims, torch.bfloat16, torch.uint8, 2048, backend="REFERENCE")
+
+
+# --------------------------------------------------------------------------- torch.library / torch.compile
+
+
+def _sparse_cases():
+    generator = torch.Generator().manual_seed(21)
+    q_nope, q_pe = torch.randn(4, 2, LKV, generator=generator), torch.randn(4, 2, ROPE, generator=generator)
+    ds = quantize_fp8_ds_mla(torch.randn(32, LKV, generator=generator),
+                             torch.randn(32, ROPE, generator=generator)).view(2, 16, FP8_DS_MLA_BYTES)
+    idx = random_indices(generator, 4, 64, 32)
+    sink = torch.tensor([0.3, -1.0])
+    lengths = torch.tensor([64, 3, 0, 50], dtype=torch.int32)
+    return [
+        ("mla_sparse_decode", (q_nope, q_pe, ds, idx, 0.05), dict(return_lse=True, topk_length=lengths)),
+        ("mla_sparse_decode", (q_nope, q_pe, torch.randn(2, 16, 576, generator=generator), idx, 0.05),
+         dict(attn_sink=sink)),
+        ("mla_sparse_prefill", (q_nope, q_pe, torch.randn(40, 576, generator=generator), idx, 0.05),
+         dict(return_lse=True, attn_sink=sink, topk_length=lengths)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_sparse_ops_pass_opcheck(index):
+    name, args, kwargs = _sparse_cases()[index]
+    torch.library.opcheck(getattr(torch.ops.mla_multi, name).default, args, kwargs,
+                          test_utils=["test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_static", "test_aot_dispatch_dynamic"])
+
+
+def test_compiled_sparse_decode_matches_eager():
+    torch._dynamo.reset()
+    name, args, kwargs = _sparse_cases()[0]
+    linear = torch.nn.Linear(LKV, 8)
+
+    def step(q_nope, q_pe, cache, idx, lengths):
+        out, lse = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, idx, 0.05, topk_length=lengths, return_lse=True)
+        return linear(out), lse
+
+    with torch.inference_mode():
+        eager = step(*args[:4], kwargs["topk_length"])
+        compiled = torch.compile(step, fullgraph=True)(*args[:4], kwargs["topk_length"])
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(compiled[1], eager[1])
+    torch._dynamo.reset()
