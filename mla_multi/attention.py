@@ -68,6 +68,8 @@ class MLAAttention:
         decode_backend: str | None = None,
         dcp=None,
         workspace: WorkspaceManager | None = None,
+        sparse_topk: int | None = None,
+        sparse_backend: str | None = None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -88,6 +90,17 @@ class MLAAttention:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.platform = current_platform()
+        if sparse_topk is not None and (not isinstance(sparse_topk, int) or isinstance(sparse_topk, bool)
+                                        or sparse_topk < 1):
+            raise ValueError(f"sparse_topk={sparse_topk!r}; accepted: None (dense MLA) or a positive int")
+        self.sparse_topk = sparse_topk
+        if kv_cache_dtype == "fp8_ds_mla":
+            if sparse_topk is None:
+                raise ValueError("kv_cache_dtype='fp8_ds_mla' is the sparse MLA cache layout; accepted with sparse_topk")
+            if (lkv, dims.qk_rope_head_dim) != (512, 64):
+                raise ValueError(f"kv_cache_dtype='fp8_ds_mla' holds 512 latent and 64 rotary values; this layer has "
+                                 f"{lkv} / {dims.qk_rope_head_dim}")
+            kv_cache_dtype = torch.uint8
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.platform)
         if self.kv_cache_dtype in FP8_DTYPES:
             if kv_cache_scale is None:
@@ -124,6 +137,9 @@ class MLAAttention:
             dcp.check_device("kv_b_proj_weight", self.device)
             # DCP decodes every head of the layer over the local tokens.
             decode_heads = n * dcp.world_size
+        if sparse_topk is not None:
+            self._init_sparse(dims, sparse_backend, dcp)
+            return
         self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
         self.decode_backend = select_decode_backend(
             dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, block_size,
@@ -153,6 +169,24 @@ class MLAAttention:
 
         self.layer_id: int = library.register_layer(self)
 
+    def _init_sparse(self, dims: MLADims, sparse_backend: str | None, dcp) -> None:
+        from mla_multi import library
+        from mla_multi.registry import select_sparse_backend
+
+        if dcp is not None:
+            raise ValueError("dcp with sparse_topk: decode context parallelism of sparse MLA is not supported; "
+                             "accepted: dcp=None")
+        self.sparse_backend = select_sparse_backend(
+            "sparse_decode", dims, self.dtype, self.kv_cache_dtype, self.sparse_topk, backend=sparse_backend
+        )
+        self.sparse_impl = self.sparse_backend.get_impl_cls()(
+            dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, self.device
+        )
+        self.prefill_backend = self.decode_backend = None
+        self.workspace = current_workspace_manager(self.device)
+        ops.error_flag(self.device)
+        self.layer_id = library.register_layer(self)
+
     @property
     def W_UK_T(self) -> torch.Tensor:
         """[N, P, Lkv], vLLM's name for the absorption weight."""
@@ -167,6 +201,8 @@ class MLAAttention:
         return ((num_tokens, self.dims.kv_lora_rank + self.dims.qk_rope_head_dim), self.dtype)
 
     def backends(self) -> dict[str, str]:
+        if self.sparse_topk is not None:
+            return {"sparse_decode": self.sparse_backend.name}
         return {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
 
     # ------------------------------------------------------------------ planning
@@ -187,6 +223,9 @@ class MLAAttention:
         from mla_multi import library
 
         library.set_current_metadata(self.device, metadata)  # the step a compiled forward runs
+        if self.sparse_topk is not None:
+            self._token_requests(metadata)
+            return
         num_decodes, num_prefills, _, _ = self._split(metadata)
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
@@ -268,8 +307,13 @@ class MLAAttention:
         kv_cache: torch.Tensor,
         metadata: CommonAttentionMetadata,
         output: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention output [T, N * V] for the batch described by `metadata`.
+
+        Sparse mode (`sparse_topk`): `topk_indices` int32 [T, k <= sparse_topk]
+        gives each new token the positions inside its own request that it
+        attends to (-1 = none), as an indexer produces them.
 
         q [T, N, P + R]; kv_c_normed [T, Lkv]; k_pe [T, R] (rotary applied);
         kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype.
@@ -280,10 +324,19 @@ class MLAAttention:
         `metadata` is not read there and may be None.
         """
         if torch.compiler.is_compiling():
+            if self.sparse_topk is not None:
+                raise NotImplementedError(
+                    "MLAAttention in sparse mode under torch.compile: its opaque op takes no topk_indices yet; "
+                    "accepted: the sparse layer called eagerly (or compile around it with a graph break)"
+                )
             if output is None:
                 output = q.new_empty((q.shape[0], self.dims.num_heads * self.dims.v_head_dim))
             torch.ops.mla_multi.mla_attention(q, kv_c_normed, k_pe, kv_cache, output, self.layer_id)
             return output
+        if self.sparse_topk is not None:
+            return self._forward_sparse(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
+        if topk_indices is not None:
+            raise ValueError("topk_indices given to a dense MLAAttention; accepted: None (or build it with sparse_topk)")
         d = self.dims
         n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
         if not isinstance(metadata, CommonAttentionMetadata):
@@ -310,6 +363,80 @@ class MLAAttention:
             self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output)
         if num_prefills > 0:
             self._forward_prefill(q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output)
+        return output
+
+    # ------------------------------------------------------------------ sparse mode
+    def _token_requests(self, metadata: CommonAttentionMetadata) -> torch.Tensor:
+        """The request row of every new token of the step [T] int64 on the device (made once per step)."""
+        found = metadata.backend_plans.get("token_requests")
+        if found is None:
+            query_lens = metadata.query_lens_cpu.long()
+            found = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens).to(metadata.block_table.device)
+            metadata.backend_plans["token_requests"] = found
+        return found
+
+    def _positions_to_slots(self, positions: torch.Tensor, metadata: CommonAttentionMetadata) -> torch.Tensor:
+        """Positions inside each token's request -> cache slots (int32); -1 stays -1. A position outside
+        [-1, seq_len) of its request becomes an index past the cache: bad data for the sparse decode (a
+        ValueError with the data checks on, NaN rows and the error flag without)."""
+        requests = self._token_requests(metadata)
+        table = metadata.block_table
+        num_slots_past = 2**31 - 1
+        pos = positions.long()
+        seq_lens = metadata.seq_lens.long()[requests].unsqueeze(1)
+        valid = (pos >= 0) & (pos < seq_lens)
+        safe = torch.where(valid, pos, torch.zeros_like(pos))
+        blocks = table.long()[requests.unsqueeze(1), safe // self.block_size]
+        slots = blocks * self.block_size + safe % self.block_size
+        slots = torch.where(valid, slots, torch.where(pos == -1, torch.full_like(pos, -1),
+                                                       torch.full_like(pos, num_slots_past)))
+        return slots.to(torch.int32)
+
+    def _forward_sparse(self, q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices) -> torch.Tensor:
+        d = self.dims
+        n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        tokens = metadata.num_actual_tokens
+        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
+        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
+        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
+        width = 656 if self.kv_cache_dtype == torch.uint8 else lkv + r
+        checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,),
+                            shape=(None, self.block_size, width), device=self.device)
+        if topk_indices is None:
+            raise ValueError("this MLAAttention is sparse (sparse_topk): forward needs topk_indices, int32 "
+                             f"[{tokens}, <= {self.sparse_topk}] positions inside each token's request")
+        checks.check_tensor("topk_indices", topk_indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None),
+                            device=self.device)
+        if topk_indices.shape[1] > self.sparse_topk:
+            raise ValueError(f"topk_indices has {topk_indices.shape[1]} entries a token; accepted: at most "
+                             f"sparse_topk={self.sparse_topk}")
+        if metadata.block_size != self.block_size:
+            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
+        if output is None:
+            output = torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
+        else:
+            checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
+        if checks.data_checks_enabled(self.device):
+            positions = topk_indices.detach().cpu().long()
+            requests = self._token_requests(metadata).cpu()
+            limits = metadata.seq_lens_cpu.long()[requests].unsqueeze(1)
+            bad = positions[(positions < -1) | (positions >= limits)]
+            if bad.numel():
+                raise ValueError(f"topk_indices hold positions {bad[:8].tolist()} outside their requests; accepted: "
+                                 "-1 (none) or a position in [0, seq_len) of the token's request")
+        ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, scale=self.k_scale)
+        slots = self._positions_to_slots(topk_indices, metadata)
+        q_nope, q_pe = q[..., :p], q[..., p:]
+        # every token, prefill or decode, attends in the latent space: absorb W_UK into the query
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        latent = ops.mla_sparse_decode(
+            ql_nope.contiguous(), q_pe.contiguous(), kv_cache, slots, self.scale, k_scale=self.k_scale,
+            backend=self.sparse_backend.name,
+        )
+        decoded = torch.bmm(latent.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
+        output.copy_(decoded.reshape(tokens, n * v))
         return output
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:

@@ -202,6 +202,9 @@ def cmd_demo(args) -> int:
     weight = (torch.randn(num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
                           generator=generator) / dims.kv_lora_rank**0.5).to(dtype).to(device)
     scale = dims.qk_head_dim**-0.5
+    if args.sparse:
+        return _demo_sparse(args, mm, platform, device, on_gpu, num_heads, dtype, tolerance, dims, block_size, weight,
+                            scale)
     layer = mm.MLAAttention(dims, scale, weight, block_size=block_size, max_model_len=8192, max_num_seqs=64,
                             workspace_tokens=args.workspace_tokens)
     num_blocks = 512
@@ -239,6 +242,39 @@ def cmd_demo(args) -> int:
     status = "OK" if worst <= tolerance else "FAILED"
     print(f"max relative error vs naive float64 MLA: {worst:.2e} (tolerance {tolerance:.0e}) {status}")
     return 0 if worst <= tolerance else 1
+
+
+def _demo_sparse(args, mm, platform, device, on_gpu, num_heads, dtype, tolerance, dims, block_size, weight, scale):
+    """`mla-multi demo --sparse`: a DeepSeek-V3.2-shaped sparse layer (top-k positions from a stand-in
+    indexer, the fp8_ds_mla cache), mixed steps, checked against naive float64 sparse MLA."""
+    import torch
+
+    from mla_multi.testing import PagedScenario, relative_error
+
+    topk = 2048 if on_gpu else 64
+    layer = mm.MLAAttention(dims, scale, weight, block_size=block_size, max_model_len=8192, max_num_seqs=64,
+                            sparse_topk=topk, kv_cache_dtype="fp8_ds_mla")
+    num_blocks = 512
+    scenario = PagedScenario(dims, block_size, num_blocks, device, dtype, seed=0)
+    cache = torch.zeros(num_blocks, block_size, 656, dtype=torch.uint8, device=device)
+    steps = [[(0, 300), (1, 45), (2, 700)], [(0, 1), (1, 1), (3, 120), (2, 64)], [(3, 1), (0, 1), (1, 1), (2, 1)]]
+    # FP8 tiles with per-128-value scales: the bound of the FP8 caches (DESIGN: 6e-2)
+    bound = 6e-2
+    print(f"platform: {platform.name} ({platform.vendor} {platform.arch}); device {device}")
+    print(f"sparse layer: DeepSeek-V3.2 MLA, {num_heads} heads, {dtype}, top-{topk}, fp8_ds_mla cache, "
+          f"block size {block_size}; backend: sparse_decode={layer.sparse_backend.name}")
+    worst = 0.0
+    for index, requests in enumerate(steps):
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        positions = scenario.topk_positions(requests, topk).to(device)
+        out = layer.forward(q, kv_c, k_pe, cache, metadata, topk_indices=positions)
+        error = relative_error(out, scenario.sparse_reference(requests, q, scale, weight, positions.cpu()).to(out.device))
+        worst = max(worst, error)
+        print(f"step {index}: {metadata.num_actual_tokens} tokens over {len(requests)} requests, max seq_len "
+              f"{metadata.max_seq_len}: rel err {error:.2e}")
+    status = "OK" if worst <= bound else "FAILED"
+    print(f"max relative error vs naive float64 sparse MLA (unquantised rows): {worst:.2e} (bound {bound:.0e}) {status}")
+    return 0 if worst <= bound else 1
 
 
 def cmd_warmup(args) -> int:
@@ -298,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a DeepSeek-V3-shaped MLA layer through the paged cache and check it")
     demo.add_argument("--num-heads", type=int, default=None, help="heads (default 128 on a GPU, 16 on the CPU)")
     demo.add_argument("--workspace-tokens", type=int, default=256, help="context tokens gathered per chunk")
+    demo.add_argument("--sparse", action="store_true",
+                      help="a sparse layer (DeepSeek-V3.2: top-k positions, the fp8_ds_mla cache) instead")
     demo.set_defaults(func=cmd_demo)
     warmup = sub.add_parser("warmup", help="build the kernels of one layer configuration ahead of serving")
     warmup.add_argument("--num-heads", type=int, default=128)

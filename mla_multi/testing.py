@@ -139,6 +139,42 @@ class PagedScenario:
             return torch.zeros(0, self.dims.num_heads * self.dims.v_head_dim, dtype=torch.float64, device=q.device)
         return torch.cat(outputs)
 
+    def topk_positions(self, requests: list[tuple[int, int]], topk: int, minus_one: float = 0.1) -> torch.Tensor:
+        """Random index lists [T, topk] int32 of the step just scheduled, as an indexer makes them: each new
+        token's positions inside its own request, causal (at most its own position), some -1 (no token)."""
+        rows = []
+        for request, count in requests:
+            seq_len = self.seq_len(request)
+            for j in range(count):
+                visible = seq_len - count + j + 1
+                picks = torch.randint(0, visible, (topk,), generator=self.generator)
+                picks[torch.rand(topk, generator=self.generator) < minus_one] = -1
+                rows.append(picks)
+        return torch.stack(rows).to(torch.int32) if rows else torch.zeros(0, topk, dtype=torch.int32)
+
+    def sparse_reference(self, requests: list[tuple[int, int]], q: torch.Tensor, scale: float,
+                         kv_b_proj_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The float64 naive sparse MLA output [T, N * V]: token t attends to the history rows of its request
+        that positions[t] names (-1 none; a duplicate counts twice), in the absorbed latent space."""
+        d = self.dims
+        n, p, v = d.num_heads, d.qk_nope_head_dim, d.v_head_dim
+        weight = kv_b_proj_weight.double().cpu().view(n, p + v, d.kv_lora_rank)
+        w_uk, w_uv = weight[:, :p], weight[:, p:]
+        out = torch.zeros(q.shape[0], n * v, dtype=torch.float64)
+        token = 0
+        for request, count in requests:
+            for _ in range(count):
+                chosen = [int(i) for i in positions[token].tolist() if i >= 0]
+                if chosen:
+                    latent, pe = self.latent[request][chosen], self.k_pe[request][chosen]
+                    query = q[token].double().cpu()
+                    absorbed = torch.einsum("np,npl->nl", query[:, :p], w_uk)  # [N, Lkv]
+                    logits = scale * (absorbed @ latent.T + query[:, p:] @ pe.T)
+                    mixed = torch.softmax(logits, dim=-1) @ latent  # [N, Lkv]
+                    out[token] = torch.einsum("nl,nvl->nv", mixed, w_uv).reshape(-1)
+                token += 1
+        return out.to(q.device)
+
 
 def capture_graph(fn, repeats: int = 1, **graph_kwargs) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of `repeats` calls of `fn`, captured after one warm-up call on a side stream (as

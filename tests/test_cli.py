@@ -69,6 +69,13 @@ def test_demo_on_the_cpu_checks_against_naive_mla():
     assert "OK" in done.stdout.splitlines()[-1]
 
 
+def test_sparse_demo_on_the_cpu_checks_against_naive_sparse_mla():
+    done = run_cli("demo", "--sparse", "--num-heads", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fp8_ds_mla cache" in done.stdout and "sparse_decode=REFERENCE" in done.stdout
+    assert "OK" in done.stdout.splitlines()[-1]
+
+
 def test_warmup_runs_every_path_of_a_layer_configuration(capsys):
     from mla_multi import cli
 

@@ -274,3 +274,54 @@ def test_compiled_sparse_decode_matches_eager():
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(compiled[1], eager[1])
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- MLAAttention in sparse mode
+
+
+@pytest.mark.parametrize("kv_cache_dtype,bound", [("auto", 1e-5), ("fp8_ds_mla", 6e-2)])
+def test_sparse_layer_matches_float64_over_mixed_steps(kv_cache_dtype, bound):
+    from mla_multi.testing import PagedScenario, relative_error
+
+    dims = mm.MLADims.deepseek_v3(num_heads=4)
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(4 * 256, 512, generator=generator, dtype=torch.float64) / 512**0.5).float()
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=512, max_num_seqs=8,
+                            sparse_topk=64, kv_cache_dtype=kv_cache_dtype)
+    assert layer.backends() == {"sparse_decode": "REFERENCE"}
+    scenario = PagedScenario(dims, 16, 64, torch.device("cpu"), torch.float32, seed=2)
+    ds = kv_cache_dtype == "fp8_ds_mla"
+    cache = torch.full((64, 16, 656 if ds else 576), 0 if ds else float("nan"), dtype=torch.uint8 if ds else torch.float32)
+    for requests in ([(0, 40), (1, 20)], [(0, 1), (1, 1), (2, 30)], [(2, 1), (0, 1), (1, 9)]):
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        positions = scenario.topk_positions(requests, 48)
+        positions[0, :5] = positions[0, 0]  # duplicates count twice
+        layer.plan(metadata)
+        out = layer.forward(q, kv_c, k_pe, cache, metadata, topk_indices=positions)
+        expected = scenario.sparse_reference(requests, q, layer.scale, weight, positions)
+        assert relative_error(out, expected) < bound
+
+
+def test_sparse_layer_bad_input():
+    dims = mm.MLADims.deepseek_v3(num_heads=2)
+    weight = torch.randn(2 * 256, 512)
+    with pytest.raises(ValueError, match="fp8_ds_mla"):
+        mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64, max_num_seqs=2, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="sparse_topk"):
+        mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64, max_num_seqs=2, sparse_topk=0)
+    layer = mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64, max_num_seqs=2, sparse_topk=8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    metadata = mm.CommonAttentionMetadata.from_lengths([1, 3], [10, 20], table, 16)
+    cache = torch.zeros(4, 16, 576)
+    q, kv_c, k_pe = torch.randn(4, 2, 192), torch.randn(4, 512), torch.randn(4, 64)
+    with pytest.raises(ValueError, match="needs topk_indices"):
+        layer.forward(q, kv_c, k_pe, cache, metadata)
+    with pytest.raises(ValueError, match="at most sparse_topk=8"):
+        layer.forward(q, kv_c, k_pe, cache, metadata, topk_indices=torch.zeros(4, 9, dtype=torch.int32))
+    positions = torch.zeros(4, 8, dtype=torch.int32)
+    positions[0, 3] = 10  # request 0 holds 10 tokens: positions 0..9
+    with pytest.raises(ValueError, match=r"positions \[10\] outside their requests"):
+        layer.forward(q, kv_c, k_pe, cache, metadata, topk_indices=positions)
+    dense = mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64, max_num_seqs=2)
+    with pytest.raises(ValueError, match="dense MLAAttention"):
+        dense.forward(q, kv_c, k_pe, cache, metadata, topk_indices=positions)

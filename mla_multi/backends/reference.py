@@ -316,6 +316,8 @@ def sparse_attention_reference(
         tokens, dtype=torch.bool, device=idx.device)
     rows = kv_rows.to(compute)[idx.clamp(0, max(num_rows - 1, 0))] if num_rows else torch.zeros(
         tokens, topk, kv_rows.shape[-1], dtype=compute, device=q.device)  # [T, topk, 576]
+    # rows no valid index names are never read: their contents (poison, stale data) must not reach the sums
+    rows = rows.masked_fill(~valid.unsqueeze(-1), 0)
     scores = torch.einsum("tnd,tkd->tnk", q.to(compute), rows) * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [T, N]; -inf where nothing is valid
