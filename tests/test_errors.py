@@ -24,8 +24,8 @@ def test_one_flag_per_device_int32():
 
 
 def test_bits_are_distinct_and_described():
-    bits = [errors.BLOCK_INDEX, errors.SEQ_RANGE, errors.SLOT, errors.CU_SEQLENS]
-    assert len(set(bits)) == 4 and all(bit & (bit - 1) == 0 for bit in bits)
+    bits = [errors.BLOCK_INDEX, errors.SEQ_RANGE, errors.SLOT, errors.CU_SEQLENS, errors.SPARSE_INDEX]
+    assert len(set(bits)) == 5 and all(bit & (bit - 1) == 0 for bit in bits)
     assert set(errors.ERROR_KINDS) == set(bits)
     assert errors.describe_bits(errors.SLOT | errors.BLOCK_INDEX) == [
         errors.ERROR_KINDS[errors.BLOCK_INDEX], errors.ERROR_KINDS[errors.SLOT]
