@@ -12,7 +12,7 @@ import mla_multi as mm
 from mla_multi import errors, registry
 from mla_multi.backends.reference import ReferenceSparseDecodeImpl
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES, dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-from mla_multi.platforms import override
+from mla_multi.platforms import SPECS, override
 
 LKV, ROPE = 512, 64
 
@@ -325,3 +325,29 @@ def test_sparse_layer_bad_input():
     dense = mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64, max_num_seqs=2)
     with pytest.raises(ValueError, match="dense MLAAttention"):
         dense.forward(q, kv_c, k_pe, cache, metadata, topk_indices=positions)
+
+
+def test_triton_sparse_decode_reasons_per_platform():
+    from mla_multi.backends.triton import TritonSparseDecodeBackend
+
+    dims = mm.MLADims.deepseek_v3(num_heads=128)
+
+    def reasons(device, kv):
+        with override(device):
+            config = registry.sparse_config(dims, torch.bfloat16, kv, 2048)
+            return TritonSparseDecodeBackend.validate_configuration(mm.current_platform(), config)
+
+    assert reasons("H100", torch.uint8) == [] and reasons("MI355X", torch.uint8) == []
+    assert reasons("H200", torch.bfloat16) == [] and reasons("MI300X", torch.float8_e4m3fnuz) == []
+    assert any("sm_89" in r for r in reasons("A100", torch.uint8))
+    assert any("gfx942" in r and "spills" in r for r in reasons("MI300X", torch.uint8))
+    assert any("e4m3fnuz" in r for r in reasons("H100", torch.float8_e4m3fnuz))
+    too_many_heads = registry.sparse_config(mm.MLADims.deepseek_v3(num_heads=256), torch.bfloat16, torch.bfloat16, 64)
+    assert any("over the maximum" in r for r in TritonSparseDecodeBackend.validate_configuration(SPECS["H100"],
+                                                                                             too_many_heads))
+    # ranked after REFERENCE until measured: chosen only when forced
+    with override("H100"):
+        assert registry.select_sparse_backend("sparse_decode", dims, torch.bfloat16, torch.uint8, 2048).name == "REFERENCE"
+        assert registry.select_sparse_backend("sparse_decode", dims, torch.bfloat16, torch.uint8, 2048,
+                                              backend="TRITON").name == "TRITON"
+

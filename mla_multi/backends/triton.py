@@ -27,6 +27,8 @@ from mla_multi.backends.base import (
     MLADecodeImpl,
     MLAPrefillBackend,
     MLAPrefillImpl,
+    MLASparseBackend,
+    MLASparseImpl,
 )
 from mla_multi.kernels import interpreter_active
 from mla_multi.platforms import Platform, current_platform
@@ -265,3 +267,44 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
     @staticmethod
     def get_decode_impl_cls():
         return TritonDecodeImpl
+
+
+class TritonSparseDecodeImpl(MLASparseImpl):
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        from mla_multi.kernels.sparse_decode import sparse_decode
+
+        return sparse_decode(q_nope, q_pe, kv, indices, scale, k_scale=k_scale, topk_length=topk_length,
+                             attn_sink=attn_sink)
+
+
+class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
+    """`mla_multi.kernels.sparse_decode`: one program per (token, head block) over its index list; 16-bit,
+    per-tensor FP8 and fp8_ds_mla caches. Ranked after REFERENCE (chosen only when forced) until it is
+    measured on a GPU."""
+
+    name: ClassVar[str] = "TRITON"
+    supported_kv_dtypes = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.uint8)
+    max_num_heads = 128
+    max_query_len = 1 << 16
+
+    @classmethod
+    def validate_configuration(cls, platform, config) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        dims = config.dims
+        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
+            reasons.append(
+                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
+            )
+        if platform.is_cuda() and config.kv_dtype == torch.float8_e4m3fnuz:
+            reasons.append("a float8_e4m3fnuz cache on NVIDIA: its FP8 flavour is float8_e4m3fn")
+        if not _interpreted(platform):
+            from mla_multi.kernels.sparse_decode import fp8_reason
+
+            reason = fp8_reason(platform, config.kv_dtype)
+            if reason:
+                reasons.append(reason)
+        return reasons
+
+    @staticmethod
+    def get_impl_cls():
+        return TritonSparseDecodeImpl

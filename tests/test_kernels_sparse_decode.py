@@ -1,0 +1,119 @@
+"""The TRITON sparse decode kernel under Triton's interpreter on the CPU (float16), against the REFERENCE
+backend's float32 math: 16-bit, per-tensor FP8 and fp8_ds_mla caches, topk_length, attn_sink, -1 entries,
+duplicates, tokens with no valid index, bad indices (NaN rows, the error flag, no access outside the tensors).
+
+The interpreter cases run in a child process with ``TRITON_INTERPRET=1`` (it must be set before Triton is
+imported); the parent checks the results it prints.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from interpreter import memcheck, print_results, run_interpreter_script
+
+CASES = [
+    # id, cache format, tokens, heads, topk, block size, with topk_length, with attn_sink
+    ("fp16-plain", "fp16", 3, 4, 40, 16, False, False),
+    ("fp16-lengths-sink", "fp16", 4, 20, 70, 1, True, True),
+    ("fp8-lengths", "fp8", 3, 16, 64, 64, True, False),
+    ("ds_mla-sink", "ds", 3, 4, 48, 16, True, True),
+    ("fp16-bad-indices", "fp16", 3, 4, 32, 16, False, False),
+]
+
+
+def _run_case(case):
+    import mla_multi as mm
+    from mla_multi import errors
+    from mla_multi.backends.reference import _cache_rows, sparse_attention_reference
+    from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+    from mla_multi.kernels.sparse_decode import sparse_decode
+
+    case_id, fmt, tokens, heads, topk, block_size, with_lengths, with_sink = case
+    generator = torch.Generator().manual_seed(len(case_id) * 7 + topk)
+    num_slots = 128  # a multiple of every block size below
+    num_blocks = num_slots // block_size
+    k_scale = None
+    if fmt == "ds":
+        cache = quantize_fp8_ds_mla(torch.randn(num_slots, 512, generator=generator),
+                                    torch.randn(num_slots, 64, generator=generator)).view(num_blocks, block_size, 656)
+    elif fmt == "fp8":
+        cache = (torch.randn(num_blocks, block_size, 576, generator=generator) / 0.05).to(torch.float8_e4m3fn)
+        k_scale = torch.tensor([0.05])
+    else:
+        cache = torch.randn(num_blocks, block_size, 576, generator=generator).half()
+    q_nope = torch.randn(tokens, heads, 512, generator=generator).half()
+    q_pe = torch.randn(tokens, heads, 64, generator=generator).half()
+    indices = torch.randint(-1, num_slots, (tokens, topk), generator=generator, dtype=torch.int32)
+    indices[0, 3:9] = indices[0, 2]  # duplicates
+    indices[1] = -1  # no valid index
+    if case_id.endswith("bad-indices"):
+        indices[2, 5] = num_slots + 4
+    lengths = torch.randint(topk // 4, topk + 1, (tokens,), generator=generator, dtype=torch.int32) if with_lengths else None
+    sink = torch.tensor([0.5, -math.inf, math.inf, -1.0] * (heads // 4 + 1))[:heads] if with_sink else None
+    errors.error_flag("cpu").zero_()
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.float16)
+    lse = torch.full((tokens, heads), float("nan"))
+    with memcheck() as violations:
+        sparse_decode(q_nope, q_pe, cache, indices, 0.05, k_scale=k_scale, topk_length=lengths, attn_sink=sink,
+                      out=out, lse=lse)
+    flag = int(errors.error_flag("cpu").item())
+    rows = _cache_rows(cache, k_scale, torch.float32)
+    ref, ref_lse, bad = sparse_attention_reference(torch.cat([q_nope, q_pe], -1), rows, indices, 0.05,
+                                                   topk_length=lengths, attn_sink=sink)
+    good = ~bad
+    finite = torch.isfinite(ref_lse[good])
+    result = {
+        "violations": len(violations),
+        "out_err": ((out[good].float() - ref[good]).norm() / ref[good].norm()).item(),
+        "out_finite": bool(torch.isfinite(out[good]).all()),
+        "lse_err": (lse[good][finite] - ref_lse[good][finite]).abs().max().item() if finite.any() else 0.0,
+        "finite_rows": int(finite.sum()),
+        "lse_pattern": bool(torch.equal(torch.isfinite(lse[good]), finite)),
+        "empty_rows_zero": bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all()),
+        "bad_rows_nan": bool(torch.isnan(out[bad]).all()) and bool(torch.isnan(lse[bad]).all()),
+        "num_bad": int(bad.sum()),
+        "flag": flag,
+    }
+    # the op forced to TRITON under the interpreter (CPU platform interpreted) takes the same path
+    if fmt == "fp16" and not case_id.endswith("bad-indices"):
+        via_op = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, indices, 0.05, topk_length=lengths, attn_sink=sink,
+                                          backend="TRITON")
+        result["op_matches"] = bool(torch.equal(via_op, out))
+    return result
+
+
+def _interpreter_main():
+    print_results({case[0]: _run_case(case) for case in CASES})
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_interpreter_script(__file__, "--interpreter")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sparse_decode_kernel_under_the_interpreter(results, case):
+    from mla_multi import errors
+
+    result = results[case[0]]
+    assert result["violations"] == 0, result
+    assert result["out_finite"] and result["out_err"] < 2e-3, result
+    assert result["lse_pattern"] and result["lse_err"] < 1e-3 and result["finite_rows"] > 0, result
+    assert result["empty_rows_zero"], result
+    if case[0].endswith("bad-indices"):
+        assert result["num_bad"] == 1 and result["bad_rows_nan"], result
+        assert result["flag"] & errors.SPARSE_INDEX, result
+    else:
+        assert result["num_bad"] == 0 and result["flag"] == 0, result
+    if "op_matches" in result:
+        assert result["op_matches"], result
+
+
+if __name__ == "__main__" and "--interpreter" in sys.argv:
+    _interpreter_main()
