@@ -67,6 +67,7 @@ SPARSE_DECODE_BACKENDS: dict[str, str] = {
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparseDecodeBackend",
 }
 SPARSE_PREFILL_BACKENDS: dict[str, str] = {
+    "TRITON": "mla_multi.backends.triton:TritonSparsePrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparsePrefillBackend",
 }
 
@@ -90,18 +91,15 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
 
 # Sparse MLA: the PyTorch REFERENCE serves every platform (it reads the indices' rows in
 # one gather, no host sync). The TRITON sparse decode kernel is tested under the interpreter
-# and compiled for every target but not yet measured on a GPU: it ranks after REFERENCE
-# (chosen when forced, MLA_MULTI_SPARSE_DECODE_BACKEND=TRITON) until bench/RESULTS.md says otherwise.
+# (and the same kernel as sparse prefill) and compiled for every target but not yet measured on
+# a GPU: it ranks after REFERENCE (chosen when forced, MLA_MULTI_SPARSE_*_BACKEND=TRITON) until
+# bench/RESULTS.md says otherwise.
 SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("rocm", None): ("REFERENCE", "TRITON"),
     ("cuda", None): ("REFERENCE", "TRITON"),
     ("cpu", None): ("REFERENCE",),
 }
-SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("rocm", None): ("REFERENCE",),
-    ("cuda", None): ("REFERENCE",),
-    ("cpu", None): ("REFERENCE",),
-}
+SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = dict(SPARSE_DECODE_PRIORITIES)
 
 
 @dataclasses.dataclass(frozen=True)

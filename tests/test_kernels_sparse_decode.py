@@ -87,8 +87,43 @@ def _run_case(case):
     return result
 
 
+def _run_prefill():
+    """Sparse prefill through the same kernel: kv rows [S_kv, 576]; -1 and indices >= S_kv are no token."""
+    import mla_multi as mm
+    from mla_multi import errors
+    from mla_multi.backends.reference import sparse_attention_reference
+    from mla_multi.kernels.sparse_decode import sparse_prefill
+
+    generator = torch.Generator().manual_seed(77)
+    tokens, heads, topk, rows = 5, 4, 48, 60
+    kv = torch.randn(rows, 576, generator=generator).half()
+    q_nope = torch.randn(tokens, heads, 512, generator=generator).half()
+    q_pe = torch.randn(tokens, heads, 64, generator=generator).half()
+    indices = torch.randint(-1, rows + 30, (tokens, topk), generator=generator, dtype=torch.int32)
+    indices[3] = rows + 1  # only out-of-range entries: no token
+    lengths = torch.tensor([48, 20, 33, 48, 1], dtype=torch.int32)
+    errors.error_flag("cpu").zero_()
+    with memcheck() as violations:
+        out, lse = sparse_prefill(q_nope, q_pe, kv, indices, 0.05, topk_length=lengths)
+    ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1), kv.float(), indices, 0.05,
+                                                 topk_length=lengths, bad_is_error=False)
+    finite = torch.isfinite(ref_lse)
+    via_op = mm.ops.mla_sparse_prefill(q_nope, q_pe, kv, indices, 0.05, topk_length=lengths, backend="TRITON")
+    return {
+        "violations": len(violations),
+        "out_err": ((out.float() - ref).norm() / ref.norm()).item(),
+        "lse_err": (lse[finite] - ref_lse[finite]).abs().max().item(),
+        "lse_pattern": bool(torch.equal(torch.isfinite(lse), finite)),
+        "none_row_zero": bool((out[3] == 0).all()) and bool(torch.isneginf(lse[3]).all()),
+        "flag": int(errors.error_flag("cpu").item()),
+        "op_matches": bool(torch.equal(via_op, out)),
+    }
+
+
 def _interpreter_main():
-    print_results({case[0]: _run_case(case) for case in CASES})
+    results = {case[0]: _run_case(case) for case in CASES}
+    results["prefill"] = _run_prefill()
+    print_results(results)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +148,14 @@ def test_sparse_decode_kernel_under_the_interpreter(results, case):
         assert result["num_bad"] == 0 and result["flag"] == 0, result
     if "op_matches" in result:
         assert result["op_matches"], result
+
+
+@pytest.mark.interpreter
+def test_sparse_prefill_kernel_under_the_interpreter(results):
+    result = results["prefill"]
+    assert result["violations"] == 0 and result["flag"] == 0, result
+    assert result["out_err"] < 2e-3 and result["lse_pattern"] and result["lse_err"] < 1e-3, result
+    assert result["none_row_zero"] and result["op_matches"], result
 
 
 if __name__ == "__main__" and "--interpreter" in sys.argv:

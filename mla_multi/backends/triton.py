@@ -308,3 +308,33 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
     @staticmethod
     def get_impl_cls():
         return TritonSparseDecodeImpl
+
+
+class TritonSparsePrefillImpl(MLASparseImpl):
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        from mla_multi.kernels.sparse_decode import sparse_prefill
+
+        return sparse_prefill(q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
+
+
+class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):
+    """The sparse decode kernel over kv rows [S_kv, 576] (16-bit). Ranked after REFERENCE (forced only) until
+    it is measured on a GPU."""
+
+    name: ClassVar[str] = "TRITON"
+    supported_kv_dtypes = (torch.float16, torch.bfloat16)
+    max_num_heads = 128
+
+    @classmethod
+    def validate_configuration(cls, platform, config) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        dims = config.dims
+        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
+            reasons.append(
+                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
+            )
+        return reasons
+
+    @staticmethod
+    def get_impl_cls():
+        return TritonSparsePrefillImpl

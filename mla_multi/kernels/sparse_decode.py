@@ -44,6 +44,7 @@ def _sparse_decode_kernel(
     stride_lse_t,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     CACHE_FORMAT: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
+    OUT_OF_RANGE_IS_NONE: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -68,7 +69,8 @@ def _sparse_decode_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         in_list = offs_n < topk
         idx = tl.load(Indices + token * stride_idx_t + offs_n, mask=in_list, other=-1)
-        bad = bad | ((in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32))
+        if not OUT_OF_RANGE_IS_NONE:
+            bad = bad | ((in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32))
         valid = (offs_n < count) & (idx >= 0) & (idx < num_slots)
         slot = tl.where(valid, idx, 0).to(tl.int64)
         row = KV_cache + slot * stride_cache_slot
@@ -157,8 +159,16 @@ def fp8_reason(platform, kv_dtype: torch.dtype) -> str:
     return ""
 
 
+def sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, attn_sink=None, out=None, lse=None):
+    """Sparse prefill: the same kernel over kv [S_kv, 576] rows (a cache of one-token blocks), where an index
+    that is -1 or outside [0, S_kv) is no token rather than bad data."""
+    return sparse_decode(q_nope, q_pe, kv.unsqueeze(1), indices, scale, topk_length=topk_length,
+                         attn_sink=attn_sink, out=out, lse=lse, out_of_range_is_none=True)
+
+
 def sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None,
-                  out=None, lse=None, error_flag=None, block_n: int | None = None, num_warps: int | None = None):
+                  out=None, lse=None, error_flag=None, block_n: int | None = None, num_warps: int | None = None,
+                  out_of_range_is_none: bool = False):
     """Launch the sparse decode kernel. Shapes as `ReferenceSparseDecodeImpl.forward` (T tokens): q_nope
     [T, N, 512], q_pe [T, N, 64] (16-bit), kv_cache [blocks, block_size, 576 or 656 (uint8)], indices int32
     [T, topk]; returns (out [T, N, 512], lse [T, N] float32). The caller checks the inputs."""
@@ -200,7 +210,7 @@ def sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_
         out.stride(0), out.stride(1), lse.stride(0),
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_H=block_h, BLOCK_N=block_n, CACHE_FORMAT=fmt,
         HAS_TOPK_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
-        num_warps=num_warps,
+        OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=num_warps,
     )
     return out, lse
 
@@ -235,7 +245,7 @@ def compile_specs(platform) -> list:
             signature.update({name: "i32" for name in strides})
             constexprs = dict(KV_LORA_RANK=512, ROPE_DIM=64, BLOCK_H=block_h_for(heads), BLOCK_N=block_n_for(fmt),
                               CACHE_FORMAT=fmt,
-                              HAS_TOPK_LENGTH=True, HAS_SINK=True)
+                              HAS_TOPK_LENGTH=True, HAS_SINK=True, OUT_OF_RANGE_IS_NONE=False)
             signature.update({name: "constexpr" for name in constexprs})
             specs.append(CompileSpec(
                 name=f"sparse_decode[h{heads},{ 'ds_mla' if fmt == FORMAT_DS_MLA else cache}]",
@@ -246,4 +256,11 @@ def compile_specs(platform) -> list:
                 divisible_by_16=("Q_nope", "Q_pe", "KV_cache", "Indices", "Out", "stride_qn_t", "stride_qn_h",
                                  "stride_qp_t", "stride_cache_slot", "stride_o_t", "stride_o_h"),
             ))
+    for heads in (16, 128):
+        signature = dict(specs[0].signature)
+        constexprs = dict(specs[0].constexprs, BLOCK_H=block_h_for(heads), OUT_OF_RANGE_IS_NONE=True)
+        specs.append(CompileSpec(
+            name=f"sparse_prefill[h{heads},bf16]", fn=_sparse_decode_kernel, signature=signature,
+            constexprs=constexprs, options=dict(specs[0].options), divisible_by_16=specs[0].divisible_by_16,
+        ))
     return specs
