@@ -19,6 +19,7 @@ import torch
 from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES, dtype_name, resolve_kv_cache_dtype
 from mla_multi.dims import MLADims
+from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
 from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills
 from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
@@ -137,31 +138,31 @@ class MLAAttention:
             dcp.check_device("kv_b_proj_weight", self.device)
             # DCP decodes every head of the layer over the local tokens.
             decode_heads = n * dcp.world_size
-        if sparse_topk is not None:
-            self._init_sparse(dims, sparse_backend, dcp)
-            return
-        self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
-        self.decode_backend = select_decode_backend(
-            dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, block_size,
-            backend=decode_backend,
-        )
-        self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
-            n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device
-        )
-        self.decode_impl = self.decode_backend.get_decode_impl_cls()(
-            decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
-        )
         if workspace is not None and not isinstance(workspace, WorkspaceManager):
             raise ValueError(f"workspace={workspace!r}; accepted: None (the device's shared one) or a WorkspaceManager")
         self.workspace = workspace if workspace is not None else current_workspace_manager(self.device)
-        self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
-        # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
-        # prefill run one after the other, so they share the buffer
-        self.workspace.reserve(
-            self._gather_spec(self.workspace_tokens),
-            purpose="prefill: one gathered context chunk",
-            what=f"workspace_tokens={self.workspace_tokens} latent rows of {lkv + dims.qk_rope_head_dim}",
-        )
+        if sparse_topk is not None:
+            self._init_sparse(dims, sparse_backend, dcp)
+        else:
+            self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
+            self.decode_backend = select_decode_backend(
+                dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, block_size,
+                backend=decode_backend,
+            )
+            self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
+                n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device
+            )
+            self.decode_impl = self.decode_backend.get_decode_impl_cls()(
+                decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
+            )
+            self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
+            # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
+            # prefill run one after the other, so they share the buffer
+            self.workspace.reserve(
+                self._gather_spec(self.workspace_tokens),
+                purpose="prefill: one gathered context chunk",
+                what=f"workspace_tokens={self.workspace_tokens} latent rows of {lkv + dims.qk_rope_head_dim}",
+            )
         # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
         ops.error_flag(self.device)
         # torch.ops.mla_multi.mla_attention finds the layer by this id (forward under torch.compile)
@@ -170,7 +171,7 @@ class MLAAttention:
         self.layer_id: int = library.register_layer(self)
 
     def _init_sparse(self, dims: MLADims, sparse_backend: str | None, dcp) -> None:
-        from mla_multi import library
+        """The sparse phase's backend (sparse mode needs no dense backend and no workspace reservation)."""
         from mla_multi.registry import select_sparse_backend
 
         if dcp is not None:
@@ -183,9 +184,6 @@ class MLAAttention:
             dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, self.device
         )
         self.prefill_backend = self.decode_backend = None
-        self.workspace = current_workspace_manager(self.device)
-        ops.error_flag(self.device)
-        self.layer_id = library.register_layer(self)
 
     @property
     def W_UK_T(self) -> torch.Tensor:
@@ -299,6 +297,28 @@ class MLAAttention:
         return prefill_metadata
 
     # ------------------------------------------------------------------ forward
+    def _check_step(self, q, kv_c_normed, k_pe, kv_cache, metadata, output) -> torch.Tensor:
+        """Check a step's inputs against the layer (shapes, dtypes, device, cache layout); the output to write."""
+        d = self.dims
+        n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        tokens = metadata.num_actual_tokens
+        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
+        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
+        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
+        width = FP8_DS_MLA_BYTES if self.kv_cache_dtype == torch.uint8 else lkv + r
+        checks.check_tensor(
+            "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, width), device=self.device
+        )
+        if metadata.block_size != self.block_size:
+            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
+        if output is None:
+            return torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
+        checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
+        return output
+
+    # ------------------------------------------------------------------ forward
     def forward(
         self,
         q: torch.Tensor,
@@ -337,24 +357,7 @@ class MLAAttention:
             return self._forward_sparse(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
         if topk_indices is not None:
             raise ValueError("topk_indices given to a dense MLAAttention; accepted: None (or build it with sparse_topk)")
-        d = self.dims
-        n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
-        if not isinstance(metadata, CommonAttentionMetadata):
-            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
-        tokens = metadata.num_actual_tokens
-        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
-        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
-        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
-        checks.check_tensor(
-            "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, lkv + r), device=self.device
-        )
-        if metadata.block_size != self.block_size:
-            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
-        if output is None:
-            output = torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
-        else:
-            checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
-
+        output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         slot_mapping = metadata.slot_mapping if self.dcp is None else self.dcp.local_slot_mapping(metadata)
         ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, scale=self.k_scale)
 
@@ -394,16 +397,9 @@ class MLAAttention:
 
     def _forward_sparse(self, q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices) -> torch.Tensor:
         d = self.dims
-        n, p, r, v, lkv = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
-        if not isinstance(metadata, CommonAttentionMetadata):
-            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        n, p, v = d.num_heads, d.qk_nope_head_dim, d.v_head_dim
+        output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         tokens = metadata.num_actual_tokens
-        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
-        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
-        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
-        width = 656 if self.kv_cache_dtype == torch.uint8 else lkv + r
-        checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,),
-                            shape=(None, self.block_size, width), device=self.device)
         if topk_indices is None:
             raise ValueError("this MLAAttention is sparse (sparse_topk): forward needs topk_indices, int32 "
                              f"[{tokens}, <= {self.sparse_topk}] positions inside each token's request")
@@ -412,12 +408,6 @@ class MLAAttention:
         if topk_indices.shape[1] > self.sparse_topk:
             raise ValueError(f"topk_indices has {topk_indices.shape[1]} entries a token; accepted: at most "
                              f"sparse_topk={self.sparse_topk}")
-        if metadata.block_size != self.block_size:
-            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
-        if output is None:
-            output = torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
-        else:
-            checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
         if checks.data_checks_enabled(self.device):
             positions = topk_indices.detach().cpu().long()
             requests = self._token_requests(metadata).cpu()

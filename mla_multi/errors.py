@@ -31,6 +31,7 @@ __all__ = [
     "CU_SEQLENS",
     "SPARSE_INDEX",
     "ERROR_KINDS",
+    "canonical_device",
     "error_flag",
     "has_flag",
     "record",
@@ -63,7 +64,8 @@ _flags: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
 
 
-def _normalise(device) -> torch.device:
+def canonical_device(device) -> torch.device:
+    """`device` as a torch.device with its index ("cuda" is the current CUDA device): a dictionary key."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -77,7 +79,7 @@ def error_flag(device) -> torch.Tensor:
     while the current CUDA stream is being captured raises RuntimeError (the
     graph would zero it on every replay): call this before capturing.
     """
-    device = _normalise(device)
+    device = canonical_device(device)
     flag = _flags.get(device)
     if flag is not None:
         return flag
@@ -96,7 +98,7 @@ def error_flag(device) -> torch.Tensor:
 
 def has_flag(device) -> bool:
     """Whether the flag of `device` exists (nothing can be pending otherwise)."""
-    return _normalise(device) in _flags
+    return canonical_device(device) in _flags
 
 
 def record(device, bits: int) -> None:
@@ -112,7 +114,7 @@ def describe_bits(bits: int) -> list[str]:
 
 def _devices(device) -> list[torch.device]:
     if device is not None:
-        return [_normalise(device)]
+        return [canonical_device(device)]
     return list(_flags)
 
 

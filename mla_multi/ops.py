@@ -268,9 +268,11 @@ class MLADecodePlan:
     plan lives).
     """
 
-    def __init__(self, plan: _DecodePlan, key: tuple, scale: float, shape: tuple, dtype: torch.dtype) -> None:
+    def __init__(self, plan: _DecodePlan, key: tuple, scale: float, shape: tuple, dtype: torch.dtype,
+                 num_kv_splits: int | None, backend: str | None) -> None:
         self._plan = plan
         self._key = key
+        self._options = (num_kv_splits, backend)  # the key's options, as asked
         self.scale = scale
         self.backend = plan.backend_cls.name
         self.num_kv_splits = plan.num_kv_splits
@@ -296,8 +298,7 @@ class MLADecodePlan:
         None where the backend returns none and no `lse` was passed.
         """
         try:
-            key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self._key[6],
-                                   self._key[7])
+            key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, *self._options)
         except (AttributeError, TypeError):
             key = None
         if key != self._key:
@@ -322,7 +323,7 @@ def plan_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_s
     scale = _check_float("scale", scale)
     plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
-    return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype)
+    return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype, num_kv_splits, backend)
 
 
 class MLAPrefillPlan:

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_multi.errors import canonical_device
+
 _ALIGNMENT = 256  # bytes; keeps every view aligned for vector loads
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
@@ -129,13 +131,6 @@ _MANAGERS: dict[torch.device, WorkspaceManager] = {}
 _MANAGERS_LOCK = threading.Lock()
 
 
-def _device_key(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def current_workspace_manager(device: torch.device | str | None = None) -> WorkspaceManager:
     """The workspace every layer and functional op on `device` shares (created, empty, on first use).
 
@@ -143,7 +138,7 @@ def current_workspace_manager(device: torch.device | str | None = None) -> Works
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    key = _device_key(device)
+    key = canonical_device(device)
     manager = _MANAGERS.get(key)
     if manager is None:
         with _MANAGERS_LOCK:
@@ -165,7 +160,7 @@ def set_workspace_manager(manager: WorkspaceManager | None, device: torch.device
         if manager is None:
             raise ValueError("set_workspace_manager(None) needs the device whose workspace to forget")
         device = manager.device
-    key = _device_key(device)
+    key = canonical_device(device)
     with _MANAGERS_LOCK:
         if manager is None:
             _MANAGERS.pop(key, None)

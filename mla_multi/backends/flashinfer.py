@@ -288,9 +288,9 @@ _lock = threading.Lock()
 
 def float_workspace(device: torch.device) -> torch.Tensor:
     """The one 128 MiB float workspace of every FlashInfer wrapper on `device` (they run in stream order)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    from mla_multi.errors import canonical_device
+
+    device = canonical_device(device)
     with _lock:
         buffer = _float_workspaces.get(device)
         if buffer is None:

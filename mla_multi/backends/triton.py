@@ -52,6 +52,13 @@ def _gpu_platform_reasons(platform: Platform) -> list[str]:
     return []
 
 
+def _latent_dims_reasons(dims) -> list[str]:
+    """The decode kernels' latent row: 512 latent and 64 rotary values (DeepSeek's and Kimi-K2's)."""
+    if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
+        return [f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"]
+    return []
+
+
 def _interpreted(platform: Platform) -> bool:
     """The CPU with Triton's interpreter on: the kernels run there, interpreted."""
     return platform.is_cpu() and interpreter_active()
@@ -257,11 +264,7 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
         reasons = super().validate_configuration(platform, config)
-        dims = config.dims
-        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
-            reasons.append(
-                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
-            )
+        reasons += _latent_dims_reasons(config.dims)
         return reasons
 
     @staticmethod
@@ -290,11 +293,7 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
         reasons = super().validate_configuration(platform, config)
-        dims = config.dims
-        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
-            reasons.append(
-                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
-            )
+        reasons += _latent_dims_reasons(config.dims)
         if platform.is_cuda() and config.kv_dtype == torch.float8_e4m3fnuz:
             reasons.append("a float8_e4m3fnuz cache on NVIDIA: its FP8 flavour is float8_e4m3fn")
         if not _interpreted(platform):
@@ -328,11 +327,7 @@ class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
         reasons = super().validate_configuration(platform, config)
-        dims = config.dims
-        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
-            reasons.append(
-                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"
-            )
+        reasons += _latent_dims_reasons(config.dims)
         return reasons
 
     @staticmethod

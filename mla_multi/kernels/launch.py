@@ -66,8 +66,7 @@ def _hook_installed(hook) -> bool:
     return bool(calls) if calls is not None else True
 
 
-def _hooks_installed() -> bool:
-    runtime = _runtime_knobs()
+def _hooks_installed(runtime) -> bool:
     return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
 
 
@@ -98,7 +97,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("kernel", "grid", "constexprs", "keyword_names", "device_index", "_run", "_function",
-                 "_metadata", "_tail", "_keyword_positions", "_num_positional")
+                 "_metadata", "_tail", "_keyword_positions")
 
     def __init__(self, kernel, grid: tuple[int, ...], constexprs: dict[str, Any], device: torch.device,
                  keyword_names: tuple[str, ...] = ()) -> None:
@@ -111,14 +110,14 @@ class BoundLaunch:
 
     def __call__(self, *args, **keywords) -> None:
         run = self._run
-        if run is not None and not _hooks_installed():
+        runtime = _runtime_knobs() if run is not None else None
+        if run is not None and not _hooks_installed(runtime):
             values = list(args)
             values += self._tail
             for name, position in self._keyword_positions:
                 values[position] = keywords[name]
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             g0, g1, g2 = self.grid
-            runtime = _runtime_knobs()
             # the (empty) hooks passed on as Triton passes them
             run(g0, g1, g2, stream, self._function, self._metadata, None, runtime.launch_enter_hook,
                 runtime.launch_exit_hook, *values)
@@ -147,7 +146,6 @@ class BoundLaunch:
             self._metadata = compiled.packed_metadata
             self._tail = tail
             self._keyword_positions = positions
-            self._num_positional = len(args)
             self._run = run
         except Exception:  # noqa: BLE001 - keep launching through Triton
             self._run = None

@@ -100,7 +100,7 @@ except Exception as error:  # pragma: no cover - depends on the installed Triton
     gluon = None
     _GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["gluon_available", "launch_split_kernel", "split_kernel", "ws_split_kernel"]
+__all__ = ["gluon_available", "bind_split_kernel", "tma_keywords", "split_kernel", "ws_split_kernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -1685,16 +1685,3 @@ def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, 
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else ()
     return BoundLaunch(kernel, grid, constexprs, device, keyword_names=names), tma_ok
-
-
-def launch_split_kernel(grid, args: tuple, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct):
-    """Launch the warpgroup split kernel with the Triton split kernel's runtime arguments (`args`)."""
-    ws = config.warp_specialised
-    kernel = ws_split_kernel if ws else split_kernel
-    descriptors = _tma_cache_descriptors(args[2], config.block_n, kv_lora_rank) if tma_loader(config, fp8_cache) else None
-    constexprs = _split_kernel_constexprs(
-        q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
-        has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=ws and descriptors is not None,
-    )
-    keywords = {"KV_desc": descriptors[0], "KV_pe_desc": descriptors[1]} if ws and descriptors is not None else {}
-    kernel[grid](*args, **keywords, **constexprs)

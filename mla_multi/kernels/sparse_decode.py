@@ -183,11 +183,7 @@ def sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_
     if error_flag is None:
         error_flag = errors.error_flag(device)
     fmt = _cache_format(kv_cache)
-    cache = kv_cache.view(torch.uint8) if fmt == FORMAT_FP8 else kv_cache
-    flat = cache.reshape(-1, cache.shape[-1])
-    if fmt == FORMAT_FP8:
-        # per-tensor FP8 read as its own dtype (the view above is for the stride only)
-        flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])  # one row per slot
     if tokens == 0 or topk == 0:
         out.zero_()
         lse.fill_(float("-inf"))
