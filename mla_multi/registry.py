@@ -63,10 +63,12 @@ DECODE_BACKENDS: dict[str, str] = {
 
 # Sparse MLA (DeepSeek Sparse Attention), one phase each for decode and prefill.
 SPARSE_DECODE_BACKENDS: dict[str, str] = {
+    "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterSparseDecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonSparseDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparseDecodeBackend",
 }
 SPARSE_PREFILL_BACKENDS: dict[str, str] = {
+    "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterSparsePrefillBackend",
     "TRITON": "mla_multi.backends.triton:TritonSparsePrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparsePrefillBackend",
 }
@@ -93,8 +95,11 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
 # one gather, no host sync). The TRITON sparse decode kernel is tested under the interpreter
 # (and the same kernel as sparse prefill) and compiled for every target but not yet measured on
 # a GPU: it ranks after REFERENCE (chosen when forced, MLA_MULTI_SPARSE_*_BACKEND=TRITON) until
-# bench/RESULTS.md says otherwise.
+# bench/RESULTS.md says otherwise. On gfx942 / gfx950 ROCM_AITER (aiter's MLA decode kernel, one
+# request per query token, bfloat16 caches) comes first; both phases (the prefill list is a copy).
 SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("rocm", "gfx942"): ("ROCM_AITER", "REFERENCE", "TRITON"),
+    ("rocm", "gfx950"): ("ROCM_AITER", "REFERENCE", "TRITON"),
     ("rocm", None): ("REFERENCE", "TRITON"),
     ("cuda", None): ("REFERENCE", "TRITON"),
     ("cpu", None): ("REFERENCE",),

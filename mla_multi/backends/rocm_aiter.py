@@ -26,6 +26,14 @@ returns None for the LSE there and the backend declares
 `provides_decode_lse() == False`; callers that need the decode LSE must pick
 another backend.
 
+Sparse MLA (DeepSeek Sparse Attention, phases sparse_decode and
+sparse_prefill) also runs on `mla_decode_fwd`: every query token is a request
+of its own (`qo_indptr = arange(T + 1)`), the cache is viewed with page size 1
+and a token's valid indices, compacted in order on the device, are its
+`kv_indices` (`sparse_kv_indices`). bfloat16 caches only. The LSE and the
+attention sink need an aiter whose `mla_decode_fwd` has `return_lse`; a sink
+passed to an older one is a ValueError at the call. See `AiterSparseDecodeImpl`.
+
 `AITER_CALLS` records, declaratively, every aiter function this module calls
 and the keyword arguments it passes; the test suite checks it against the
 published aiter sources.
@@ -44,13 +52,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from mla_multi import errors
 from mla_multi.backends.base import (
+    FP8_DTYPES,
     DecodeSelectorConfig,
     MLADecodeBackend,
     MLADecodeImpl,
     MLAPrefillBackend,
     MLAPrefillImpl,
+    MLASparseBackend,
+    MLASparseImpl,
     PrefillSelectorConfig,
+    SparseSelectorConfig,
     dtype_name,
     prefill_lse_heads_tokens,
 )
@@ -114,7 +127,28 @@ FLASH_ATTN_VARLEN_FUNC = AiterCall(
     ),
 )
 
-AITER_CALLS: tuple[AiterCall, ...] = (MLA_DECODE_FWD, FLASH_ATTN_VARLEN_FUNC)
+# Sparse MLA: the same function with one request per query token over the
+# page-size-1 cache; the split count is left to aiter, the LSE asked for where
+# the signature has `return_lse`.
+SPARSE_MLA_DECODE_FWD = AiterCall(
+    module="aiter.mla",
+    function="mla_decode_fwd",
+    source="aiter/mla.py",
+    keywords=(
+        "q",
+        "kv_buffer",
+        "o",
+        "qo_indptr",
+        "kv_indptr",
+        "kv_indices",
+        "kv_last_page_lens",
+        "max_seqlen_q",
+        "sm_scale",
+    ),
+    optional_keywords=("return_lse",),
+)
+
+AITER_CALLS: tuple[AiterCall, ...] = (MLA_DECODE_FWD, FLASH_ATTN_VARLEN_FUNC, SPARSE_MLA_DECODE_FWD)
 
 # Architectures aiter builds its MLA and flash-attention kernels for; used when
 # the installed package's kernel inventory cannot be located.
@@ -131,6 +165,13 @@ AITER_DECODE_QK_ROPE_HEAD_DIM = 64
 AITER_PREFILL_MAX_HEAD_DIM = 256
 # kv_indices are int32 slot numbers of the page-size-1 view.
 _MAX_INT32 = 2**31 - 1
+# FP8 MLA decode kernels in aiter's source that a sparse FP8 path could build
+# on, looked up by name in the installed package (none is called here):
+# HipKittens' DeepSeek V3.2 decode (FP8 query and cache, heads x query tokens
+# 128, gfx942 / gfx950, reached through mla_decode_fwd's persistent path;
+# `hk_mla_decode_fwd` in older sources) and the gfx950 DSA V3.2 decode over
+# separate FP8 NoPE / bf16 RoPE buffers with E8M0 block scales.
+AITER_SPARSE_FP8_KERNELS: tuple[str, ...] = ("hk_mla_v32_decode_fwd", "hk_mla_decode_fwd", "mla_decode_fwd_ds32")
 
 
 # --------------------------------------------------------------------------- probing the installed aiter
@@ -146,6 +187,8 @@ class AiterProbe:
     prefill_parameters: tuple[str, ...] = ()
     # Architectures with MLA kernel objects in the installed package, or None when unknown.
     kernel_archs: tuple[str, ...] | None = None
+    # Which of AITER_SPARSE_FP8_KERNELS the installed package defines.
+    sparse_fp8_kernels: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -223,11 +266,16 @@ def probe_aiter() -> AiterProbe:
     except Exception as error:
         return AiterProbe(version=version, error=f"import aiter.mla from aiter {version} failed: {type(error).__name__}: {error}")
     prefill_function = getattr(aiter_module, FLASH_ATTN_VARLEN_FUNC.function, None)
+    fp8_kernels = tuple(
+        name for name in AITER_SPARSE_FP8_KERNELS
+        if getattr(aiter_module, name, None) is not None or getattr(mla_module, name, None) is not None
+    )
     return AiterProbe(
         version=version,
         decode_parameters=_parameters(decode_function) if decode_function is not None else (),
         prefill_parameters=_parameters(prefill_function) if prefill_function is not None else (),
         kernel_archs=_kernel_archs(aiter_module),
+        sparse_fp8_kernels=fp8_kernels,
     )
 
 
@@ -256,6 +304,39 @@ def _rocm_platform_reasons(platform: Platform) -> list[str]:
     if platform.vendor != "rocm":
         return [f"platform {platform.name} ({platform.vendor} {platform.arch}) is not supported; aiter runs on ROCm only"]
     return []
+
+
+def _decode_num_heads_text() -> str:
+    return f"1-{AITER_DECODE_PADDED_NUM_HEADS - 1} (padded to {AITER_DECODE_PADDED_NUM_HEADS}), " + ", ".join(
+        map(str, AITER_DECODE_NATIVE_NUM_HEADS)
+    )
+
+
+def _decode_shape_reasons(dims, where: str) -> list[str]:
+    """The head counts and latent widths `mla_decode_fwd`'s kernels take (dense and sparse decode)."""
+    reasons = []
+    num_heads = dims.num_heads
+    if not (num_heads < AITER_DECODE_PADDED_NUM_HEADS or num_heads in AITER_DECODE_NATIVE_NUM_HEADS):
+        reasons.append(
+            f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd; "
+            f"supported: {_decode_num_heads_text()}"
+        )
+    if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (AITER_DECODE_KV_LORA_RANK, AITER_DECODE_QK_ROPE_HEAD_DIM):
+        reasons.append(
+            f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim} are not supported by "
+            f"{where}; its kernels are built for {AITER_DECODE_KV_LORA_RANK} / {AITER_DECODE_QK_ROPE_HEAD_DIM}"
+        )
+    return reasons
+
+
+def _padded_query(query: torch.Tensor) -> torch.Tensor:
+    """query [T, N, D] with zero queries on extra heads up to AITER_DECODE_PADDED_NUM_HEADS (their outputs are dropped)."""
+    tokens, num_heads, width = query.shape
+    if num_heads >= AITER_DECODE_PADDED_NUM_HEADS:
+        return query
+    padded = query.new_zeros(tokens, AITER_DECODE_PADDED_NUM_HEADS, width)
+    padded[:, :num_heads] = query
+    return padded
 
 
 # --------------------------------------------------------------------------- decode
@@ -354,13 +435,8 @@ class AiterMLADecodeImpl(MLADecodeImpl):
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache is not contiguous; accepted by ROCM_AITER: a contiguous cache (viewed with page size 1)")
 
-        query = torch.cat([q_nope, q_pe], dim=-1)
-        padded_heads = max(num_heads, AITER_DECODE_PADDED_NUM_HEADS)
-        if padded_heads != num_heads:
-            # Zero queries on the extra heads; their outputs are dropped below.
-            padded = query.new_zeros(batch, padded_heads, width)
-            padded[:, :num_heads] = query
-            query = padded
+        query = _padded_query(torch.cat([q_nope, q_pe], dim=-1))
+        padded_heads = query.shape[1]
         kv_buffer = kv_cache.view(num_blocks * block_size, 1, 1, width)
         qo_indptr, kv_indptr, kv_indices, kv_last_page_lens = paged_kv_indices(block_table, seq_lens, block_size)
         output = torch.empty(batch, padded_heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
@@ -439,9 +515,7 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def supported_num_heads_text(cls) -> str:
-        return f"1-{AITER_DECODE_PADDED_NUM_HEADS - 1} (padded to {AITER_DECODE_PADDED_NUM_HEADS}), " + ", ".join(
-            map(str, AITER_DECODE_NATIVE_NUM_HEADS)
-        )
+        return _decode_num_heads_text()
 
     @classmethod
     def fp8_kv_cache_reasons(cls, probe: AiterProbe, platform: Platform, kv_cache_dtype: torch.dtype) -> list[str]:
@@ -478,18 +552,7 @@ class AiterMLADecodeBackend(MLADecodeBackend):
                 f"kv_cache_dtype {dtype_name(config.kv_cache_dtype)} is not supported by {where}; "
                 f"supported: bfloat16{', ' + dtype_name(platform.fp8_dtype) if platform.fp8_dtype else ''}"
             )
-        num_heads = config.dims.num_heads
-        if not (num_heads < AITER_DECODE_PADDED_NUM_HEADS or num_heads in AITER_DECODE_NATIVE_NUM_HEADS):
-            reasons.append(
-                f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd; "
-                f"supported: {cls.supported_num_heads_text()}"
-            )
-        dims = config.dims
-        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (AITER_DECODE_KV_LORA_RANK, AITER_DECODE_QK_ROPE_HEAD_DIM):
-            reasons.append(
-                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim} are not supported by "
-                f"{where}; its kernels are built for {AITER_DECODE_KV_LORA_RANK} / {AITER_DECODE_QK_ROPE_HEAD_DIM}"
-            )
+        reasons += _decode_shape_reasons(config.dims, where)
         if config.block_size < 1:
             reasons.append(f"block_size {config.block_size} is not supported by {where}; accepted: any positive size")
         if config.max_query_len > cls.max_query_len:
@@ -608,6 +671,336 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
         return info
 
 
+# --------------------------------------------------------------------------- sparse MLA
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseKVIndices:
+    """Sparse index lists as `mla_decode_fwd`'s page-size-1 indexing, one request per query token.
+
+    All int32 on the indices' device: qo_indptr [T + 1] (arange), kv_indptr
+    [T + 1] (prefix sums of `counts`), kv_indices [T * topk] (token t's valid
+    rows, in list order, at kv_indptr[t] .. kv_indptr[t + 1]; the tail past
+    kv_indptr[T] holds 0 and is never read), kv_last_page_lens [T] (ones) and
+    counts [T] (valid entries a token). `bad` [T] bool marks the tokens whose
+    list holds an index outside [-1, num_rows) (None where such an index is
+    simply no token).
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_lens: torch.Tensor
+    counts: torch.Tensor
+    bad: torch.Tensor | None
+
+
+def sparse_kv_indices(
+    indices: torch.Tensor, num_rows: int, topk_length: torch.Tensor | None = None, *, out_of_range_is_bad: bool = True
+) -> SparseKVIndices:
+    """aiter's indexing of sparse index lists, built on the device.
+
+    indices int32 [T, topk] (rows of a page-size-1 cache; -1 is no token, a
+    duplicate counts twice), topk_length [T] (only the first topk_length[t]
+    entries count), num_rows the cache's rows. An entry is valid when it is
+    in [0, num_rows) and within topk_length; valid entries are compacted,
+    stably, to the front of kv_indices: entry k of the flattened list goes to
+    the number of valid entries before it, the invalid ones fill the tail in
+    order, so one scatter writes every position once. An index outside
+    [-1, num_rows) is never passed on; with `out_of_range_is_bad` it marks its
+    token in `bad` (decode), wherever it stands in the list.
+
+    Shapes depend only on the input shapes and nothing is read back to the
+    host (no synchronisation; capturable in a graph); the price is O(T * topk)
+    temporary index memory.
+    """
+    device = indices.device
+    tokens, topk = indices.shape
+    total = tokens * topk
+    if total > _MAX_INT32:
+        raise ValueError(
+            f"indices has {tokens} x {topk} entries; accepted by ROCM_AITER: at most {_MAX_INT32} (int32 kv_indices)"
+        )
+    if num_rows > _MAX_INT32:
+        raise ValueError(f"the cache has {num_rows} rows; accepted by ROCM_AITER: at most {_MAX_INT32} (int32 kv_indices)")
+    index = indices.to(torch.int32)
+    in_range = (index >= 0) & (index < num_rows)
+    bad = (~in_range & (index != -1)).any(dim=1) if out_of_range_is_bad else None
+    valid = in_range
+    if topk_length is not None:
+        positions = torch.arange(topk, device=device, dtype=torch.int32)
+        valid = valid & (positions.unsqueeze(0) < topk_length.to(device=device, dtype=torch.int32).unsqueeze(1))
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    kv_indptr = torch.zeros(tokens + 1, dtype=torch.int32, device=device)
+    kv_indptr[1:] = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    kv_indices = torch.zeros(total, dtype=torch.int32, device=device)
+    if total:
+        flat_valid = valid.reshape(-1)
+        valid_through = torch.cumsum(flat_valid, dim=0)  # valid entries up to and including each entry
+        entry = torch.arange(total, device=device)
+        destination = torch.where(flat_valid, valid_through - 1, valid_through[-1] + entry - valid_through)
+        kv_indices.scatter_(0, destination, torch.where(flat_valid, index.reshape(-1), 0))
+    return SparseKVIndices(
+        qo_indptr=torch.arange(tokens + 1, dtype=torch.int32, device=device),
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        kv_last_page_lens=torch.ones(tokens, dtype=torch.int32, device=device),
+        counts=counts,
+        bad=bad,
+    )
+
+
+def _sparse_mla_decode_fwd(
+    query: torch.Tensor, kv_buffer: torch.Tensor, output: torch.Tensor, index: SparseKVIndices, scale: float,
+    with_lse: bool, probe: AiterProbe,
+) -> torch.Tensor | None:
+    """The sparse phases' one call into aiter: writes `output`, returns aiter's LSE [T, heads] with `with_lse`."""
+    from aiter.mla import mla_decode_fwd
+
+    keywords: dict[str, Any] = dict(sm_scale=float(scale))
+    if with_lse:
+        keywords["return_lse"] = True
+    result = mla_decode_fwd(
+        q=query,
+        kv_buffer=kv_buffer,
+        o=output,
+        qo_indptr=index.qo_indptr,
+        kv_indptr=index.kv_indptr,
+        kv_indices=index.kv_indices,
+        kv_last_page_lens=index.kv_last_page_lens,
+        max_seqlen_q=1,
+        **keywords,
+    )
+    if not with_lse:
+        return None
+    lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+    if lse is None:
+        raise RuntimeError(f"{probe.label}'s mla_decode_fwd(return_lse=True) returned no LSE")
+    return lse
+
+
+class _AiterSparseImpl(MLASparseImpl):
+    """Sparse MLA through `aiter.mla.mla_decode_fwd`: each query token a request of its own over page-size-1 rows.
+
+    Results follow the REFERENCE semantics: a token without a valid index
+    gives 0 and LSE -inf (aiter leaves such a request undefined: the rows are
+    replaced after the call from the per-token counts); attn_sink scales out
+    by 1 / (1 + exp(sink - lse)) after the call; in decode a token whose list
+    holds an index outside [-1, num_slots) gets NaN rows and LSE and ORs
+    `errors.SPARSE_INDEX` into the device's error flag, its bad entries never
+    reaching aiter. The LSE is aiter's (natural log) where its mla_decode_fwd
+    has `return_lse`; elsewhere the LSE returned is None and attn_sink is a
+    ValueError. Nothing is read back to the host.
+    """
+
+    out_of_range_is_bad: ClassVar[bool] = True
+    phase: ClassVar[str] = "sparse_decode"
+
+    def _attend(self, q_nope, q_pe, kv_buffer, indices, scale, topk_length, attn_sink):
+        probe = probe_aiter()
+        if probe.error:
+            raise RuntimeError(probe.error)
+        with_lse = probe.decode_has("return_lse")
+        if attn_sink is not None and not with_lse:
+            raise ValueError(
+                f"attn_sink with ROCM_AITER {self.phase} on {probe.label}: the sink is applied from the LSE, and "
+                "this aiter's mla_decode_fwd returns none (it has no return_lse parameter); accepted: attn_sink=None, "
+                "an aiter whose mla_decode_fwd has return_lse, or another backend (REFERENCE, TRITON)"
+            )
+        if q_nope.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
+            raise ValueError(
+                f"q_nope / q_pe are {dtype_name(q_nope.dtype)} / {dtype_name(q_pe.dtype)}; accepted by ROCM_AITER: bfloat16"
+            )
+        tokens, num_heads, kv_lora_rank = q_nope.shape
+        width = kv_buffer.shape[-1]
+        if kv_lora_rank + q_pe.shape[-1] != width:
+            raise ValueError(
+                f"q_nope / q_pe widths {kv_lora_rank} / {q_pe.shape[-1]} do not add up to the kv width {width}"
+            )
+        device = q_nope.device
+        index = sparse_kv_indices(indices, kv_buffer.shape[0], topk_length,
+                                  out_of_range_is_bad=self.out_of_range_is_bad)
+        query = _padded_query(torch.cat([q_nope, q_pe], dim=-1))
+        padded_heads = query.shape[1]
+        output = torch.empty(tokens, padded_heads, kv_lora_rank, dtype=q_nope.dtype, device=device)
+        raw_lse = None
+        if index.kv_indices.numel():
+            raw_lse = _sparse_mla_decode_fwd(query, kv_buffer, output, index, scale, with_lse, probe)
+        # aiter leaves a request without tokens undefined; the convention is 0 / -inf.
+        has_tokens = (index.counts > 0).unsqueeze(1)
+        out = torch.where(has_tokens.unsqueeze(2), output[:, :num_heads], torch.zeros((), dtype=output.dtype, device=device))
+        lse = None
+        if with_lse:
+            minus_inf = torch.full((), float("-inf"), device=device)
+            if raw_lse is None:  # no entries at all: aiter was not called
+                lse = minus_inf.expand(tokens, num_heads).clone()
+            else:
+                lse = torch.where(has_tokens, raw_lse.reshape(tokens, padded_heads)[:, :num_heads].float(), minus_inf)
+            if attn_sink is not None:
+                factor = torch.sigmoid(torch.where(has_tokens, lse, 0.0) - attn_sink.to(device=device, dtype=torch.float32))
+                factor = torch.where(has_tokens, factor, 1.0)
+                out = (out.float() * factor.unsqueeze(2)).to(output.dtype)
+        if index.bad is not None:
+            bad = index.bad.unsqueeze(1)
+            out = out.masked_fill(bad.unsqueeze(2), float("nan"))
+            lse = lse.masked_fill(bad, float("nan")) if lse is not None else None
+            # recorded on the device without a synchronisation
+            errors.error_flag(device).bitwise_or_(index.bad.any().to(torch.int32) * errors.SPARSE_INDEX)
+        return out, lse
+
+
+class AiterSparseDecodeImpl(_AiterSparseImpl):
+    """Sparse decode over the paged cache [num_blocks, block_size, 576] (bfloat16), viewed with page size 1."""
+
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        """q_nope [T, N, 512], q_pe [T, N, 64] bfloat16; kv the paged bfloat16 cache; indices int32 [T, topk]
+        (slot = block * block_size + offset); topk_length [T]; attn_sink float32 [N].
+
+        Returns out [T, N, 512] bfloat16 and lse [T, N] float32, or None where the installed aiter returns no LSE.
+        """
+        if kv.dim() != 3 or kv.dtype != torch.bfloat16:
+            raise ValueError(
+                f"kv_cache is {dtype_name(kv.dtype)} of shape {tuple(kv.shape)}; accepted by ROCM_AITER sparse decode: "
+                "a bfloat16 cache [num_blocks, block_size, 576]"
+            )
+        if not kv.is_contiguous():
+            raise ValueError("kv_cache is not contiguous; accepted by ROCM_AITER: a contiguous cache (viewed with page size 1)")
+        num_blocks, block_size, width = kv.shape
+        kv_buffer = kv.view(num_blocks * block_size, 1, 1, width)
+        return self._attend(q_nope, q_pe, kv_buffer, indices, scale, topk_length, attn_sink)
+
+
+class AiterSparsePrefillImpl(_AiterSparseImpl):
+    """Sparse prefill over kv rows [S_kv, 576] (bfloat16), a cache of one-token pages; an index -1 or outside
+    [0, S_kv) is no token."""
+
+    out_of_range_is_bad: ClassVar[bool] = False
+    phase: ClassVar[str] = "sparse_prefill"
+
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        """q_nope [T, N, 512], q_pe [T, N, 64] bfloat16; kv [S_kv, 576] bfloat16; indices int32 [T, topk] rows of kv.
+
+        Returns out [T, N, 512] bfloat16 and lse [T, N] float32, or None where the installed aiter returns no LSE.
+        """
+        if kv.dim() != 2 or kv.dtype != torch.bfloat16:
+            raise ValueError(
+                f"kv is {dtype_name(kv.dtype)} of shape {tuple(kv.shape)}; accepted by ROCM_AITER sparse prefill: "
+                "bfloat16 rows [S_kv, 576]"
+            )
+        rows, width = kv.shape
+        kv_buffer = kv.contiguous().view(rows, 1, 1, width)
+        return self._attend(q_nope, q_pe, kv_buffer, indices, scale, topk_length, attn_sink)
+
+
+def _sparse_fp8_future(probe: AiterProbe) -> str:
+    present = probe.sparse_fp8_kernels
+    where = f"present in {probe.label}: {', '.join(present)}" if present else f"none of them is in {probe.label}"
+    return (
+        "possible future paths in aiter's source: hk_mla_v32_decode_fwd, HipKittens' DeepSeek V3.2 decode kernel "
+        "(FP8 query and cache, heads x query tokens = 128, or 64 on gfx950; gfx942 / gfx950; experimental, behind "
+        "mla_decode_fwd's persistent metadata), and mla_decode_fwd_ds32 (gfx950; FP8 NoPE with E8M0 block scales "
+        f"and bf16 RoPE in separate buffers); {where}"
+    )
+
+
+def _sparse_kv_dtype_reasons(probe: AiterProbe, where: str, kv_dtype: torch.dtype) -> list[str]:
+    """Why an FP8 or fp8_ds_mla cache cannot go through the sparse path (the base class names the dtype)."""
+    if kv_dtype in FP8_DTYPES:
+        return [
+            f"an FP8 cache ({dtype_name(kv_dtype)}) is not supported by ROCM_AITER sparse MLA on {where}: the sparse "
+            "path passes the bfloat16 query as it is, and mla_decode_fwd reads an FP8 cache only in its a8w8 kernels "
+            "(FP8 query with a per-tensor q_scale); " + _sparse_fp8_future(probe)
+        ]
+    if kv_dtype == torch.uint8:
+        return [
+            f"the fp8_ds_mla cache (uint8, 656 bytes a token: FP8 values with a float32 scale per 128, then bf16 "
+            f"rotary values) is not supported by ROCM_AITER sparse MLA on {where}: mla_decode_fwd has no kernel that "
+            "reads this layout; " + _sparse_fp8_future(probe)
+        ]
+    return []
+
+
+class _AiterSparseBackend(MLASparseBackend):
+    """What both sparse phases need: an aiter with `mla_decode_fwd` on ROCm gfx942 / gfx950, bfloat16 throughout."""
+
+    name: ClassVar[str] = "ROCM_AITER"
+    vendors = frozenset({"rocm"})
+    supported_dtypes = (torch.bfloat16,)
+    supported_kv_dtypes = (torch.bfloat16,)
+    max_num_heads = 128
+    # Query tokens are flattened: each is a request of its own.
+    max_query_len = 1 << 16
+    # As the dense decode: the indexing is built on the device with static shapes (sparse_kv_indices).
+    supports_cuda_graphs: ClassVar[bool] = True
+
+    @classmethod
+    def availability_reasons(cls) -> list[str]:
+        probe = probe_aiter()
+        if probe.error:
+            return [probe.error]
+        if not probe.decode_parameters:
+            return [f"{probe.label} has no aiter.mla.mla_decode_fwd"]
+        missing = _missing_keywords(SPARSE_MLA_DECODE_FWD, probe.decode_parameters)
+        if missing:
+            return [f"{probe.label}'s mla_decode_fwd lacks the parameters {', '.join(missing)}"]
+        return []
+
+    @classmethod
+    def platform_reasons(cls, platform: Platform) -> list[str]:
+        reasons = _rocm_platform_reasons(platform)
+        probe = probe_aiter()
+        if reasons or probe.error:
+            return reasons
+        return _arch_reasons(probe, platform, "MLA decode")
+
+    @classmethod
+    def provides_lse(cls) -> bool:
+        """Whether forward returns an LSE, and so takes attn_sink (aiter's mla_decode_fwd has `return_lse`)."""
+        probe = probe_aiter()
+        return probe.error is None and probe.decode_has("return_lse")
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
+        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can)."""
+        reasons = super().validate_configuration(platform, config)
+        probe = probe_aiter()
+        if probe.error or platform.vendor != "rocm":
+            return reasons
+        where = f"{probe.label} on {_where(platform)}"
+        reasons += _sparse_kv_dtype_reasons(probe, where, config.kv_dtype)
+        reasons += _decode_shape_reasons(config.dims, where)
+        return reasons
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        info = super().info()
+        probe = probe_aiter()
+        info.update(
+            aiter_version=probe.version,
+            num_heads=_decode_num_heads_text(),
+            cuda_graphs=cls.supports_cuda_graphs,
+            returns_lse=cls.provides_lse(),
+            attn_sink="applied from the LSE" if cls.provides_lse() else "needs an aiter with return_lse (ValueError)",
+        )
+        return info
+
+
+class AiterSparseDecodeBackend(_AiterSparseBackend):
+    """Sparse decode through `aiter.mla.mla_decode_fwd`, one request per query token (bfloat16 caches)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return AiterSparseDecodeImpl
+
+
+class AiterSparsePrefillBackend(_AiterSparseBackend):
+    """Sparse prefill through `aiter.mla.mla_decode_fwd` over kv rows as one-token pages (bfloat16)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return AiterSparsePrefillImpl
+
+
 __all__ = [
     "AITER_CALLS",
     "AiterCall",
@@ -616,7 +1009,13 @@ __all__ = [
     "AiterMLAPrefillBackend",
     "AiterMLAPrefillImpl",
     "AiterProbe",
+    "AiterSparseDecodeBackend",
+    "AiterSparseDecodeImpl",
+    "AiterSparsePrefillBackend",
+    "AiterSparsePrefillImpl",
+    "SparseKVIndices",
     "clear_probe_cache",
     "paged_kv_indices",
     "probe_aiter",
+    "sparse_kv_indices",
 ]
