@@ -421,9 +421,11 @@ class MLAAttention:
         q_nope, q_pe = q[..., :p], q[..., p:]
         # every token, prefill or decode, attends in the latent space: absorb W_UK into the query
         ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        # one [T, N, 576] buffer, read in place by kernels that take the joined query
+        q_latent = torch.cat([ql_nope, q_pe], dim=-1)
         latent = ops.mla_sparse_decode(
-            ql_nope.contiguous(), q_pe.contiguous(), kv_cache, slots, self.scale, k_scale=self.k_scale,
-            backend=self.sparse_backend.name,
+            q_latent[..., : d.kv_lora_rank], q_latent[..., d.kv_lora_rank:], kv_cache, slots, self.scale,
+            k_scale=self.k_scale, backend=self.sparse_backend.name,
         )
         decoded = torch.bmm(latent.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
         output.copy_(decoded.reshape(tokens, n * v))

@@ -313,6 +313,10 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.phase.startswith("sparse-"):
+        from mla_multi.benchmarks import sparse
+
+        return int(sparse.main(args.rest, phase=args.phase.replace("-", "_")) or 0)
     module = importlib.import_module(f"mla_multi.benchmarks.{args.phase}")
     return int(module.main(args.rest) or 0)
 
@@ -343,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | bfloat16 | float16")
     warmup.add_argument("--block-size", type=int, default=64)
     warmup.set_defaults(func=cmd_warmup)
-    bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill or dcp (decode context parallelism)")
-    bench.add_argument("phase", choices=("decode", "prefill", "dcp", "layer"))
+    bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill, dcp (decode context parallelism), "
+                           "layer, sparse-decode or sparse-prefill")
+    bench.add_argument("phase", choices=("decode", "prefill", "dcp", "layer", "sparse-decode", "sparse-prefill"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     check = sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",
@@ -360,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     # (argparse's REMAINDER would stop at the first "--option").
     if argv[:1] == ["compile-check"]:
         return cmd_compile_check(argparse.Namespace(rest=argv[1:]))
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill", "dcp"):
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill", "dcp", "layer", "sparse-decode",
+                                                            "sparse-prefill"):
         return cmd_bench(argparse.Namespace(phase=argv[1], rest=argv[2:]))
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -57,6 +57,7 @@ DECODE_BACKENDS: dict[str, str] = {
     "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterMLADecodeBackend",
     "CUDA_FLASH_ATTN": "mla_multi.backends.cuda_flash_attn:FlashAttnMLADecodeBackend",
     "FLASHINFER": "mla_multi.backends.flashinfer:FlashInferDecodeBackend",
+    "FLASHMLA": "mla_multi.backends.flashmla:FlashMLADecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceDecodeBackend",
 }
@@ -64,11 +65,13 @@ DECODE_BACKENDS: dict[str, str] = {
 # Sparse MLA (DeepSeek Sparse Attention), one phase each for decode and prefill.
 SPARSE_DECODE_BACKENDS: dict[str, str] = {
     "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterSparseDecodeBackend",
+    "FLASHMLA": "mla_multi.backends.flashmla:FlashMLASparseDecodeBackend",
     "TRITON": "mla_multi.backends.triton:TritonSparseDecodeBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparseDecodeBackend",
 }
 SPARSE_PREFILL_BACKENDS: dict[str, str] = {
     "ROCM_AITER": "mla_multi.backends.rocm_aiter:AiterSparsePrefillBackend",
+    "FLASHMLA": "mla_multi.backends.flashmla:FlashMLASparsePrefillBackend",
     "TRITON": "mla_multi.backends.triton:TritonSparsePrefillBackend",
     "REFERENCE": "mla_multi.backends.reference:ReferenceSparsePrefillBackend",
 }
@@ -87,7 +90,7 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
     ("rocm", None): ("TRITON", "REFERENCE"),
-    ("cuda", None): ("FLASHINFER", "TRITON", "CUDA_FLASH_ATTN", "REFERENCE"),
+    ("cuda", None): ("FLASHINFER", "TRITON", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 
@@ -101,7 +104,7 @@ SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("rocm", "gfx942"): ("ROCM_AITER", "REFERENCE", "TRITON"),
     ("rocm", "gfx950"): ("ROCM_AITER", "REFERENCE", "TRITON"),
     ("rocm", None): ("REFERENCE", "TRITON"),
-    ("cuda", None): ("REFERENCE", "TRITON"),
+    ("cuda", None): ("FLASHMLA", "REFERENCE", "TRITON"),
     ("cpu", None): ("REFERENCE",),
 }
 SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = dict(SPARSE_DECODE_PRIORITIES)
@@ -163,7 +166,7 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         vendor="cuda",
         arch="sm_90",
         needs_wgmma=True,
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
         measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (16-128 heads, bf16 and FP8)",
     ),
     SelectionRule(
@@ -172,7 +175,7 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         vendor="cuda",
         arch=None,
         num_heads=(1, 16),
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
         measured="bench/RESULTS.md, 'Decode: every installed backend' (16 heads)",
     ),
     SelectionRule(
@@ -182,7 +185,7 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         arch=None,
         num_heads=(17, 32),
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "REFERENCE"),
+        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
         measured="bench/RESULTS.md, 'Decode: every installed backend' (FP8 caches)",
     ),
 )

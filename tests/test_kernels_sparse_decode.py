@@ -23,6 +23,9 @@ CASES = [
     ("fp8-lengths", "fp8", 3, 16, 64, 64, True, False),
     ("ds_mla-sink", "ds", 3, 4, 48, 16, True, True),
     ("fp16-bad-indices", "fp16", 3, 4, 32, 16, False, False),
+    # the index lists split over several programs, merged by the reduce kernel (bad indices in one split)
+    ("ds_mla-splits-sink", "ds", 3, 20, 128, 64, True, True, 3),
+    ("ds_mla-splits-bad-indices", "ds", 3, 4, 96, 16, False, False, 4),
 ]
 
 
@@ -33,7 +36,8 @@ def _run_case(case):
     from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
     from mla_multi.kernels.sparse_decode import sparse_decode
 
-    case_id, fmt, tokens, heads, topk, block_size, with_lengths, with_sink = case
+    case_id, fmt, tokens, heads, topk, block_size, with_lengths, with_sink = case[:8]
+    num_splits = case[8] if len(case) > 8 else 1
     generator = torch.Generator().manual_seed(len(case_id) * 7 + topk)
     num_slots = 128  # a multiple of every block size below
     num_blocks = num_slots // block_size
@@ -60,7 +64,7 @@ def _run_case(case):
     lse = torch.full((tokens, heads), float("nan"))
     with memcheck() as violations:
         sparse_decode(q_nope, q_pe, cache, indices, 0.05, k_scale=k_scale, topk_length=lengths, attn_sink=sink,
-                      out=out, lse=lse)
+                      out=out, lse=lse, num_splits=num_splits)
     flag = int(errors.error_flag("cpu").item())
     rows = _cache_rows(cache, k_scale, torch.float32)
     ref, ref_lse, bad = sparse_attention_reference(torch.cat([q_nope, q_pe], -1), rows, indices, 0.05,
@@ -79,11 +83,12 @@ def _run_case(case):
         "num_bad": int(bad.sum()),
         "flag": flag,
     }
-    # the op forced to TRITON under the interpreter (CPU platform interpreted) takes the same path
+    # the op forced to TRITON under the interpreter (CPU platform interpreted): a 16-bit cache goes through
+    # the index compaction and the dense decode kernels
     if fmt == "fp16" and not case_id.endswith("bad-indices"):
         via_op = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, indices, 0.05, topk_length=lengths, attn_sink=sink,
                                           backend="TRITON")
-        result["op_matches"] = bool(torch.equal(via_op, out))
+        result["op_err"] = ((via_op.float() - ref).norm() / ref.norm()).item()
     return result
 
 
@@ -146,8 +151,8 @@ def test_sparse_decode_kernel_under_the_interpreter(results, case):
         assert result["flag"] & errors.SPARSE_INDEX, result
     else:
         assert result["num_bad"] == 0 and result["flag"] == 0, result
-    if "op_matches" in result:
-        assert result["op_matches"], result
+    if "op_err" in result:
+        assert result["op_err"] < 2e-3, result
 
 
 @pytest.mark.interpreter

@@ -273,11 +273,32 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
 
 
 class TritonSparseDecodeImpl(MLASparseImpl):
+    """16-bit and per-tensor FP8 caches: each token's valid indices are compacted (one launch) into the
+    block-table row of a cache of one-token pages, which the dense split-KV decode kernels then read (their
+    split heuristic, their sm_90 warpgroup kernels); fp8_ds_mla caches: the sparse kernel."""
+
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        if kv.dtype != torch.uint8:
+            return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
         from mla_multi.kernels.sparse_decode import sparse_decode
 
         return sparse_decode(q_nope, q_pe, kv, indices, scale, k_scale=k_scale, topk_length=topk_length,
                              attn_sink=attn_sink)
+
+
+def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink):
+    from mla_multi import ops
+    from mla_multi.kernels.sparse_indices import compact_indices
+
+    num_slots = kv.shape[0] * kv.shape[1]
+    table, lens = compact_indices(indices, num_slots, topk_length)
+    pages = kv.reshape(num_slots, 1, kv.shape[-1])
+    out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
+                              return_lse=True)
+    if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
+        factor = torch.sigmoid(lse - attn_sink)
+        out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
+    return out, lse
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):

@@ -38,16 +38,20 @@ FORMAT_DS_MLA = 2  # fp8_ds_mla bytes
 
 @triton.jit
 def _sparse_decode_kernel(
-    Q_nope, Q_pe, KV_cache, Indices, Topk_length, K_scale, Attn_sink, Out, Lse, Error_flag,
-    sm_scale, num_heads, topk, num_slots,
+    Q_nope, Q_pe, KV_cache, Indices, Topk_length, K_scale, Attn_sink, Out, Lse, Error_flag, Partials,
+    sm_scale, num_heads, topk, num_slots, split_len,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_cache_slot, stride_idx_t, stride_o_t, stride_o_h,
-    stride_lse_t,
+    stride_lse_t, stride_p_t, stride_p_h, stride_p_s,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     CACHE_FORMAT: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
-    OUT_OF_RANGE_IS_NONE: tl.constexpr = False,
+    OUT_OF_RANGE_IS_NONE: tl.constexpr = False, SPLIT: tl.constexpr = False,
 ):
-    token = tl.program_id(0)
-    head_block = tl.program_id(1)
+    # the head blocks of one token are neighbours in the launch order: they gather the same rows from L2
+    head_block = tl.program_id(0)
+    token = tl.program_id(1)
+    split = tl.program_id(2)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, topk)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     offs_d = tl.arange(0, KV_LORA_RANK)
@@ -65,9 +69,9 @@ def _sparse_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA_RANK], dtype=tl.float32)
     bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for start in range(0, topk, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        in_list = offs_n < topk
+        in_list = offs_n < hi
         idx = tl.load(Indices + token * stride_idx_t + offs_n, mask=in_list, other=-1)
         if not OUT_OF_RANGE_IS_NONE:
             bad = bad | ((in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32))
@@ -108,6 +112,15 @@ def _sparse_decode_kernel(
     has_any = l_i > 0.0
     lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
     out = tl.where(has_any[:, None], acc / tl.where(has_any, l_i, 1.0)[:, None], 0.0)
+    if SPLIT:  # this split's normalised output and LSE; `_sparse_reduce_kernel` merges them (and the sink)
+        is_bad = tl.max(bad, axis=0) > 0
+        lse = tl.where(is_bad, float("nan"), lse)
+        base = Partials + token * stride_p_t + heads * stride_p_h + split * stride_p_s
+        tl.store(base[:, None] + offs_d[None, :], out, mask=head_mask[:, None])
+        tl.store(base + KV_LORA_RANK, lse, mask=head_mask)
+        if is_bad:
+            tl.atomic_or(Error_flag, SPARSE_INDEX_ERROR, mask=head_block == 0)
+        return
     if HAS_SINK:
         sink = tl.load(Attn_sink + heads, mask=head_mask, other=0.0)
         factor = 1.0 / (1.0 + tl.exp(sink - tl.where(has_any, lse, 0.0)))
@@ -120,6 +133,51 @@ def _sparse_decode_kernel(
     tl.store(Lse + token * stride_lse_t + heads, lse, mask=head_mask)
     if is_bad:
         tl.atomic_or(Error_flag, SPARSE_INDEX_ERROR, mask=head_block == 0)
+
+
+@triton.jit
+def _sparse_reduce_kernel(
+    Partials, Attn_sink, Out, Lse, num_splits, stride_p_t, stride_p_h, stride_p_s, stride_o_t, stride_o_h,
+    stride_lse_t, KV_LORA_RANK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Merge one (token, head)'s split results by LSE, then apply the sink. A split with bad indices wrote
+    LSE NaN: the row comes out NaN."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, KV_LORA_RANK)
+    base = Partials + token * stride_p_t + head * stride_p_h
+    split_lse = tl.load(base + offs_s * stride_p_s + KV_LORA_RANK, mask=offs_s < num_splits, other=float("-inf"))
+    has_mass = split_lse > float("-inf")
+    top = tl.max(split_lse, axis=0)
+    top_use = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.where(has_mass, tl.exp(split_lse - top_use), tl.where(split_lse == split_lse, 0.0, float("nan")))
+    total = tl.sum(weight, axis=0)
+    no_mass = total == 0.0
+    acc = tl.zeros([KV_LORA_RANK], dtype=tl.float32)
+    for s in range(0, num_splits):  # one 512-wide row at a time: no [splits, 512] tile in registers
+        lse_s = tl.load(base + s * stride_p_s + KV_LORA_RANK)
+        if lse_s > float("-inf"):
+            acc += tl.exp(lse_s - top_use) * tl.load(base + s * stride_p_s + offs_d)
+    out = acc / tl.where(no_mass, 1.0, total)
+    lse = tl.where(no_mass, float("-inf"), top_use + tl.log(tl.where(no_mass, 1.0, total)))
+    if HAS_SINK:
+        sink = tl.load(Attn_sink + head)
+        out = out * tl.where(no_mass, 1.0, 1.0 / (1.0 + tl.exp(sink - tl.where(no_mass, 0.0, lse))))
+    tl.store(Out + token * stride_o_t + head * stride_o_h + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(Lse + token * stride_lse_t + head, lse)
+
+
+def num_splits_for(tokens: int, num_heads: int, topk: int, block_n: int, num_compute_units: int,
+                   block_h: int | None = None) -> int:
+    """Splits of each token's index list: enough programs for two waves of the device, each split at least
+    four tiles long."""
+    programs = max(1, tokens * triton.cdiv(num_heads, block_h or block_h_for(num_heads)))
+    wanted = triton.cdiv(2 * num_compute_units, programs)
+    return max(1, min(wanted, topk // (4 * block_n), MAX_SPLITS))
+
+
+MAX_SPLITS = 64
 
 
 def _cache_format(kv_cache: torch.Tensor) -> int:
@@ -168,7 +226,7 @@ def sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, attn_s
 
 def sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None,
                   out=None, lse=None, error_flag=None, block_n: int | None = None, num_warps: int | None = None,
-                  out_of_range_is_none: bool = False):
+                  out_of_range_is_none: bool = False, num_splits: int | None = None, block_h: int | None = None):
     """Launch the sparse decode kernel. Shapes as `ReferenceSparseDecodeImpl.forward` (T tokens): q_nope
     [T, N, 512], q_pe [T, N, 64] (16-bit), kv_cache [blocks, block_size, 576 or 656 (uint8)], indices int32
     [T, topk]; returns (out [T, N, 512], lse [T, N] float32). The caller checks the inputs."""
@@ -188,26 +246,42 @@ def sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, topk_
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    block_h = block_h_for(num_heads)
+    block_h = block_h or block_h_for(num_heads)
     block_n = block_n or block_n_for(fmt)
-    if num_warps is None:
-        from mla_multi.platforms import current_platform
+    from mla_multi.platforms import current_platform
 
-        num_warps = num_warps_for(current_platform(), fmt)
-    grid = (tokens, triton.cdiv(num_heads, block_h))
+    platform = current_platform()
+    if num_warps is None:
+        num_warps = num_warps_for(platform, fmt)
+    if num_splits is None:
+        num_splits = num_splits_for(tokens, num_heads, topk, block_n, platform.num_compute_units, block_h)
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(topk, split_len)
+    partials = lse
+    if num_splits > 1:
+        partials = torch.empty(tokens, num_heads, num_splits, kv_lora_rank + 1, dtype=torch.float32, device=device)
+    grid = (triton.cdiv(num_heads, block_h), tokens, num_splits)
     _sparse_decode_kernel[grid](
         q_nope, q_pe, flat, indices,
         topk_length if topk_length is not None else indices,
         k_scale if k_scale is not None else lse,
         attn_sink if attn_sink is not None else lse,
-        out, lse, error_flag,
-        float(scale), num_heads, topk, flat.shape[0],
+        out, lse, error_flag, partials,
+        float(scale), num_heads, topk, flat.shape[0], split_len,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0), indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
+        partials.stride(0), partials.stride(1), partials.stride(2) if num_splits > 1 else 0,
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_H=block_h, BLOCK_N=block_n, CACHE_FORMAT=fmt,
         HAS_TOPK_LENGTH=topk_length is not None, HAS_SINK=attn_sink is not None,
-        OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=num_warps,
+        OUT_OF_RANGE_IS_NONE=out_of_range_is_none, SPLIT=num_splits > 1, num_warps=num_warps,
     )
+    if num_splits > 1:
+        _sparse_reduce_kernel[(tokens, num_heads)](
+            partials, attn_sink if attn_sink is not None else lse, out, lse, num_splits,
+            partials.stride(0), partials.stride(1), partials.stride(2), out.stride(0), out.stride(1), lse.stride(0),
+            KV_LORA_RANK=kv_lora_rank, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            HAS_SINK=attn_sink is not None, num_warps=4,
+        )
     return out, lse
 
 
@@ -234,14 +308,17 @@ def compile_specs(platform) -> list:
             signature = {
                 "Q_nope": "*bf16", "Q_pe": "*bf16", "KV_cache": f"*{cache}", "Indices": "*i32", "Topk_length": "*i32",
                 "K_scale": "*fp32", "Attn_sink": "*fp32", "Out": "*bf16", "Lse": "*fp32", "Error_flag": "*i32",
-                "sm_scale": "fp32", "num_heads": "i32", "topk": "i32", "num_slots": "i32",
+                "Partials": "*fp32", "sm_scale": "fp32", "num_heads": "i32", "topk": "i32", "num_slots": "i32",
+                "split_len": "i32",
             }  # fmt: skip
             strides = ["stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_cache_slot",
-                       "stride_idx_t", "stride_o_t", "stride_o_h", "stride_lse_t"]
+                       "stride_idx_t", "stride_o_t", "stride_o_h", "stride_lse_t", "stride_p_t", "stride_p_h",
+                       "stride_p_s"]
             signature.update({name: "i32" for name in strides})
             constexprs = dict(KV_LORA_RANK=512, ROPE_DIM=64, BLOCK_H=block_h_for(heads), BLOCK_N=block_n_for(fmt),
                               CACHE_FORMAT=fmt,
-                              HAS_TOPK_LENGTH=True, HAS_SINK=True, OUT_OF_RANGE_IS_NONE=False)
+                              HAS_TOPK_LENGTH=True, HAS_SINK=True, OUT_OF_RANGE_IS_NONE=False,
+                              SPLIT=fmt == FORMAT_DS_MLA)
             signature.update({name: "constexpr" for name in constexprs})
             specs.append(CompileSpec(
                 name=f"sparse_decode[h{heads},{ 'ds_mla' if fmt == FORMAT_DS_MLA else cache}]",
@@ -259,4 +336,12 @@ def compile_specs(platform) -> list:
             name=f"sparse_prefill[h{heads},bf16]", fn=_sparse_decode_kernel, signature=signature,
             constexprs=constexprs, options=dict(specs[0].options), divisible_by_16=specs[0].divisible_by_16,
         ))
+    signature = {"Partials": "*fp32", "Attn_sink": "*fp32", "Out": "*bf16", "Lse": "*fp32", "num_splits": "i32",
+                 "stride_p_t": "i32", "stride_p_h": "i32", "stride_p_s": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
+                 "stride_lse_t": "i32", "KV_LORA_RANK": "constexpr", "BLOCK_S": "constexpr", "HAS_SINK": "constexpr"}
+    specs.append(CompileSpec(
+        name="sparse_reduce[bf16]", fn=_sparse_reduce_kernel, signature=signature,
+        constexprs={"KV_LORA_RANK": 512, "BLOCK_S": MAX_SPLITS, "HAS_SINK": True}, options={"num_warps": 4},
+        divisible_by_16=("Partials", "Out", "stride_p_t", "stride_p_h", "stride_p_s", "stride_o_t", "stride_o_h"),
+    ))
     return specs

@@ -1,0 +1,417 @@
+"""FLASHMLA: DeepSeek's FlashMLA kernels on NVIDIA (the `sgl-flash-mla` wheel, extra ``flashmla``).
+
+Three phases, all through FlashMLA's Python interface (`flash_mla`), its
+sm_90 kernels reached with ``use_legacy=True``:
+
+* decode (dense): ``flash_mla_with_kvcache(q [B, Q, N, 576], cache [blocks,
+  64, 1, 576], block_table, seq_lens, 512, sched, causal=Q > 1)``, bf16
+  query and cache, pages of 64 tokens.  Its split-KV scheduler
+  (``get_mla_decoding_metadata``) runs in the planning stage: `plan` makes it
+  once per step for every layer (into fixed buffers for a CUDA-graph plan);
+  a call without a plan schedules on the device itself, with no host
+  synchronisation.
+* sparse_decode: the same entry with ``indices`` over the fp8_ds_mla cache
+  (``[blocks, block_size, 1, 656]`` uint8), every query token its own
+  request (``q [T, 1, N, 576]``, ``indices [T, 1, topk]``); 64 or 128 heads.
+* sparse_prefill: ``flash_mla_sparse_fwd(q [T, N, 576], kv [S, 1, 576],
+  indices [T, 1, topk], scale, 512)``, bf16 rows; 64 or 128 heads.
+
+FlashMLA trusts its indices: its decode treats only -1 as "no token" and
+checks no upper bound, and its sm_90 sparse decode takes no topk_length.
+`mla_multi.kernels.sparse_indices.SparseIndexPlan` therefore copies every
+index list first (one launch) with out-of-contract entries and entries past
+the token's topk_length turned into -1 (so the scheduler depends on the
+shapes alone and is made once per shape); in decode a bad index (outside
+[-1, num_slots)) makes its token's rows NaN and sets the error flag, as in
+the other backends, in the one launch after the kernel that also turns the
++inf LSE of a token with nothing to attend to into -inf.  A decode request
+with no token gets 0 and LSE -inf.  The 576-wide query FlashMLA reads is a
+view when q_nope and q_pe are adjacent slices of one buffer (`joined_query`),
+a copy otherwise.
+
+`FLASHMLA_CALLS` declares every FlashMLA function called and the keywords
+passed; a test checks them against the published wheel's source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import threading
+from typing import Any, ClassVar
+
+import torch
+
+from mla_multi.backends.base import (
+    DecodeSelectorConfig,
+    MLADecodeBackend,
+    MLADecodeImpl,
+    MLASparseBackend,
+    MLASparseImpl,
+    SparseSelectorConfig,
+    dtype_name,
+)
+from mla_multi.platforms import Platform
+
+DISTRIBUTION = "sgl-flash-mla"
+HEAD_DIM_V = 512
+DENSE_PAGE_SIZE = 64
+SPARSE_HEADS = (64, 128)
+# topk multiples of the sm_90 kernels (their asserts: decode tiles of 64 indices, prefill pairs of 64-index tiles)
+TOPK_MULTIPLE = {"sparse_decode": 64, "sparse_prefill": 128}
+# compute capabilities whose kernels the wheel's legacy extension carries (dense decode: sm_90 only)
+DENSE_CAPABILITIES = ((9, 0),)
+SPARSE_CAPABILITIES = ((9, 0), (10, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashMLACall:
+    """A FlashMLA function this module calls and the keyword arguments it passes."""
+
+    function: str
+    keywords: tuple[str, ...]
+
+
+FLASHMLA_CALLS: tuple[FlashMLACall, ...] = (
+    FlashMLACall("get_mla_decoding_metadata", ("seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q",
+                                                "is_fp8_kvcache", "topk", "use_legacy")),
+    FlashMLACall("flash_mla_with_kvcache", ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
+                                             "tile_scheduler_metadata", "softmax_scale", "causal", "is_fp8_kvcache",
+                                             "indices", "attn_sink", "topk_length", "use_legacy")),
+    FlashMLACall("flash_mla_sparse_fwd", ("q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length",
+                                           "use_legacy")),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[Any, str | None]:
+    """(the flash_mla module, None) or (None, why it cannot be used)."""
+    try:
+        module = importlib.import_module("flash_mla")
+    except Exception as error:  # any failure of an optional library is a reason
+        return None, f"{DISTRIBUTION} is not importable (pip install 'mla-multi[flashmla]'): {type(error).__name__}: {error}"
+    missing = [call.function for call in FLASHMLA_CALLS if not hasattr(module, call.function)]
+    if missing:
+        return None, f"the installed flash_mla ({version()}) lacks {', '.join(missing)}"
+    for call in FLASHMLA_CALLS:
+        parameters = inspect.signature(getattr(module, call.function)).parameters
+        absent = [k for k in call.keywords if k not in parameters]
+        if absent:
+            return None, f"the installed flash_mla ({version()}) has no {', '.join(absent)} in {call.function}"
+    has_legacy = getattr(module, "has_legacy", None)
+    if has_legacy is None or not has_legacy():
+        return None, f"the installed flash_mla ({version()}) has no legacy (sm_90, V3.2-format) kernels"
+    return module, None
+
+
+def clear_caches() -> None:
+    """Forget the probe of the installed flash_mla and the schedules made with it (tests swap libraries)."""
+    _probe.cache_clear()
+    _sparse_calls.clear()
+    _graph_buffers.clear()
+
+
+def version() -> str:
+    try:
+        return f"{DISTRIBUTION} {importlib.metadata.version(DISTRIBUTION)}"
+    except importlib.metadata.PackageNotFoundError:
+        return "flash_mla (version unknown)"
+
+
+def _module():
+    module, reason = _probe()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def _sched(module, tile_scheduler_metadata=None, num_splits=None):
+    sched, _ = module.get_mla_metadata()
+    sched.tile_scheduler_metadata = tile_scheduler_metadata
+    sched.num_splits = num_splits
+    return sched
+
+
+class _FlashMLARequirements:
+    vendors = frozenset({"cuda"})
+    supported_dtypes = (torch.bfloat16,)
+    capabilities: ClassVar[tuple[tuple[int, int], ...]] = SPARSE_CAPABILITIES
+
+    @classmethod
+    def availability_reasons(cls) -> list[str]:
+        reason = _probe()[1]
+        return [reason] if reason else []
+
+    @classmethod
+    def platform_reasons(cls, platform: Platform) -> list[str]:
+        reasons = super().platform_reasons(platform)
+        if not reasons and platform.device_capability not in cls.capabilities:
+            names = ", ".join(f"sm_{major}{minor}" for major, minor in cls.capabilities)
+            reasons.append(f"FlashMLA's kernels here run on {names}; {platform.name} is {platform.arch}")
+        return reasons
+
+
+def _latent_reasons(dims) -> list[str]:
+    if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
+        return [f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; FlashMLA takes 512 / 64"]
+    return []
+
+
+# --------------------------------------------------------------------------- dense decode
+
+
+@dataclasses.dataclass
+class FlashMLADecodePlan:
+    """A scheduled decode batch: FlashMLA's split-KV metadata and the requests with no token."""
+
+    batch: int
+    query_len: int
+    tile_scheduler_metadata: torch.Tensor
+    num_splits: torch.Tensor
+    empty_rows: torch.Tensor | None
+    cuda_graph: bool
+
+
+_graph_buffers: dict = {}
+_lock = threading.Lock()
+
+
+class FlashMLADecodeImpl(MLADecodeImpl):
+    """Dense MLA decode through FlashMLA (bf16, pages of 64)."""
+
+    def plan_key(self) -> tuple:
+        return ("FLASHMLA", "decode", self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                self.kv_cache_dtype, self.block_size)
+
+    def _schedule(self, seq_lens: torch.Tensor, query_len: int):
+        module = _module()
+        metadata, splits = module.get_mla_decoding_metadata(
+            seqlens_k=seq_lens, num_q_tokens_per_head_k=query_len * self.num_heads, h_k=1, h_q=self.num_heads,
+            is_fp8_kvcache=False, topk=None, use_legacy=True,
+        )
+        return metadata, splits
+
+    def plan(self, seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, query_len: int = 1, *, k_scale=None,
+             cuda_graph: bool = False, slot: int = 0) -> FlashMLADecodePlan:
+        """Schedule one decode batch (seq_lens_cpu [B] on the host, block_table [B, max_blocks] on the device).
+
+        A `cuda_graph` plan writes its metadata into buffers fixed per (batch, query_len, slot), so that a graph
+        captured after it replays correctly after re-planning with new lengths."""
+        device = block_table.device
+        lengths = torch.as_tensor(seq_lens_cpu).to(torch.int32)
+        batch = lengths.numel()
+        if batch == 0:
+            raise ValueError("FLASHMLA decode cannot plan an empty batch; accepted: at least one request")
+        metadata, splits = self._schedule(lengths.to(device, non_blocking=True), query_len)
+        empty = lengths == 0
+        empty_rows = None
+        if cuda_graph:
+            key = (device, self.plan_key(), batch, query_len, slot)
+            with _lock:
+                buffers = _graph_buffers.get(key)
+                if buffers is None or buffers[0].shape != metadata.shape:
+                    buffers = (torch.empty_like(metadata), torch.empty_like(splits),
+                               torch.zeros(batch, dtype=torch.bool, device=device))
+                    _graph_buffers[key] = buffers
+            buffers[0].copy_(metadata)
+            buffers[1].copy_(splits)
+            buffers[2].copy_(empty, non_blocking=True)
+            metadata, splits, empty_rows = buffers
+        elif bool(empty.any()):
+            empty_rows = empty.to(device, non_blocking=True)
+        return FlashMLADecodePlan(batch, query_len, metadata, splits, empty_rows, cuda_graph)
+
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
+                    workspace_manager=None, max_seq_len: int | None = None, plan: FlashMLADecodePlan | None = None):
+        """q_nope [B, (Q,) N, 512], q_pe [B, (Q,) N, 64] bf16; kv_cache [blocks, 64, 576] bf16. Returns out with
+        q_nope's shape and lse [B, (Q,) N] float32. num_kv_splits is FlashMLA's scheduler's to choose (ignored)."""
+        module = _module()
+        batch = q_nope.shape[0]
+        query_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+        q = joined_query(q_nope, q_pe)
+        if q.dim() == 3:
+            q = q.unsqueeze(1)
+        if plan is None:
+            metadata, splits = self._schedule(seq_lens, query_len)
+            empty_rows = seq_lens == 0
+        else:
+            if (plan.batch, plan.query_len) != (batch, query_len):
+                raise ValueError(f"the FLASHMLA plan is for {plan.batch} requests of {plan.query_len} tokens; "
+                                 f"q_nope has {batch} of {query_len}")
+            metadata, splits, empty_rows = plan.tile_scheduler_metadata, plan.num_splits, plan.empty_rows
+        out, lse = module.flash_mla_with_kvcache(
+            q=q, k_cache=kv_cache.unsqueeze(2), block_table=block_table, cache_seqlens=seq_lens,
+            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=_sched(module, metadata, splits),
+            softmax_scale=self.scale, causal=query_len > 1, is_fp8_kvcache=False, use_legacy=True,
+        )
+        out = out.view(q_nope.shape)
+        lse = lse.transpose(1, 2).reshape(q_nope.shape[:-1])  # [B, N, Q] -> [B, (Q,) N]
+        if empty_rows is not None:
+            empty = empty_rows.view(batch, *([1] * (lse.dim() - 1)))
+            out = out.masked_fill(empty.unsqueeze(-1), 0)
+            lse = lse.masked_fill(empty, float("-inf"))
+        return out, lse
+
+
+class FlashMLADecodeBackend(_FlashMLARequirements, MLADecodeBackend):
+    """FlashMLA's dense MLA decode (sm_90 kernels; bf16 cache, pages of 64)."""
+
+    name: ClassVar[str] = "FLASHMLA"
+    capabilities = DENSE_CAPABILITIES
+    supported_kv_cache_dtypes = (torch.bfloat16,)
+    supported_block_sizes = (DENSE_PAGE_SIZE,)
+    max_num_heads = 128
+    max_query_len = 4
+    supports_cuda_graphs = True
+    requires_plan: ClassVar[bool] = True
+
+    @staticmethod
+    def get_decode_impl_cls():
+        return FlashMLADecodeImpl
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: DecodeSelectorConfig) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        reasons += _latent_reasons(config.dims)
+        if config.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            reasons.append("an FP8 cache: FlashMLA's dense FP8 decode takes an FP8 query with its own scale "
+                           "(descale_q), which this adapter does not quantise; TRITON reads FP8 caches")
+        return reasons
+
+
+# --------------------------------------------------------------------------- sparse
+
+
+def joined_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+    """[.., N, 512] and [.., N, 64] as one [.., N, 576] query: a view where q_pe continues q_nope's rows in
+    memory (both slices of one buffer, as `MLAAttention` makes them), else a copy."""
+    width = q_nope.shape[-1] + q_pe.shape[-1]
+    if (q_nope.stride() == q_pe.stride() and q_nope.stride(-1) == 1 and q_nope.shape[:-1] == q_pe.shape[:-1]
+            and q_pe.data_ptr() == q_nope.data_ptr() + q_nope.shape[-1] * q_nope.element_size()
+            and q_nope.dtype == q_pe.dtype and all(s >= width for s in q_nope.stride()[:-1] if s != 1)):
+        return q_nope.as_strided((*q_nope.shape[:-1], width), q_nope.stride())
+    return torch.cat([q_nope, q_pe], dim=-1)
+
+
+class _SparseCall:
+    """What a sparse call of one layout needs beyond its data: FlashMLA's scheduler metadata (its schedule
+    depends on the shapes alone, since topk_length is folded into the indices) and the bound index launches."""
+
+    def __init__(self, module, tokens: int, heads: int, topk: int, width: int, device, *, decode: bool,
+                 has_length: bool, indices_stride: int) -> None:
+        from mla_multi.kernels.sparse_indices import SparseIndexPlan
+
+        self.index_plan = SparseIndexPlan(tokens, topk, heads, width, device, bad_is_error=decode,
+                                          has_length=has_length, stride_in_t=indices_stride, out_dtype=torch.bfloat16)
+        self.tile_scheduler_metadata = self.num_splits = None
+        if decode and tokens:
+            self.tile_scheduler_metadata, self.num_splits = module.get_mla_decoding_metadata(
+                seqlens_k=torch.full((tokens,), topk, dtype=torch.int32, device=device),
+                num_q_tokens_per_head_k=heads, h_k=1, h_q=heads, is_fp8_kvcache=True, topk=topk, use_legacy=True,
+            )
+
+
+_sparse_calls: dict = {}
+
+
+def _sparse_call(module, q_nope, indices, topk_length, *, decode: bool) -> _SparseCall:
+    tokens, heads, width = q_nope.shape
+    key = (decode, q_nope.device, tokens, heads, width, indices.shape[1], indices.stride(0), topk_length is not None)
+    call = _sparse_calls.get(key)
+    if call is None:
+        if len(_sparse_calls) >= 256:
+            _sparse_calls.clear()
+        call = _sparse_calls[key] = _SparseCall(module, tokens, heads, indices.shape[1], width, q_nope.device,
+                                                decode=decode, has_length=topk_length is not None,
+                                                indices_stride=indices.stride(0))
+    return call
+
+
+def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:
+    reasons = _latent_reasons(config.dims)
+    if config.dims.num_heads not in SPARSE_HEADS:
+        reasons.append(f"num_heads {config.dims.num_heads}; FlashMLA's sparse kernels take "
+                       f"{' or '.join(map(str, SPARSE_HEADS))}")
+    multiple = TOPK_MULTIPLE[phase]
+    if config.topk % multiple:
+        reasons.append(f"topk {config.topk}; FlashMLA's {phase.replace('_', ' ')} takes a multiple of {multiple}")
+    return reasons
+
+
+class FlashMLASparseDecodeImpl(MLASparseImpl):
+    """Sparse decode over the fp8_ds_mla cache, every query token its own request. FlashMLA's sm_90 kernel
+    takes no per-token lengths: entries past topk_length become -1 in the sanitised copy of the indices."""
+
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        module = _module()
+        tokens, heads, _ = q_nope.shape
+        call = _sparse_call(module, q_nope, indices, topk_length, decode=True)
+        clean, bad_rows = call.index_plan.sanitize(indices, kv.shape[0] * kv.shape[1], topk_length)
+        sched = _sched(module, call.tile_scheduler_metadata, call.num_splits)
+        out, lse = module.flash_mla_with_kvcache(
+            q=joined_query(q_nope, q_pe).unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
+            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=sched, softmax_scale=float(scale), causal=False,
+            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None, use_legacy=True,
+        )
+        out = out.view(tokens, heads, -1)
+        lse = lse.view(tokens, heads)
+        call.index_plan.finish(bad_rows, out, lse)
+        return out, lse
+
+
+class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):
+    """FlashMLA's sparse decode (DeepSeek-V3.2) over the fp8_ds_mla cache; 64 or 128 heads."""
+
+    name: ClassVar[str] = "FLASHMLA"
+    supported_kv_dtypes = (torch.uint8,)
+    max_num_heads = 128
+    max_query_len = 1 << 16
+
+    @staticmethod
+    def get_impl_cls():
+        return FlashMLASparseDecodeImpl
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
+        reasons = super().validate_configuration(platform, config)
+        if config.kv_dtype != torch.uint8 and config.kv_dtype in (torch.bfloat16, torch.float16):
+            reasons.append(f"a {dtype_name(config.kv_dtype)} cache: FlashMLA's sparse decode reads only the "
+                           "fp8_ds_mla layout")
+        return reasons + _sparse_reasons("sparse_decode", config)
+
+
+class FlashMLASparsePrefillImpl(MLASparseImpl):
+    """Sparse prefill over bf16 kv rows (indices outside [0, S_kv) and past topk_length become -1 first)."""
+
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        module = _module()
+        tokens, heads, _ = q_nope.shape
+        call = _sparse_call(module, q_nope, indices, topk_length, decode=False)
+        clean, _ = call.index_plan.sanitize(indices, kv.shape[0], topk_length)
+        out, _, lse = module.flash_mla_sparse_fwd(
+            q=joined_query(q_nope, q_pe), kv=kv.unsqueeze(1), indices=clean.unsqueeze(1), sm_scale=float(scale),
+            d_v=self.kv_lora_rank, attn_sink=attn_sink, topk_length=None, use_legacy=True,
+        )
+        out = out.view(tokens, heads, -1)
+        lse = lse.view(tokens, heads)
+        call.index_plan.finish(None, out, lse)
+        return out, lse
+
+
+class FlashMLASparsePrefillBackend(_FlashMLARequirements, MLASparseBackend):
+    """FlashMLA's sparse prefill (DeepSeek-V3.2) over bf16 kv rows; 64 or 128 heads."""
+
+    name: ClassVar[str] = "FLASHMLA"
+    supported_kv_dtypes = (torch.bfloat16,)
+    max_num_heads = 128
+
+    @staticmethod
+    def get_impl_cls():
+        return FlashMLASparsePrefillImpl
+
+    @classmethod
+    def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
+        return super().validate_configuration(platform, config) + _sparse_reasons("sparse_prefill", config)

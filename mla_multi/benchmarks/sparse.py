@@ -1,0 +1,258 @@
+"""Sparse MLA benchmarks: every installed sparse backend beside FlashMLA itself, on the same inputs.
+
+    mla-multi bench sparse-decode [--cases 128x1x32768,...] [--kv fp8_ds_mla,bf16] [--backends TRITON,FLASHMLA]
+    mla-multi bench sparse-prefill [--cases 128x4096x32768,...]
+
+DeepSeek dims (512 latent + 64 rotary), bf16 queries, topk 2048 (``--topk``),
+each token's indices random among its request's tokens (decode: a request of
+S cached tokens in blocks of 64 scattered over the cache; prefill: rows of
+one kv of S_kv rows). A decode case is ``NxBxS`` (heads, requests, cached
+tokens each), a prefill case ``NxTxS_kv``.
+
+Per backend (through the package's interface, as `mm.ops` runs it) the time
+is device time from a CUDA-graph replay, the inputs rotated over copies whose
+working set is larger than L2; the eager call (host path included) is printed
+beside it. The query is one [T, N, 576] buffer passed as two slices (as
+`MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
+inputs (the `sgl-flash-mla` wheel, its sm_90 kernels), where installed: the
+peer every ratio is taken against. FLOPs = 2 * T * N * topk * (576 + 512).
+Each output is compared with the first column's (relative difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+KV_LORA_RANK, ROPE_DIM = 512, 64
+BLOCK_SIZE = 64
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+DECODE_CASES = "128x1x32768,128x32x16384,128x64x16384,128x128x8192,64x64x16384"
+PREFILL_CASES = "128x4096x32768,128x8192x65536,64x4096x32768"
+
+
+def _parse_cases(text: str) -> list[tuple[int, int, int]]:
+    cases = []
+    for item in text.split(","):
+        try:
+            a, b, c = (int(x) for x in item.split("x"))
+        except ValueError:
+            raise ValueError(f"case {item!r}; accepted: NxBxS (decode) or NxTxS_kv (prefill), e.g. 128x64x16384")
+        cases.append((a, b, c))
+    return cases
+
+
+def _time(fn, copies: int) -> tuple[float, float]:
+    """(µs per call replayed from a CUDA graph of all copies, eager µs of one call)."""
+    import triton
+
+    from mla_multi.testing import capture_graph
+
+    graph = capture_graph(lambda: [fn(i) for i in range(copies)])
+    captured = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / copies
+    eager = triton.testing.do_bench(lambda: fn(0), warmup=10, rep=100, return_mode="median")
+    del graph
+    return captured * 1e3, eager * 1e3
+
+
+def _flash_mla():
+    try:
+        import flash_mla
+
+        return flash_mla if flash_mla.has_legacy() else None
+    except Exception:  # not installed: no peer column
+        return None
+
+
+def _usable(phase: str, config, wanted) -> tuple[list[str], str | None, dict]:
+    from mla_multi import registry
+
+    rows = registry.default_registry.explain(phase, config)
+    usable = [r["name"] for r in rows if r["available"] and (r["name"] != "REFERENCE" or "REFERENCE" in (wanted or ()))]
+    if wanted:
+        usable = [n for n in usable if n in wanted]
+    try:
+        chosen = registry.default_registry.select(phase, config).name
+    except Exception:  # no backend: the table says so
+        chosen = None
+    return usable, chosen, {r["name"]: r["reasons"] for r in rows if not r["available"]}
+
+
+def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
+    from mla_multi import ops, registry
+    from mla_multi.dims import MLADims
+    from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+
+    device = torch.device("cuda")
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    row_bytes = 656 if kv == "fp8_ds_mla" else 2 * (KV_LORA_RANK + ROPE_DIM)
+    touched = batch * topk * row_bytes
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / max(touched, batch * blocks_per_seq * BLOCK_SIZE * row_bytes)))
+    num_blocks = batch * blocks_per_seq * copies
+    if kv == "fp8_ds_mla":
+        cache = torch.empty(num_blocks * BLOCK_SIZE, 656, dtype=torch.uint8, device=device)
+        step = 1 << 16
+        for start in range(0, cache.shape[0], step):
+            stop = min(start + step, cache.shape[0])
+            cache[start:stop] = quantize_fp8_ds_mla(torch.randn(stop - start, KV_LORA_RANK, device=device),
+                                                    torch.randn(stop - start, ROPE_DIM, device=device))
+        cache = cache.view(num_blocks, BLOCK_SIZE, 656)
+        kv_dtype = torch.uint8
+    else:
+        cache = torch.randn(num_blocks, BLOCK_SIZE, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16)
+        kv_dtype = torch.bfloat16
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    indices = []
+    for c in range(copies):
+        table = perm[c * batch * blocks_per_seq:(c + 1) * batch * blocks_per_seq].view(batch, blocks_per_seq).long()
+        positions = torch.stack([torch.randperm(seq_len, device=device)[:topk] for _ in range(batch)])
+        slots = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
+        indices.append(slots.to(torch.int32))
+    # one [T, N, 576] query buffer, sliced (as `MLAAttention` passes it)
+    q = torch.randn(batch, heads, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16)
+    q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+    scale = 192**-0.5
+    config = registry.sparse_config(MLADims(heads, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM),
+                                    torch.bfloat16, kv_dtype, topk)
+    usable, chosen, reasons = _usable("sparse_decode", config, wanted)
+    flops = 2 * batch * heads * topk * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
+    row = {"phase": "sparse_decode", "heads": heads, "batch": batch, "seq_len": seq_len, "kv": kv, "topk": topk,
+           "copies": copies, "chosen": chosen, "us": {}, "eager_us": {}, "tflop_s": {}, "diff": {}, "errors": {}}
+    runs = {name: (lambda i, name=name: ops.mla_sparse_decode(q_nope, q_pe, cache, indices[i], scale, backend=name))
+            for name in usable}
+    module = _flash_mla()
+    if module is not None and kv == "fp8_ds_mla" and heads in (64, 128):
+        q = q.unsqueeze(1)
+        metas = []
+        for i in range(copies):  # the scheduler made once per input, outside the timing (as an engine plans it)
+            sched, _ = module.get_mla_metadata()
+            module.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, KV_LORA_RANK, sched, softmax_scale=scale,
+                                          is_fp8_kvcache=True, indices=indices[i].unsqueeze(1), use_legacy=True)
+            metas.append(sched)
+
+        def peer(i):
+            return module.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, KV_LORA_RANK, metas[i],
+                                                 softmax_scale=scale, is_fp8_kvcache=True,
+                                                 indices=indices[i].unsqueeze(1), use_legacy=True)[0].view(batch, heads, -1)
+
+        runs = {"FlashMLA": peer, **runs}
+    _measure(row, runs, copies, flops)
+    del cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None) -> dict:
+    from mla_multi import ops, registry
+    from mla_multi.dims import MLADims
+
+    device = torch.device("cuda")
+    kv_bytes = s_kv * (KV_LORA_RANK + ROPE_DIM) * 2
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes))
+    kvs = [torch.randn(s_kv, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    indices = torch.stack([torch.randperm(s_kv, device=device)[:topk] for _ in range(tokens)]).to(torch.int32)
+    q = torch.randn(tokens, heads, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16)
+    q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+    scale = 192**-0.5
+    config = registry.sparse_config(MLADims(heads, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM),
+                                    torch.bfloat16, torch.bfloat16, topk)
+    usable, chosen, reasons = _usable("sparse_prefill", config, wanted)
+    flops = 2 * tokens * heads * topk * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
+    row = {"phase": "sparse_prefill", "heads": heads, "batch": tokens, "seq_len": s_kv, "kv": "bf16", "topk": topk,
+           "copies": copies, "chosen": chosen, "us": {}, "eager_us": {}, "tflop_s": {}, "diff": {}, "errors": {}}
+    runs = {name: (lambda i, name=name: ops.mla_sparse_prefill(q_nope, q_pe, kvs[i], indices, scale, backend=name))
+            for name in usable}
+    module = _flash_mla()
+    if module is not None and heads in (64, 128):
+
+        def peer(i):
+            return module.flash_mla_sparse_fwd(q, kvs[i].unsqueeze(1), indices.unsqueeze(1), scale, KV_LORA_RANK,
+                                               use_legacy=True)[0]
+
+        runs = {"FlashMLA": peer, **runs}
+    _measure(row, runs, copies, flops)
+    del kvs
+    torch.cuda.empty_cache()
+    return row
+
+
+def _measure(row: dict, runs: dict, copies: int, flops: float) -> None:
+    first = None
+    for name, run in runs.items():
+        try:
+            out = run(0).float()
+            torch.cuda.synchronize()
+            if first is None:
+                first = out
+            row["diff"][name] = ((out - first).norm() / first.norm()).item()
+            captured, eager = _time(run, copies)
+            row["us"][name] = captured
+            row["eager_us"][name] = eager
+            row["tflop_s"][name] = flops / (captured * 1e-6) / 1e12
+        except Exception as error:  # one backend failing must not hide the others
+            row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        print(f"  {name}: {row['us'].get(name, float('nan')):.1f} µs captured, "
+              f"{row['eager_us'].get(name, float('nan')):.1f} µs eager {row['errors'].get(name, '')}", flush=True)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """Markdown: µs captured / eager and TFLOP/s per column, the registry's choice starred, ratios to FlashMLA."""
+    names = []
+    for r in rows:
+        names += [n for n in r["us"] if n not in names]
+    size = "B x S" if rows and rows[0]["phase"] == "sparse_decode" else "T x S_kv"
+    header = (f"| N | {size} | kv | topk | " + " | ".join(f"{n} µs captured / eager (TFLOP/s)" for n in names)
+              + " | chosen | chosen / best | each / FlashMLA speed |")
+    lines = [header, "|" + "--:|" * (len(names) + 7)]
+    for r in rows:
+        cells = []
+        for n in names:
+            us = r["us"].get(n)
+            cell = "-" if us is None else f"{us:.1f} / {r['eager_us'][n]:.1f} ({r['tflop_s'][n]:.0f})"
+            cells.append(cell + ("*" if n == r["chosen"] else ""))
+        ours = {n: v for n, v in r["us"].items() if n != "FlashMLA"}
+        best = min(r["us"].values()) if r["us"] else None
+        chosen_us = r["us"].get(r["chosen"])
+        ratio = f"{best / chosen_us:.2f}" if best and chosen_us else "-"
+        peer = r["us"].get("FlashMLA")
+        versus = ", ".join(f"{n} {peer / v:.2f}" for n, v in ours.items()) if peer else "-"
+        lines.append(f"| {r['heads']} | {r['batch']} x {r['seq_len']} | {r['kv']} | {r['topk']} | " + " | ".join(cells)
+                     + f" | {r['chosen']} | {ratio} | {versus} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
+    parser = argparse.ArgumentParser(prog=f"mla-multi bench {phase.replace('_', '-')}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    decode = phase == "sparse_decode"
+    parser.add_argument("--cases", default=DECODE_CASES if decode else PREFILL_CASES,
+                        help="comma list of NxBxS (decode) or NxTxS_kv (prefill)")
+    parser.add_argument("--topk", type=int, default=2048)
+    if decode:
+        parser.add_argument("--kv", default="fp8_ds_mla", help="comma list of fp8_ds_mla, bf16")
+    parser.add_argument("--backends", default="", help="comma list of backends (default: every installed one)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench sparse: needs a CUDA or ROCm device", file=sys.stderr)
+        return 2
+    wanted = [b for b in args.backends.split(",") if b] or None
+    rows = []
+    for a, b, c in _parse_cases(args.cases):
+        kinds = args.kv.split(",") if decode else ["bf16"]
+        for kv in kinds:
+            if kv not in ("fp8_ds_mla", "bf16"):
+                raise ValueError(f"--kv {kv!r}; accepted: fp8_ds_mla, bf16")
+            print(f"{phase} N={a} {'B' if decode else 'T'}={b} {'S' if decode else 'S_kv'}={c} kv={kv}", flush=True)
+            row = bench_decode_case(a, b, c, kv, args.topk, wanted) if decode else bench_prefill_case(
+                a, b, c, args.topk, wanted)
+            rows.append(row)
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0

@@ -1,0 +1,216 @@
+"""Index lists made safe for kernels that trust them, and the rows of bad ones poisoned.
+
+Some vendor kernels read whatever slot an index names: FlashMLA's sparse
+decode treats only -1 as "no token" and checks no upper bound, its sparse
+prefill takes -1 or values >= S_kv as none but not other negatives.  Before
+such a kernel runs, `SparseIndexPlan.sanitize` copies the list with every index the
+contract calls "no token" or bad (and every entry past the token's
+topk_length, for kernels that take no lengths) turned into -1, in one launch
+and without a host synchronisation:
+
+* decode (``bad_is_error``): an index outside [-1, num_slots) is bad data:
+  it becomes -1, its token is marked in ``bad_rows`` and
+  `mla_multi.errors.SPARSE_INDEX` is ORed into the device's error flag;
+  `SparseIndexPlan.finish` then makes the marked tokens' output rows and LSE
+  NaN after the kernel (the TRITON and REFERENCE backends' result for bad
+  indices), in the launch that turns an empty token's LSE into -inf;
+* prefill: an index outside [0, S_kv) is no token and becomes -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_multi import errors
+
+_SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
+
+
+@triton.jit
+def _sanitize_indices_kernel(
+    Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
+    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr,
+):
+    token = tl.program_id(0)
+    count = topk
+    if HAS_LENGTH:
+        count = tl.load(Topk_length + token)
+    any_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, topk, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < topk
+        idx = tl.load(Indices + token * stride_in_t + offs, mask=mask, other=-1)
+        outside = (idx < 0) | (idx >= num_slots)
+        if BAD_IS_ERROR:
+            any_bad = any_bad | (mask & (idx != -1) & outside).to(tl.int32)
+        tl.store(Out + token * stride_out_t + offs, tl.where(outside | (offs >= count), -1, idx), mask=mask)
+    if BAD_IS_ERROR:
+        bad = tl.max(any_bad, axis=0)
+        tl.store(Bad_rows + token, bad.to(tl.int8))
+        if bad > 0:
+            tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
+
+
+@triton.jit
+def _finish_rows_kernel(Bad_rows, Out, Lse, row_width, lse_width, stride_o_t, stride_lse_t, BLOCK: tl.constexpr,
+                        LSE_BLOCK: tl.constexpr, HAS_BAD: tl.constexpr):
+    token = tl.program_id(0)
+    lse_offs = tl.arange(0, LSE_BLOCK)
+    lse_mask = lse_offs < lse_width
+    if HAS_BAD:
+        bad = tl.load(Bad_rows + token) != 0
+    else:
+        bad = token < 0  # never
+    if bad:
+        for start in range(0, row_width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(Out + token * stride_o_t + offs, tl.full([BLOCK], float("nan"), tl.float32).to(
+                Out.dtype.element_ty), mask=offs < row_width)
+        tl.store(Lse + token * stride_lse_t + lse_offs, tl.full([LSE_BLOCK], float("nan"), tl.float32), mask=lse_mask)
+    else:
+        lse = tl.load(Lse + token * stride_lse_t + lse_offs, mask=lse_mask, other=0.0)
+        tl.store(Lse + token * stride_lse_t + lse_offs, tl.where(lse == float("inf"), float("-inf"), lse),
+                 mask=lse_mask)
+
+
+@triton.jit
+def _compact_indices_kernel(
+    Indices, Topk_length, Table, Lens, Error_flag, num_slots, topk, stride_in_t, stride_table_t,
+    BLOCK: tl.constexpr, HAS_LENGTH: tl.constexpr,
+):
+    """Each token's valid indices, in order (duplicates kept), to the front of its Table row; Lens = their
+    count, or topk + 1 (past the row: the dense decode's NaN rows) when an index is bad."""
+    token = tl.program_id(0)
+    count = topk
+    if HAS_LENGTH:
+        count = tl.minimum(tl.maximum(tl.load(Topk_length + token), 0), topk)
+    written = 0
+    any_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, topk, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_list = offs < topk
+        idx = tl.load(Indices + token * stride_in_t + offs, mask=in_list, other=-1)
+        any_bad = any_bad | (in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32)
+        valid = (offs < count) & (idx >= 0) & (idx < num_slots)
+        position = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
+        tl.store(Table + token * stride_table_t + position, idx, mask=valid)
+        written += tl.sum(valid.to(tl.int32), axis=0)
+    bad = tl.max(any_bad, axis=0) > 0
+    tl.store(Lens + token, tl.where(bad, topk + 1, written))
+    if bad:
+        tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
+
+
+def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None):
+    """(table [T, topk] int32, lens [T] int32): each token's valid indices first, in order, as the block-table
+    row of a paged cache of one-token pages (slot = page), and their count; a token with a bad index (outside
+    [-1, num_slots)) gets lens = topk + 1, which the dense decode turns into NaN rows, and the error flag."""
+    tokens, topk = indices.shape
+    table = torch.empty((tokens, max(topk, 1)), dtype=torch.int32, device=indices.device)
+    lens = torch.empty(tokens, dtype=torch.int32, device=indices.device)
+    if tokens:
+        _compact_indices_kernel[(tokens,)](
+            indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
+            num_slots, topk, indices.stride(0), table.stride(0),
+            BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), HAS_LENGTH=topk_length is not None,
+            num_warps=4,
+        )
+    return table, lens
+
+
+_BLOCK = 1024
+
+
+class SparseIndexPlan:
+    """The two launches around a trusting kernel, bound for one layout: `sanitize` before, `finish` after.
+
+    `finish` makes a marked token's output rows and LSE NaN and turns the +inf
+    LSE some kernels leave for a token with nothing to attend to into -inf."""
+
+    def __init__(self, tokens: int, topk: int, heads: int, row_width: int, device: torch.device, *,
+                 bad_is_error: bool, has_length: bool, stride_in_t: int, out_dtype: torch.dtype) -> None:
+        from mla_multi.kernels.launch import BoundLaunch
+
+        self.tokens, self.topk, self.heads, self.row_width = tokens, topk, heads, row_width
+        self.device = device
+        self.bad_is_error = bad_is_error
+        self.has_length = has_length
+        self.gpu = device.type == "cuda"
+        if self.gpu and tokens:
+            self.flag = errors.error_flag(device)
+            self._sanitize = BoundLaunch(
+                _sanitize_indices_kernel, (tokens,),
+                dict(BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), BAD_IS_ERROR=bad_is_error,
+                     HAS_LENGTH=has_length, num_warps=4), device)
+            self._finish = BoundLaunch(
+                _finish_rows_kernel, (tokens,),
+                dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
+                     num_warps=4), device)
+
+    def sanitize(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None):
+        """(indices with every out-of-contract entry and every entry past topk_length -1, bad_rows or None)."""
+        if not self.gpu:  # the same contract in PyTorch (CPU tensors, tests)
+            outside = (indices < 0) | (indices >= num_slots)
+            past = torch.zeros_like(outside)
+            if topk_length is not None:
+                past = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) >= topk_length.unsqueeze(1)
+            clean = torch.where(outside | past, torch.full_like(indices, -1), indices)
+            if not self.bad_is_error:
+                return clean, None
+            bad = (outside & (indices != -1)).any(dim=-1)
+            errors.error_flag(indices.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
+            return clean, bad.to(torch.int8)
+        clean = torch.empty((self.tokens, self.topk), dtype=torch.int32, device=self.device)
+        bad_rows = torch.empty(self.tokens, dtype=torch.int8, device=self.device) if self.bad_is_error else clean
+        if self.tokens:
+            self._sanitize(indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
+                           self.topk, indices.stride(0), clean.stride(0))
+        return clean, (bad_rows if self.bad_is_error else None)
+
+    def finish(self, bad_rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """out [T, N, width] and lse [T, N] (contiguous rows) in place."""
+        if not self.gpu:
+            lse.masked_fill_(lse == float("inf"), float("-inf"))
+            if bad_rows is not None:
+                marked = bad_rows.bool()
+                out[marked] = float("nan")
+                lse[marked] = float("nan")
+            return
+        if self.tokens:
+            self._finish(bad_rows if bad_rows is not None else lse, out, lse, self.heads * self.row_width, self.heads,
+                         out.stride(0), lse.stride(0))
+
+
+def compile_specs(platform) -> list:
+    """Both kernels as the FLASHMLA adapter launches them (bf16 outputs, 128 heads)."""
+    from mla_multi.kernels.launch_config import CompileSpec
+
+    specs = []
+    for bad_is_error in (True, False):
+        signature = {"Indices": "*i32", "Out": "*i32", "Bad_rows": "*i8", "Error_flag": "*i32", "Topk_length": "*i32",
+                     "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
+                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
+        specs.append(CompileSpec(
+            name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}]", fn=_sanitize_indices_kernel,
+            signature=signature, constexprs={"BLOCK": _BLOCK, "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True},
+            options={"num_warps": 4}, divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
+        ))
+        signature = {"Bad_rows": "*i8", "Out": "*bf16", "Lse": "*fp32", "row_width": "i32", "lse_width": "i32",
+                     "stride_o_t": "i32", "stride_lse_t": "i32", "BLOCK": "constexpr", "LSE_BLOCK": "constexpr",
+                     "HAS_BAD": "constexpr"}
+        specs.append(CompileSpec(
+            name=f"finish_rows[bf16,{'decode' if bad_is_error else 'prefill'}]", fn=_finish_rows_kernel,
+            signature=signature, constexprs={"BLOCK": _BLOCK, "LSE_BLOCK": 128, "HAS_BAD": bad_is_error},
+            options={"num_warps": 4}, divisible_by_16=("Out", "Lse", "row_width", "stride_o_t", "stride_lse_t"),
+        ))
+    signature = {"Indices": "*i32", "Topk_length": "*i32", "Table": "*i32", "Lens": "*i32", "Error_flag": "*i32",
+                 "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_table_t": "i32",
+                 "BLOCK": "constexpr", "HAS_LENGTH": "constexpr"}
+    specs.append(CompileSpec(
+        name="compact_indices", fn=_compact_indices_kernel, signature=signature,
+        constexprs={"BLOCK": _BLOCK, "HAS_LENGTH": True}, options={"num_warps": 4},
+        divisible_by_16=("Indices", "Table", "stride_in_t", "stride_table_t"),
+    ))
+    return specs
