@@ -94,17 +94,17 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("cpu", None): ("REFERENCE",),
 }
 
-# Sparse MLA: the PyTorch REFERENCE serves every platform (it reads the indices' rows in
-# one gather, no host sync). The TRITON sparse decode kernel is tested under the interpreter
-# (and the same kernel as sparse prefill) and compiled for every target but not yet measured on
-# a GPU: it ranks after REFERENCE (chosen when forced, MLA_MULTI_SPARSE_*_BACKEND=TRITON) until
-# bench/RESULTS.md says otherwise. On gfx942 / gfx950 ROCM_AITER (aiter's MLA decode kernel, one
-# request per query token, bfloat16 caches) comes first; both phases (the prefill list is a copy).
+# Sparse MLA: FLASHMLA first on NVIDIA where its wheel is installed (sm_90 / sm_100, 64 or 128
+# heads, fp8_ds_mla decode and bf16 prefill): its kernels are the fastest measured there. TRITON
+# next on every GPU (bench/RESULTS.md, "Sparse MLA on an H100": 16-bit and FP8 caches through the
+# dense decode kernels, fp8_ds_mla through the sparse kernel), then the PyTorch REFERENCE (every
+# platform, one gather, no host sync). On gfx942 / gfx950 ROCM_AITER (aiter's MLA decode kernel,
+# one request per query token, bfloat16 caches) comes first; both phases (the prefill list is a copy).
 SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("rocm", "gfx942"): ("ROCM_AITER", "REFERENCE", "TRITON"),
-    ("rocm", "gfx950"): ("ROCM_AITER", "REFERENCE", "TRITON"),
-    ("rocm", None): ("REFERENCE", "TRITON"),
-    ("cuda", None): ("FLASHMLA", "REFERENCE", "TRITON"),
+    ("rocm", "gfx942"): ("ROCM_AITER", "TRITON", "REFERENCE"),
+    ("rocm", "gfx950"): ("ROCM_AITER", "TRITON", "REFERENCE"),
+    ("rocm", None): ("TRITON", "REFERENCE"),
+    ("cuda", None): ("FLASHMLA", "TRITON", "REFERENCE"),
     ("cpu", None): ("REFERENCE",),
 }
 SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = dict(SPARSE_DECODE_PRIORITIES)
