@@ -27,3 +27,7 @@ fi
 if [ -n "${CONFIGS:-}" ]; then
   timeout 150 python3 bench/sparse_configs.py 2>&1 | tee "$out/sparse_configs.log" | grep -v -i warn
 fi
+if [ -n "${DENSE:-}" ]; then
+  timeout 200 python3 -m mla_multi bench decode --backends all --heads 16,128 --cases 1x8192,32x8192,64x8192,128x8192 \
+    2>&1 | tee "$out/dense_decode.log" | grep "^|"
+fi
