@@ -560,7 +560,16 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         scale, k_scale=_scale_tensor(k_scale, device), topk_length=lengths, attn_sink=attn_sink,
     )
     out = out.reshape(*lead, heads, q_nope.shape[-1])
-    return (out, lse.reshape(*lead, heads)) if return_lse else out
+    if not return_lse:
+        return out
+    _check_sparse_lse(lse, backend_cls.name)
+    return out, lse.reshape(*lead, heads)
+
+
+def _check_sparse_lse(lse, name: str) -> None:
+    if lse is None:
+        raise ValueError(f"return_lse=True, but the sparse backend {name} returns no LSE with the installed library; "
+                         "accepted: return_lse=False, or a backend that returns it (backend='TRITON')")
 
 
 def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, attn_sink=None, backend=None,
@@ -598,6 +607,8 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     backend_cls = select_sparse_backend("sparse_prefill", dims, q_nope.dtype, kv.dtype, topk, backend=backend)
     impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
     out, lse = impl.forward(q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
+    if return_lse:
+        _check_sparse_lse(lse, backend_cls.name)
     return (out, lse) if return_lse else out
 
 
