@@ -232,10 +232,24 @@ def _gpu_opcheck_cases():
     lens = torch.tensor([70, 0, 130], dtype=torch.int32, device="cuda")
     cases.append(("gather_cache", (cache, table, starts, lens), dict(num_tokens=200)))
     cases.append(("gather_cache", (cache, table, starts, lens), {}))
+    # the sparse ops: an fp8_ds_mla cache (the sparse kernel), a bf16 cache with a sink (the dense decode
+    # kernels over compacted indices), and sparse prefill over bf16 rows
+    from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+
+    ds_cache = quantize_fp8_ds_mla(randn(256, 512, dtype=torch.float32), randn(256, 64, dtype=torch.float32))
+    indices = torch.randint(-1, 256, (4, 128), device="cuda", generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([128, 0, 60, 7], dtype=torch.int32, device="cuda")
+    sq_nope, sq_pe = randn(4, 16, 512), randn(4, 16, 64)
+    cases.append(("mla_sparse_decode", (sq_nope, sq_pe, ds_cache.view(4, 64, 656), indices, 0.07),
+                  dict(topk_length=lengths, return_lse=True)))
+    cases.append(("mla_sparse_decode", (sq_nope, sq_pe, randn(16, 16, 576), indices, 0.07),
+                  dict(attn_sink=randn(16, dtype=torch.float32), return_lse=False)))
+    cases.append(("mla_sparse_prefill", (sq_nope, sq_pe, randn(200, 576), indices, 0.07),
+                  dict(topk_length=lengths, return_lse=True)))
     return cases
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(11))
 def test_opcheck_on_the_gpu(index):
     """torch.library.opcheck of every registered op with GPU tensors (the TRITON kernels run), every utility
     but test_aot_dispatch_static for gather_cache without num_tokens (a data-dependent size)."""
