@@ -339,19 +339,22 @@ class MLAAttention:
         kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype.
 
         Under `torch.compile` the whole forward is one opaque op,
-        ``torch.ops.mla_multi.mla_attention``, that runs this eager forward with
+        ``torch.ops.mla_multi.mla_attention`` (``mla_sparse_attention`` in sparse
+        mode, with topk_indices), that runs this eager forward with
         the current step of q's device (set by `plan` or `mla_multi.set_step`);
         `metadata` is not read there and may be None.
         """
         if torch.compiler.is_compiling():
-            if self.sparse_topk is not None:
-                raise NotImplementedError(
-                    "MLAAttention in sparse mode under torch.compile: its opaque op takes no topk_indices yet; "
-                    "accepted: the sparse layer called eagerly (or compile around it with a graph break)"
-                )
             if output is None:
                 output = q.new_empty((q.shape[0], self.dims.num_heads * self.dims.v_head_dim))
-            torch.ops.mla_multi.mla_attention(q, kv_c_normed, k_pe, kv_cache, output, self.layer_id)
+            if self.sparse_topk is not None:
+                if topk_indices is None:
+                    raise ValueError("this MLAAttention is sparse (sparse_topk): forward needs topk_indices, int32 "
+                                     "[T, <= sparse_topk] positions inside each token's request")
+                torch.ops.mla_multi.mla_sparse_attention(q, kv_c_normed, k_pe, kv_cache, output, topk_indices,
+                                                         self.layer_id)
+            else:
+                torch.ops.mla_multi.mla_attention(q, kv_c_normed, k_pe, kv_cache, output, self.layer_id)
             return output
         if self.sparse_topk is not None:
             return self._forward_sparse(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)

@@ -475,6 +475,26 @@ class set_step:
 
 def _mla_attention_kernel(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
     layer = layer_by_id(layer_id)
+    metadata = _current_step_for(q, layer_id)
+    _eager(layer.forward, q, kv_c_normed, k_pe, kv_cache, metadata, output=output)
+
+
+def _mla_attention_fake(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
+    return None  # writes kv_cache and output in place, as declared; nothing changes shape
+
+
+LIBRARY.impl("mla_attention", _mla_attention_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::mla_attention", _mla_attention_fake, lib=LIBRARY)
+
+# The sparse layer (MLAAttention with sparse_topk): the same opaque op with each token's top-k positions.
+SPARSE_ATTENTION_SCHEMA = (
+    "mla_sparse_attention(Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) kv_cache, Tensor(b!) output, "
+    "Tensor topk_indices, int layer_id) -> ()"
+)
+LIBRARY.define(SPARSE_ATTENTION_SCHEMA, tags=(torch.Tag.cudagraph_unsafe,))
+
+
+def _current_step_for(q, layer_id):
     metadata = current_metadata(q.device)
     if metadata is None:
         raise ValueError(
@@ -486,12 +506,18 @@ def _mla_attention_kernel(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
             f"q has {q.shape[0]} tokens, the current step on {q.device} {metadata.num_actual_tokens}; call "
             "layer.plan(metadata) or mla_multi.set_step(metadata) for each step before the compiled forward"
         )
-    _eager(layer.forward, q, kv_c_normed, k_pe, kv_cache, metadata, output=output)
+    return metadata
 
 
-def _mla_attention_fake(q, kv_c_normed, k_pe, kv_cache, output, layer_id):
-    return None  # writes kv_cache and output in place, as declared; nothing changes shape
+def _mla_sparse_attention_kernel(q, kv_c_normed, k_pe, kv_cache, output, topk_indices, layer_id):
+    layer = layer_by_id(layer_id)
+    metadata = _current_step_for(q, layer_id)
+    _eager(layer.forward, q, kv_c_normed, k_pe, kv_cache, metadata, output=output, topk_indices=topk_indices)
 
 
-LIBRARY.impl("mla_attention", _mla_attention_kernel, "CompositeExplicitAutograd")
-torch.library.register_fake(f"{NAMESPACE}::mla_attention", _mla_attention_fake, lib=LIBRARY)
+def _mla_sparse_attention_fake(q, kv_c_normed, k_pe, kv_cache, output, topk_indices, layer_id):
+    return None  # writes kv_cache and output in place, as declared
+
+
+LIBRARY.impl("mla_sparse_attention", _mla_sparse_attention_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::mla_sparse_attention", _mla_sparse_attention_fake, lib=LIBRARY)

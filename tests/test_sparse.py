@@ -354,3 +354,40 @@ def test_triton_sparse_decode_reasons_per_platform():
         assert registry.select_sparse_backend("sparse_decode", dims, torch.bfloat16, torch.uint8, 2048,
                                               backend="REFERENCE").name == "REFERENCE"
 
+
+
+def test_compiled_sparse_layer_matches_eager_over_mixed_steps():
+    """A sparse MLAAttention inside Linear -> attention -> Linear under torch.compile(fullgraph=True): one opaque
+    op (mla_sparse_attention) with the step's topk positions; the same outputs and cache as eager, no
+    recompilation for new step compositions (dynamic shapes)."""
+    from torch._dynamo.utils import counters
+
+    from mla_multi.testing import PagedScenario
+
+    torch._dynamo.reset()
+    counters.clear()
+    dims = mm.MLADims.deepseek_v3(num_heads=2)
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(2 * 256, 512, generator=generator) / 512**0.5
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=256, max_num_seqs=4,
+                            sparse_topk=32)
+    lin = torch.nn.Linear(2 * 128, 8)
+
+    def model(q, kv_c, k_pe, cache, positions):
+        return lin(layer.forward(q, kv_c, k_pe, cache, None, topk_indices=positions))
+
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    scenario = PagedScenario(dims, 16, 32, torch.device("cpu"), torch.float32, seed=4)
+    eager_cache = torch.full((32, 16, 576), float("nan"))
+    compiled_cache = eager_cache.clone()
+    with torch.inference_mode():
+        for requests in ([(0, 20), (1, 9)], [(0, 1), (1, 1), (2, 12)], [(2, 1), (0, 1), (1, 5), (3, 7)]):
+            metadata, q, kv_c, k_pe = scenario.step(requests)
+            positions = scenario.topk_positions(requests, 24)
+            layer.plan(metadata)
+            expected = lin(layer.forward(q, kv_c, k_pe, eager_cache, metadata, topk_indices=positions))
+            got = compiled(q, kv_c, k_pe, compiled_cache, positions)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled_cache, eager_cache, rtol=0, atol=0, equal_nan=True)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
