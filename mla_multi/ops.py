@@ -16,6 +16,8 @@ can be stepped through without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mla_multi import checks, envs, errors, library
@@ -144,13 +146,16 @@ def _layout(tensor: torch.Tensor) -> tuple:
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
 
 
-def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> tuple:
+def _scale_key(k_scale):
     if k_scale is None or isinstance(k_scale, bool):
-        scale_key = k_scale
-    elif torch.is_tensor(k_scale):
-        scale_key = _layout(k_scale)
-    else:
-        scale_key = ("value", float(k_scale))
+        return k_scale
+    if torch.is_tensor(k_scale):
+        return _layout(k_scale)
+    return ("value", float(k_scale))
+
+
+def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> tuple:
+    scale_key = _scale_key(k_scale)
     if num_kv_splits is not None and (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)):
         raise TypeError("num_kv_splits")
     return (
@@ -505,6 +510,75 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
             q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink,
             backend=backend, return_lse=return_lse,
         )
+    scale = _check_float("scale", scale)
+    try:
+        key = ("sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
+               _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
+    except (AttributeError, TypeError):  # not tensors: the checks say what was wrong
+        key = None
+    plan = _SPARSE_PLANS.get(key)
+    if plan is None:
+        plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
+        if key is not None:
+            if len(_SPARSE_PLANS) >= _PLANS_MAX:
+                _SPARSE_PLANS.clear()
+            _SPARSE_PLANS[key] = plan
+    elif plan.data_checks:
+        checks.report_pending_errors(plan.device)
+        _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
+    tokens, heads, topk = plan.tokens, plan.heads, plan.topk
+    lengths = topk_length
+    if topk_length is not None and plan.q_len > 1:
+        lengths = topk_length.repeat_interleave(plan.q_len)
+    out, lse = plan.impl.forward(
+        q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1), kv_cache, indices.reshape(tokens, topk),
+        scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale, topk_length=lengths, attn_sink=attn_sink,
+    )
+    out = out.reshape(*plan.lead, heads, q_nope.shape[-1])
+    if not return_lse:
+        return out
+    _check_sparse_lse(lse, plan.backend_cls.name)
+    return out, lse.reshape(*plan.lead, heads)
+
+
+# Plans of the sparse ops, by the layouts of their tensors, their options and the MLA_MULTI_* environment:
+# a repeated call skips the shape checks, the backend selection and the impl's construction.
+_SPARSE_PLANS: dict = {}
+
+
+def _optional_layout(tensor) -> tuple | None:
+    return None if tensor is None else _layout(tensor)
+
+
+@dataclasses.dataclass
+class _SparsePlan:
+    backend_cls: type
+    impl: object
+    device: torch.device
+    lead: tuple
+    tokens: int
+    heads: int
+    topk: int
+    q_len: int
+    num_slots: int
+    k_scale: torch.Tensor | None  # the tensor of a float k_scale, made once
+    data_checks: bool
+
+
+def _check_sparse_index_data(indices, topk_length, num_slots: int, topk: int, out_of_range_is_bad: bool) -> None:
+    """With the data checks on: decode indices inside [-1, num_slots), topk_length inside [0, topk]."""
+    if out_of_range_is_bad:
+        values = indices.detach().cpu()
+        bad = values[(values < -1) | (values >= num_slots)]
+        if bad.numel():
+            raise ValueError(f"indices hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
+    if topk_length is not None:
+        lengths = topk_length.detach().cpu()
+        if bool((lengths < 0).any()) or bool((lengths > topk).any()):
+            raise ValueError(f"topk_length={lengths.tolist()}; accepted: values in [0, {topk}]")
+
+
+def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend) -> _SparsePlan:
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
     checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None),
@@ -531,22 +605,15 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
                          f"fp8_ds_mla cache of {FP8_DS_MLA_BYTES} bytes a token")
     else:
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
-    scale = _check_float("scale", scale)
     batch = lead[0]
     q_len = lead[1] if len(lead) == 2 else 1
     tokens = batch * q_len
     _check_sparse_extras(tokens, heads, topk_length, attn_sink, device, length_rows=batch)
     checks.report_pending_errors(device)
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if checks.data_checks_enabled(device):
-        values = indices.detach().cpu()
-        bad = values[(values < -1) | (values >= num_slots)]
-        if bad.numel():
-            raise ValueError(f"indices hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
-        if topk_length is not None:
-            lengths = topk_length.detach().cpu()
-            if bool((lengths < 0).any()) or bool((lengths > topk).any()):
-                raise ValueError(f"topk_length={lengths.tolist()}; accepted: values in [0, {topk}]")
+    data_checks = checks.data_checks_enabled(device)
+    if data_checks:
+        _check_sparse_index_data(indices, topk_length, num_slots, topk, out_of_range_is_bad=True)
 
     dims = MLADims(heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
     from mla_multi.registry import select_sparse_backend
@@ -554,16 +621,9 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     backend_cls = select_sparse_backend("sparse_decode", dims, q_nope.dtype, kv_cache.dtype, topk,
                                         max_query_len=q_len, backend=backend)
     impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
-    lengths = None if topk_length is None else topk_length.repeat_interleave(q_len)
-    out, lse = impl.forward(
-        q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1), kv_cache, indices.reshape(tokens, topk),
-        scale, k_scale=_scale_tensor(k_scale, device), topk_length=lengths, attn_sink=attn_sink,
-    )
-    out = out.reshape(*lead, heads, q_nope.shape[-1])
-    if not return_lse:
-        return out
-    _check_sparse_lse(lse, backend_cls.name)
-    return out, lse.reshape(*lead, heads)
+    k_scale_tensor = None if k_scale is None or torch.is_tensor(k_scale) else _scale_tensor(k_scale, device)
+    return _SparsePlan(backend_cls, impl, device, lead, tokens, heads, topk, q_len, num_slots, k_scale_tensor,
+                       data_checks)
 
 
 def _check_sparse_lse(lse, name: str) -> None:

@@ -391,3 +391,32 @@ def test_compiled_sparse_layer_matches_eager_over_mixed_steps():
             torch.testing.assert_close(compiled_cache, eager_cache, rtol=0, atol=0, equal_nan=True)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_sparse_decode_plans_once_per_layout_and_still_checks_the_data(monkeypatch):
+    from mla_multi import ops, registry as registry_module
+
+    ops._SPARSE_PLANS.clear()
+    selections = []
+    select = registry_module.select_sparse_backend
+
+    def counting(*args, **kwargs):
+        selections.append(args[0])
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(registry_module, "select_sparse_backend", counting)
+    generator = torch.Generator().manual_seed(8)
+    cache = torch.randn(4, 16, 576, generator=generator)
+    q_nope, q_pe = torch.randn(3, 2, LKV, generator=generator), torch.randn(3, 2, ROPE, generator=generator)
+    first = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, random_indices(generator, 3, 32, 64), 0.05)
+    other = random_indices(generator, 3, 32, 64)
+    second = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, other, 0.05)
+    assert len(selections) == 1  # the second call of the same layout reuses the plan
+    ref, _ = naive_sparse(q_nope, q_pe, cache.view(-1, 576), other, 0.05)
+    assert rel(second, ref) < 1e-5 and not torch.equal(first, second)
+    other[1, 4] = 64  # bad data is still an error on a planned layout (the data checks run on CPU tensors)
+    with pytest.raises(ValueError, match="indices hold"):
+        mm.ops.mla_sparse_decode(q_nope, q_pe, cache, other, 0.05)
+    mm.ops.mla_sparse_decode(q_nope, q_pe, cache.double().float(), other.clamp_max(63), 0.05, topk_length=None)
+    mm.ops.mla_sparse_decode(q_nope[:2], q_pe[:2], cache, other[:2].clamp_max(63), 0.05)  # a new layout: planned
+    assert len(selections) == 2
