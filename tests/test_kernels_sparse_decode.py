@@ -85,7 +85,7 @@ def _run_case(case):
     }
     # the op forced to TRITON under the interpreter (CPU platform interpreted): a 16-bit cache goes through
     # the index compaction and the dense decode kernels
-    if fmt == "fp16" and not case_id.endswith("bad-indices"):
+    if fmt in ("fp16", "ds") and not case_id.endswith("bad-indices"):
         via_op = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, indices, 0.05, topk_length=lengths, attn_sink=sink,
                                           backend="TRITON")
         result["op_err"] = ((via_op.float() - ref).norm() / ref.norm()).item()
@@ -121,7 +121,8 @@ def _run_prefill():
         "lse_pattern": bool(torch.equal(torch.isfinite(lse), finite)),
         "none_row_zero": bool((out[3] == 0).all()) and bool(torch.isneginf(lse[3]).all()),
         "flag": int(errors.error_flag("cpu").item()),
-        "op_matches": bool(torch.equal(via_op, out)),
+        # the op's TRITON prefill runs the dense decode kernels over the compacted indices
+        "op_err": ((via_op.float() - ref).norm() / ref.norm()).item(),
     }
 
 
@@ -160,7 +161,7 @@ def test_sparse_prefill_kernel_under_the_interpreter(results):
     result = results["prefill"]
     assert result["violations"] == 0 and result["flag"] == 0, result
     assert result["out_err"] < 2e-3 and result["lse_pattern"] and result["lse_err"] < 1e-3, result
-    assert result["none_row_zero"] and result["op_matches"], result
+    assert result["none_row_zero"] and result["op_err"] < 2e-3, result
 
 
 if __name__ == "__main__" and "--interpreter" in sys.argv:

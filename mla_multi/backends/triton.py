@@ -273,26 +273,26 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
 
 
 class TritonSparseDecodeImpl(MLASparseImpl):
-    """16-bit and per-tensor FP8 caches: each token's valid indices are compacted (one launch) into the
-    block-table row of a cache of one-token pages, which the dense split-KV decode kernels then read (their
-    split heuristic, their sm_90 warpgroup kernels); fp8_ds_mla caches: the sparse kernel."""
+    """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
+    pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
+    kernels): 16-bit and per-tensor FP8 caches as they are; an fp8_ds_mla cache's named rows are first
+    dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        if kv.dtype != torch.uint8:
-            return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
-        from mla_multi.kernels.sparse_decode import sparse_decode
-
-        return sparse_decode(q_nope, q_pe, kv, indices, scale, k_scale=k_scale, topk_length=topk_length,
-                             attn_sink=attn_sink)
+        return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
 
 
-def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink):
+def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
+                                 out_of_range_is_none: bool = False):
     from mla_multi import ops
-    from mla_multi.kernels.sparse_indices import compact_indices
+    from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
 
     num_slots = kv.shape[0] * kv.shape[1]
-    table, lens = compact_indices(indices, num_slots, topk_length)
-    pages = kv.reshape(num_slots, 1, kv.shape[-1])
+    table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
+    if kv.dtype == torch.uint8:  # fp8_ds_mla: the named rows dequantised once into one-token pages
+        pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+    else:
+        pages = kv.reshape(num_slots, 1, kv.shape[-1])
     out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
                               return_lse=True)
     if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
@@ -331,15 +331,16 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
 
 
 class TritonSparsePrefillImpl(MLASparseImpl):
-    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        from mla_multi.kernels.sparse_decode import sparse_prefill
+    """Every query token a decode request over the kv rows as one-token pages: the compacted indices (an index
+    outside [0, S_kv) is no token) feed the dense decode kernels."""
 
-        return sparse_prefill(q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
+    def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        return _sparse_through_dense_decode(q_nope, q_pe, kv.unsqueeze(1), indices, scale, None, topk_length,
+                                            attn_sink, out_of_range_is_none=True)
 
 
 class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):
-    """The sparse decode kernel over kv rows [S_kv, 576] (16-bit). Ranked after REFERENCE (forced only) until
-    it is measured on a GPU."""
+    """Sparse prefill over kv rows [S_kv, 576] (16-bit) through the dense decode kernels."""
 
     name: ClassVar[str] = "TRITON"
     supported_kv_dtypes = (torch.float16, torch.bfloat16)

@@ -78,10 +78,11 @@ def _finish_rows_kernel(Bad_rows, Out, Lse, row_width, lse_width, stride_o_t, st
 @triton.jit
 def _compact_indices_kernel(
     Indices, Topk_length, Table, Lens, Error_flag, num_slots, topk, stride_in_t, stride_table_t,
-    BLOCK: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_LENGTH: tl.constexpr, OUT_OF_RANGE_IS_NONE: tl.constexpr = False,
 ):
     """Each token's valid indices, in order (duplicates kept), to the front of its Table row; Lens = their
-    count, or topk + 1 (past the row: the dense decode's NaN rows) when an index is bad."""
+    count, or topk + 1 (past the row: the dense decode's NaN rows) when an index is bad (decode; in prefill an
+    index outside [0, num_slots) is no token)."""
     token = tl.program_id(0)
     count = topk
     if HAS_LENGTH:
@@ -92,7 +93,8 @@ def _compact_indices_kernel(
         offs = start + tl.arange(0, BLOCK)
         in_list = offs < topk
         idx = tl.load(Indices + token * stride_in_t + offs, mask=in_list, other=-1)
-        any_bad = any_bad | (in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32)
+        if not OUT_OF_RANGE_IS_NONE:
+            any_bad = any_bad | (in_list & ((idx < -1) | (idx >= num_slots))).to(tl.int32)
         valid = (offs < count) & (idx >= 0) & (idx < num_slots)
         position = written + tl.cumsum(valid.to(tl.int32), axis=0) - 1
         tl.store(Table + token * stride_table_t + position, idx, mask=valid)
@@ -103,7 +105,8 @@ def _compact_indices_kernel(
         tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
 
 
-def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None):
+def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
+                    out_of_range_is_none: bool = False):
     """(table [T, topk] int32, lens [T] int32): each token's valid indices first, in order, as the block-table
     row of a paged cache of one-token pages (slot = page), and their count; a token with a bad index (outside
     [-1, num_slots)) gets lens = topk + 1, which the dense decode turns into NaN rows, and the error flag."""
@@ -115,9 +118,58 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
             indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
             num_slots, topk, indices.stride(0), table.stride(0),
             BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), HAS_LENGTH=topk_length is not None,
-            num_warps=4,
+            OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=4,
         )
     return table, lens
+
+
+@triton.jit
+def _dequant_rows_kernel(Table, Lens, Cache, Rows, topk, stride_table_t, stride_cache_slot, stride_rows,
+                         ROWS: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """The fp8_ds_mla rows a token's compacted table names, dequantised into its own stretch of Rows
+    (row token * topk + j), and the table pointed at them. A token marked bad (Lens > topk) is left alone:
+    its table holds fewer entries than its length, and the decode makes its rows NaN from the length."""
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    count = tl.load(Lens + token)
+    count = tl.where(count > topk, 0, count)
+    valid = offs < count
+    slot = tl.load(Table + token * stride_table_t + offs, mask=valid, other=0).to(tl.int64)
+    row = Cache + slot * stride_cache_slot
+    offs_d = tl.arange(0, KV_LORA_RANK)
+    raw = tl.load(row[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale_ptr = (row + KV_LORA_RANK).to(tl.pointer_type(tl.float32))
+    tile_scale = tl.load(scale_ptr[:, None] + tl.arange(0, KV_LORA_RANK // 128)[None, :], mask=valid[:, None],
+                         other=0.0)
+    latent = tl.reshape(tl.reshape(values, [ROWS, KV_LORA_RANK // 128, 128]) * tile_scale[:, :, None],
+                        [ROWS, KV_LORA_RANK])
+    offs_r = tl.arange(0, ROPE_DIM)
+    rope_ptr = (row + KV_LORA_RANK + 4 * (KV_LORA_RANK // 128)).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+    target = token.to(tl.int64) * topk + offs
+    out = Rows + target * stride_rows
+    tl.store(out[:, None] + offs_d[None, :], latent.to(Rows.dtype.element_ty), mask=valid[:, None])
+    tl.store(out[:, None] + KV_LORA_RANK + offs_r[None, :], rope.to(Rows.dtype.element_ty), mask=valid[:, None])
+    tl.store(Table + token * stride_table_t + offs, target.to(tl.int32), mask=valid)
+
+
+_DEQUANT_ROWS = 16
+
+
+def dequantize_named_rows(table: torch.Tensor, lens: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype):
+    """fp8_ds_mla cache rows named by a compacted table ([T, topk], `compact_indices`) -> a [T * topk, 1, 576]
+    cache of `dtype` one-token pages, each token's rows in its own stretch, and the table pointed at them
+    (in place). T * topk * 576 values of scratch; the rows no table entry names stay unwritten."""
+    tokens, topk = table.shape
+    flat = cache.reshape(-1, cache.shape[-1])
+    rows = torch.empty(tokens * topk, 576, dtype=dtype, device=table.device)
+    if tokens and topk:
+        _dequant_rows_kernel[(tokens, triton.cdiv(topk, _DEQUANT_ROWS))](
+            table, lens, flat, rows, topk, table.stride(0), flat.stride(0), rows.stride(0),
+            ROWS=_DEQUANT_ROWS, KV_LORA_RANK=512, ROPE_DIM=64, num_warps=4,
+        )
+    return rows.view(tokens * topk, 1, 576), table
 
 
 _BLOCK = 1024
@@ -209,8 +261,17 @@ def compile_specs(platform) -> list:
                  "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_table_t": "i32",
                  "BLOCK": "constexpr", "HAS_LENGTH": "constexpr"}
     specs.append(CompileSpec(
-        name="compact_indices", fn=_compact_indices_kernel, signature=signature,
-        constexprs={"BLOCK": _BLOCK, "HAS_LENGTH": True}, options={"num_warps": 4},
+        name="compact_indices", fn=_compact_indices_kernel, signature=dict(signature, OUT_OF_RANGE_IS_NONE="constexpr"),
+        constexprs={"BLOCK": _BLOCK, "HAS_LENGTH": True, "OUT_OF_RANGE_IS_NONE": False}, options={"num_warps": 4},
         divisible_by_16=("Indices", "Table", "stride_in_t", "stride_table_t"),
     ))
+    signature = {"Table": "*i32", "Lens": "*i32", "Cache": "*u8", "Rows": "*bf16", "topk": "i32",
+                 "stride_table_t": "i32", "stride_cache_slot": "i32", "stride_rows": "i32", "ROWS": "constexpr",
+                 "KV_LORA_RANK": "constexpr", "ROPE_DIM": "constexpr"}
+    if not (platform.is_cuda() and not platform.has_device_capability(8, 9)):  # sm_80: FP8 is a reason
+        specs.append(CompileSpec(
+            name="dequant_rows[ds_mla,bf16]", fn=_dequant_rows_kernel, signature=signature,
+            constexprs={"ROWS": _DEQUANT_ROWS, "KV_LORA_RANK": 512, "ROPE_DIM": 64}, options={"num_warps": 4},
+            divisible_by_16=("Table", "Cache", "Rows", "stride_table_t", "stride_cache_slot", "stride_rows"),
+        ))
     return specs
