@@ -96,8 +96,8 @@ DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
 
 # Sparse MLA: FLASHMLA first on NVIDIA where its wheel is installed (sm_90 / sm_100, 64 or 128
 # heads, fp8_ds_mla decode and bf16 prefill): its kernels are the fastest measured there. TRITON
-# next on every GPU (bench/RESULTS.md, "Sparse MLA on an H100": 16-bit and FP8 caches through the
-# dense decode kernels, fp8_ds_mla through the sparse kernel), then the PyTorch REFERENCE (every
+# next on every GPU (bench/RESULTS.md, "Sparse MLA on an H100": every cache through the dense decode
+# kernels over compacted indices), then the PyTorch REFERENCE (every
 # platform, one gather, no host sync). On gfx942 / gfx950 ROCM_AITER (aiter's MLA decode kernel,
 # one request per query token, bfloat16 caches) comes first; both phases (the prefill list is a copy).
 SPARSE_DECODE_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = {
