@@ -165,3 +165,45 @@ def test_the_bound_changes_no_benchmarked_split_choice():
                                 if bound != free:
                                     changed.append((device, heads, batch, seq_len, q_len, dtype, free, bound))
     assert not changed, changed[:5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_backend", [None, "TRITON", "FLASHINFER", "FLASHMLA"])
+@pytest.mark.parametrize("heads,bound_mib", [(16, 160), (128, 640)])
+def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, bound_mib, decode_backend):
+    """DeepSeek-V3 with max_num_seqs 256 and max_model_len 32768 on the GPU (torch.cuda.memory_allocated): 61
+    layers hold at most 1.05x what one layer holds beyond their own weights, and that is within the decode
+    bound (160 MiB at 16 heads, 640 MiB at 128), for the registry's decode backend and each installed one."""
+    import gc
+
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    try:
+        if decode_backend:
+            mm.select_decode_backend(dims, torch.bfloat16, backend=decode_backend, block_size=64)
+    except Exception as error:  # not installed here, or cannot run this: its reason
+        pytest.skip(f"{decode_backend}: {str(error).splitlines()[0][:200]}")
+    device = torch.device("cuda")
+    mm.workspace.set_workspace_manager(None, device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    weight = torch.randn(heads * 256, 512, device=device, dtype=torch.bfloat16)
+    per_layer_weights = 2 * heads * 128 * 512 * 2  # each layer's W_UK and W_UV (bf16)
+
+    def layer():
+        return mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=64, max_model_len=32768,
+                               max_num_seqs=256, decode_backend=decode_backend)
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    layers = [layer()]
+    one = torch.cuda.memory_allocated() - base - per_layer_weights
+    layers += [layer() for _ in range(60)]
+    sixty_one = torch.cuda.memory_allocated() - base - 61 * per_layer_weights
+    try:
+        assert sixty_one <= 1.05 * one, (sixty_one / 2**20, one / 2**20)
+        assert one <= bound_mib * 2**20, one / 2**20
+    finally:
+        del layers
+        mm.workspace.set_workspace_manager(None, device)
+        gc.collect()
+        torch.cuda.empty_cache()
