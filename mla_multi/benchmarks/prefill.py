@@ -35,11 +35,13 @@ def parse_config(text: str):
     """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only)."""
     from mla_multi.kernels.launch_config import PrefillLaunchConfig
 
-    match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?", text)
+    match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?(ws)?", text)
     if match is None:
-        raise ValueError(f"config {text!r}; accepted: m<block_m>n<block_n>w<warps>s<stages>[tma], e.g. m128n64w8s3")
+        raise ValueError(f"config {text!r}; accepted: m<block_m>n<block_n>w<warps>s<stages>[tma][ws], e.g. m128n64w8s3 "
+                         "(tma: K/V tiles by TMA; ws: Triton's warp specialisation of the unmasked key loop)")
     block_m, block_n, warps, stages = (int(x) for x in match.groups()[:4])
-    return PrefillLaunchConfig(block_m, block_n, warps, stages, use_tma=match.group(5) is not None)
+    return PrefillLaunchConfig(block_m, block_n, warps, stages, use_tma=match.group(5) is not None,
+                               warp_specialize=match.group(6) is not None)
 
 
 def prefill_flops(num_heads: int, batch: int, seqlen: int, causal: bool = True) -> float:

@@ -616,12 +616,15 @@ class PrefillLaunchConfig(_MatrixTileLaunch):
     waves_per_eu: int | None = None
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
+    warp_specialize: bool = False
 
     @property
     def name(self) -> str:
         text = f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
         if self.use_tma:
             text += "tma"
+        if self.warp_specialize:
+            text += "ws"
         return text + self._amd_suffix()
 
 

@@ -118,6 +118,7 @@ def _attend_tiles(
     PAD_DQK_B: tl.constexpr,
     PAD_DV: tl.constexpr,
     USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """One pass of the online softmax over key tiles [start_n_lo, start_n_hi); the
     K/V pointers (not the descriptor coordinates) already point at key start_n_lo.
@@ -130,7 +131,7 @@ def _attend_tiles(
     ``head * stride_h + d``; masked tiles always use pointer loads so keys of a
     neighbouring sequence are never read into the softmax.
     """
-    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+    for start_n in tl.range(start_n_lo, start_n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if MASKED:
             key_in = (start_n + offs_n) < seqlen_k
@@ -239,6 +240,7 @@ def _varlen_attention_kernel(
     CAUSAL: tl.constexpr,
     STORE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     HAS_DQK_B: tl.constexpr = BLOCK_DQK_B > 0
     PAD_DQK_B: tl.constexpr = BLOCK_DQK_A + BLOCK_DQK_B != HEAD_DIM_QK
@@ -332,7 +334,7 @@ def _varlen_attention_kernel(
         0, unmasked_hi, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
         qk_scale_log2, offs_d_b, offs_dv,
         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
-        False, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA,
+        False, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA, WARP_SPECIALIZE,
     )  # fmt: skip
     # 64-bit advance: unmasked_hi * stride overflows int32 past ~87K keys at 128 x 192.
     skip_k = unmasked_hi.to(tl.int64) * stride_k_t
@@ -586,6 +588,8 @@ def varlen_attention(
     if descriptors is None:
         constexprs["USE_TMA"] = False
         descriptors = (None, None, None)
+    if getattr(config, "warp_specialize", False):
+        constexprs["WARP_SPECIALIZE"] = True
     num_m_blocks = max(1, triton.cdiv(max_seqlen_q, config.block_m))
     grid = (num_m_blocks, num_heads, batch)
     lse_arg = lse if return_lse else out  # never written when STORE_LSE is False
@@ -632,6 +636,7 @@ def compile_specs(platform) -> list:
                 constexprs = kernel_constexprs(
                     head_dim_qk, head_dim_v, config.block_m, config.block_n, causal, store_lse, use_tma
                 )
+                constexprs["WARP_SPECIALIZE"] = bool(config.warp_specialize and use_tma)
                 ty = _TRITON_DTYPE_NAMES[dtype]
                 signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32"}
                 if use_tma:
