@@ -1,5 +1,5 @@
-"""Eager and graph-replayed time of the decode op and of a layer's decode step, beside FlashMLA where it is
-installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
+"""Eager and graph-replayed time of the decode op and of a layer's decode step, beside FlashMLA and FlashInfer
+(its wrapper.run, planned outside) where they are installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
 
     PYTHONPATH=. python3 bench/host_bench.py
 
@@ -19,6 +19,12 @@ try:
     import flash_mla
 except Exception:  # noqa: BLE001
     flash_mla = None
+try:
+    from mla_multi.backends.flashinfer import FlashInferDecodeBackend
+
+    FLASHINFER = not FlashInferDecodeBackend.availability_reasons()
+except Exception:  # noqa: BLE001
+    FLASHINFER = False
 
 
 def graph_time(fn, reps=20):
@@ -88,6 +94,22 @@ for n, b, s in ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (1
             line += f"  FlashMLA {fe:7.1f} / {fc:7.1f}  eager ratio {e / fe:5.2f}  diff {err:.1e}"
         except Exception as error:  # noqa: BLE001
             line += f"  FlashMLA failed: {type(error).__name__}: {str(error)[:100]}"
+    if FLASHINFER:
+        # FlashInfer's own wrapper.run, its plan made once outside the timing (through the package's planner)
+        from mla_multi.backends.flashinfer import FlashInferDecodeImpl
+
+        impl = FlashInferDecodeImpl(n, scale, 512, 64, torch.bfloat16, BS, torch.device(dev))
+        fi_plan = impl.plan(sl.cpu(), bt)
+
+        def flashinfer_run():
+            state["i"] = (state["i"] + 1) % len(caches)
+            return fi_plan.wrapper.run(query=(qn, qp), kv_cache=caches[state["i"]], return_lse=True,
+                                       return_lse_base_on_e=True)[0]
+
+        try:
+            line += f"  FlashInfer eager {eager_time(flashinfer_run):7.1f}"
+        except Exception as error:  # noqa: BLE001
+            line += f"  FlashInfer failed: {type(error).__name__}: {str(error)[:100]}"
     print(line, flush=True)
     if (n, b) == (128, 1):
         import time
