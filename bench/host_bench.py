@@ -57,10 +57,13 @@ def busy_eager(fn, calls=50):
     return sorted(times)[len(times) // 2]
 
 
+import sys
+
+MIXED_ONLY = "--mixed-only" in sys.argv
 print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
 print("decode op (bf16, block 64): eager / captured us; FlashMLA eager / captured")
 scale = 192**-0.5
-for n, b, s in ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (128, 32, 8192), (16, 64, 8192),
+for n, b, s in () if MIXED_ONLY else ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (128, 32, 8192), (16, 64, 8192),
                 (64, 64, 8192), (128, 1, 32768)):
     copies = max(1, (128 << 20) // (b * s * 576 * 2))
     nb = b * s // BS
@@ -132,7 +135,7 @@ for n, b, s in ((16, 1, 8192), (128, 1, 8192), (16, 8, 8192), (128, 8, 8192), (1
 print("layer decode step, N=128 (plan outside): eager / captured us")
 dims = mm.MLADims.deepseek_v3(num_heads=128)
 weight = (torch.randn(128 * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
-for b, s in ((1, 8192), (64, 4096), (128, 4096)):
+for b, s in () if MIXED_ONLY else ((1, 8192), (64, 4096), (128, 4096)):
     layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=8192, max_num_seqs=128)
     nb = b * s // BS + 1
     cache = torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16)
@@ -163,7 +166,7 @@ for b, s in ((1, 8192), (64, 4096), (128, 4096)):
     print(f"B={b:3d} S={s:5d}  eager {e:7.1f}  captured {c:7.1f}  eager - captured {e - c:6.1f}  ({sync})", flush=True)
 
 print("61 layers of DeepSeek-V3, max_num_seqs 256, max_model_len 32768 (workspace beyond the weights)")
-for heads in (16, 128):
+for heads in () if MIXED_ONLY else (16, 128):
     mm.workspace.set_workspace_manager(None, dev)
     dims = mm.MLADims.deepseek_v3(num_heads=heads)
     weight = torch.randn(heads * 256, 512, device=dev, dtype=torch.bfloat16)
@@ -181,36 +184,49 @@ for heads in (16, 128):
           f"{(after_all - weights) / 2**20:8.1f} MiB, workspace {layers[0].workspace.size_bytes / 2**20:.1f} MiB")
     del layers, one
 
-print("mixed step peak: 64 decodes + 16 prefills x 512 new tokens with 3584 cached, N=16, 61-layer reservation")
-mm.workspace.set_workspace_manager(None, dev)
-heads = 16
-dims = mm.MLADims.deepseek_v3(num_heads=heads)
-weight = (torch.randn(heads * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
-layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256)
-query_lens = [1] * 64 + [512] * 16
-seq_lens = [4096] * 64 + [4096] * 16
-blocks = 4096 // BS
-nb = len(seq_lens) * blocks
-cache = torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16)
-bt = torch.randperm(nb, device=dev).int().reshape(len(seq_lens), blocks)
-md = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, bt, BS)
-t = sum(query_lens)
-q = torch.randn(t, heads, 192, device=dev, dtype=torch.bfloat16)
-kv = torch.randn(t, 512, device=dev, dtype=torch.bfloat16)
-kpe = torch.randn(t, 64, device=dev, dtype=torch.bfloat16)
-out = torch.empty(t, heads * 128, device=dev, dtype=torch.bfloat16)
-layer.plan(md)
-layer.forward(q, kv, kpe, cache, md, output=out)
-torch.cuda.synchronize()
-before = torch.cuda.memory_allocated()
-torch.cuda.reset_peak_memory_stats()
-layer.forward(q, kv, kpe, cache, md, output=out)
-torch.cuda.synchronize()
-peak = torch.cuda.max_memory_allocated() - before
-chunk = layer.workspace_tokens
-bound = min(chunk, 16 * 3584) * heads * (128 + 128) * 2
-print(f"workspace {layer.workspace.size_bytes / 2**20:.1f} MiB reserved; step peak beyond it and the step's tensors "
-      f"{peak / 2**20:.1f} MiB; one chunk's up-projected K and V (tokens x N x (P + V), bf16) {bound / 2**20:.1f} MiB; "
-      f"chunks {md.backend_plans and [p for k, p in md.backend_plans.items() if isinstance(k, tuple) and k[0] == 'prefill_metadata'][0].chunked_context.num_chunks}")
-e = eager_time(lambda: layer.forward(q, kv, kpe, cache, md, output=out))
-print(f"mixed step eager {e:.1f} us")
+
+def mixed_step_peak(prefill_backend=None, split_key=True):
+    """The peak memory of one mixed step beyond the shared workspace and the step's tensors (split_key=False:
+    the rotary key repeated per head even where the prefill backend takes it apart)."""
+    print("mixed step peak: 64 decodes + 16 prefills x 512 new tokens with 3584 cached, N=16, 61-layer reservation, "
+          f"prefill {prefill_backend or 'chosen by the registry'}")
+    mm.workspace.set_workspace_manager(None, dev)
+    heads = 16
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    weight = (torch.randn(heads * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
+    layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256,
+                            prefill_backend=prefill_backend)
+    if not split_key:
+        layer.prefill_impl.__dict__["takes_split_key"] = False
+    print(f"  prefill {layer.prefill_backend.name}, rotary key apart: {getattr(layer.prefill_impl, 'takes_split_key', False)}")
+    query_lens = [1] * 64 + [512] * 16
+    seq_lens = [4096] * 64 + [4096] * 16
+    blocks = 4096 // BS
+    nb = len(seq_lens) * blocks
+    cache = torch.randn(nb, BS, 576, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(nb, device=dev).int().reshape(len(seq_lens), blocks)
+    md = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, bt, BS)
+    t = sum(query_lens)
+    q = torch.randn(t, heads, 192, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(t, 512, device=dev, dtype=torch.bfloat16)
+    kpe = torch.randn(t, 64, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(t, heads * 128, device=dev, dtype=torch.bfloat16)
+    layer.plan(md)
+    layer.forward(q, kv, kpe, cache, md, output=out)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    layer.forward(q, kv, kpe, cache, md, output=out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    chunk = layer.workspace_tokens
+    bound = min(chunk, 16 * 3584) * heads * (128 + 128) * 2
+    print(f"workspace {layer.workspace.size_bytes / 2**20:.1f} MiB reserved; step peak beyond it and the step's tensors "
+          f"{peak / 2**20:.1f} MiB; one chunk's up-projected K and V (tokens x N x (P + V), bf16) {bound / 2**20:.1f} MiB; "
+          f"chunks {md.backend_plans and [p for k, p in md.backend_plans.items() if isinstance(k, tuple) and k[0] == 'prefill_metadata'][0].chunked_context.num_chunks}")
+    e = eager_time(lambda: layer.forward(q, kv, kpe, cache, md, output=out))
+    print(f"mixed step eager {e:.1f} us")
+
+
+for split_key in (True, False) if MIXED_ONLY else (True,):
+    mixed_step_peak(None, split_key)

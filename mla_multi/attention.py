@@ -473,8 +473,10 @@ class MLAAttention:
     # tokens up-projected at a time for K's nope part: bounds the temporary beside K and V
     _UP_PROJECT_BLOCK = 8192
 
-    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent rows -> per-head k [T, N, P + R] and v [T, N, V], both contiguous.
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
+        """Latent rows -> (k, v, k_pe): per-head k [T, N, P + R] and v [T, N, V], both contiguous, and None;
+        or, where the prefill backend takes the shared rotary key apart (`takes_split_key`), k [T, N, P] and
+        the rotary rows k_pe [T, R] as given (never repeated per head: a fifth less for MLA).
 
         V comes straight from its own product; K's nope part is computed in
         blocks of tokens into K, so a chunk costs K and V plus one block's
@@ -484,26 +486,29 @@ class MLAAttention:
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         tokens = kv_c.shape[0]
         value = torch.matmul(kv_c, self._W_UV_rows.t()).view(tokens, n, v)
+        if getattr(self.prefill_impl, "takes_split_key", False):
+            return torch.matmul(kv_c, self._W_UK_rows.t()).view(tokens, n, p), value, k_pe
         key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
         for start in range(0, tokens, self._UP_PROJECT_BLOCK):
             end = min(tokens, start + self._UP_PROJECT_BLOCK)
             key[start:end, :, :p] = torch.matmul(kv_c[start:end], self._W_UK_rows.t()).view(end - start, n, p)
         key[:, :, p:] = k_pe.unsqueeze(1)
-        return key, value
+        return key, value, None
 
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
         d = self.dims
         prefill_metadata = self._prefill_metadata(metadata)
         q_prefill = q[num_decode_tokens:]
-        key, value = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
+        key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
+        split = {} if key_pe is None else {"k_pe": key_pe}
         chunked = prefill_metadata.chunked_context
         if chunked is None:
-            out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False)
+            out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False, **split)
         else:
             suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
-                prefill_metadata, q_prefill, key, value, True
+                prefill_metadata, q_prefill, key, value, True, **split
             )
-            del key, value  # the chunks' K and V take their place: one chunk's at a time
+            del key, value, split  # the chunks' K and V take their place: one chunk's at a time
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:
@@ -524,11 +529,13 @@ class MLAAttention:
                         num_tokens=chunked.seq_tot[chunk_idx],
                         out=gathered,
                     )
-                chunk_key, chunk_value = self._up_project(rows[:, : d.kv_lora_rank], rows[:, d.kv_lora_rank :])
+                chunk_key, chunk_value, chunk_pe = self._up_project(rows[:, : d.kv_lora_rank],
+                                                                    rows[:, d.kv_lora_rank :])
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
-                    prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value
+                    prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value,
+                    **({} if chunk_pe is None else {"k_pe": chunk_pe}),
                 )
-                del chunk_key, chunk_value
+                del chunk_key, chunk_value, chunk_pe
                 if context_out is None:
                     context_out, context_lse = chunk_out, chunk_lse
                 else:

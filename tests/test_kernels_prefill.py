@@ -124,6 +124,19 @@ def _run_interpreter_case(case):
         q, k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, return_lse=False, config=config
     )
     result["no_lse_out_equal"] = bool(torch.equal(out2, out)) and lse2 is None
+    if dqk == 192 and num_kv_heads == num_heads:
+        # the rotary key apart (k_pe, shared by the heads): k [.., 128] and k_pe [T, 64]
+        k_pe = torch.randn(total_k, 64, generator=generator).to(dtype)
+        k_shared = k.clone()
+        k_shared[:, :, 128:] = k_pe[:, None, :]
+        split_out, split_lse = varlen_attention(
+            q, k_shared[:, :, :128], v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, config=config,
+            k_pe=k_pe,
+        )
+        ref_out, ref_lse = _reference(q, k_shared, v, cu_q, cu_k, scale, causal)
+        split = _compare(split_out, split_lse, ref_out, ref_lse)
+        result["split_out_err"], result["split_lse_err"] = split["out_err"], split["lse_err"]
+        result["split_ok"] = not split["out_nan"] and not split["lse_nan"] and split["inf_pattern_ok"]
     return result
 
 
@@ -147,6 +160,8 @@ def test_varlen_attention_interpreter(interpreter_results, case):
     assert result["lse_err"] <= 1e-4, result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
     assert result["returned_buffers"] and result["no_lse_out_equal"], result
+    if "split_ok" in result:  # MLA dims: the same attention with the rotary key apart
+        assert result["split_ok"] and result["split_out_err"] <= tol and result["split_lse_err"] <= 1e-4, result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +228,7 @@ _GPU_LENGTHS = [1, 17, 128, 300, 1000, 2049, 8192, 0, 77]
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
-@pytest.mark.parametrize("tile", [None, "tma"], ids=["default", "tma"])
+@pytest.mark.parametrize("tile", [None, "tma", "split"], ids=["default", "tma", "split-key"])
 def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
     from mla_multi.kernels.launch_config import PrefillLaunchConfig, prefill_config
     from mla_multi.kernels.prefill import varlen_attention
@@ -236,6 +251,11 @@ def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
     q = torch.randn(total_q, num_heads, 256, device=device, dtype=dtype)[:, :, :192]
     kv = torch.randn(total_k, num_heads, 192 + 128, device=device, dtype=dtype)
     k, v = kv[:, :, :192], kv[:, :, 192:]
+    split = {}
+    if tile == "split":  # one rotary key for every head, passed apart
+        k_pe = torch.randn(total_k, 576, device=device, dtype=dtype)[:, 512:]  # rows of a latent cache
+        kv[:, :, 128:192] = k_pe[:, None, :]
+        split = {"k_pe": k_pe}
     cu_q, cu_k = _cu(qlens, device), _cu(klens, device)
     scale = 192**-0.5
     out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
@@ -246,7 +266,8 @@ def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
         constexprs = kernel_constexprs(192, 128, config.block_m, config.block_n, causal, True, True)
         assert _tma_descriptors(k, v, constexprs) is not None
     varlen_attention(
-        q, k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out, lse=lse, config=config
+        q, k[:, :, :128] if split else k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out,
+        lse=lse, config=config, **split,
     )
     torch.cuda.synchronize()
     ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)

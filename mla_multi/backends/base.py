@@ -217,12 +217,16 @@ class MLAPrefillImpl(ABC):
         dtype, and with `return_softmax_lse` also lse [N, Tq] float32.
         """
 
-    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool):
+    # Whether `forward_varlen` takes the keys' shared rotary part apart (k [T, N, P] and k_pe [T, R]).
+    takes_split_key: bool = False
+
+    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool, k_pe=None):
         """Causal attention of the new tokens among themselves.
 
-        q, k [num_tokens, N, P + R], v [num_tokens, N, V]. Returns out
-        [num_tokens, N, V], plus lse [N, num_tokens] with `return_softmax_lse`.
+        q, k [num_tokens, N, P + R], v [num_tokens, N, V] (with `takes_split_key`: k [num_tokens, N, P] and
+        k_pe [num_tokens, R]). Returns out [num_tokens, N, V], plus lse [N, num_tokens] with `return_softmax_lse`.
         """
+        extra = {} if k_pe is None else {"k_pe": k_pe}
         return self.forward_varlen(
             q,
             k,
@@ -233,15 +237,17 @@ class MLAPrefillImpl(ABC):
             prefill_metadata.max_query_len,
             causal=True,
             return_softmax_lse=return_softmax_lse,
+            **extra,
         )
 
-    def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v):
+    def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v, k_pe=None):
         """Non-causal attention of the new tokens over context chunk `chunk_idx`.
 
-        q [num_tokens, N, P + R], k [chunk_tokens, N, P + R], v [chunk_tokens, N, V].
+        q [num_tokens, N, P + R], k [chunk_tokens, N, P + R] (or [.., P] and k_pe, as above), v [chunk_tokens, N, V].
         Returns (out [num_tokens, N, V], lse [N, num_tokens] float32).
         """
         chunked = prefill_metadata.chunked_context
+        extra = {} if k_pe is None else {"k_pe": k_pe}
         return self.forward_varlen(
             q,
             k,
@@ -252,6 +258,7 @@ class MLAPrefillImpl(ABC):
             chunked.max_seq_lens[chunk_idx],
             causal=False,
             return_softmax_lse=True,
+            **extra,
         )
 
 

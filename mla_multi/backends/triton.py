@@ -109,12 +109,24 @@ class _TritonRequirements:
 
 
 class TritonPrefillImpl(MLAPrefillImpl):
-    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
+    @functools.cached_property
+    def takes_split_key(self) -> bool:
+        """Whether the keys' shared rotary part may come apart (`forward_varlen(k_pe=)`): the kernel then reads
+        one rotary key for every head instead of a copy per head (a fifth of a chunk's K and V, for MLA)."""
+        from mla_multi.kernels.prefill import _split_head_dim_qk, split_key_reason
+
+        if _interpreted(current_platform()) or split_key_reason(current_platform()):
+            return False
+        rope = self.qk_rope_head_dim
+        return _split_head_dim_qk(self.qk_nope_head_dim + rope) == (self.qk_nope_head_dim, rope)
+
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
+                       k_pe=None):
         from mla_multi.kernels.prefill import varlen_attention
 
         out, lse = varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
-            return_lse=return_softmax_lse,
+            return_lse=return_softmax_lse, k_pe=k_pe,
         )
         return (out, lse) if return_softmax_lse else out
 

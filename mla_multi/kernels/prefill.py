@@ -98,6 +98,7 @@ def _attend_tiles(
     start_n_lo,
     start_n_hi,
     stride_k_t,
+    stride_kb_t,
     stride_v_t,
     offs_m,
     offs_n,
@@ -196,7 +197,7 @@ def _attend_tiles(
 
         k_ptrs_a += BLOCK_N * stride_k_t
         if HAS_DQK_B:
-            k_ptrs_b += BLOCK_N * stride_k_t
+            k_ptrs_b += BLOCK_N * stride_kb_t
         v_ptrs += BLOCK_N * stride_v_t
     return acc, l_i, m_i
 
@@ -208,6 +209,7 @@ def _varlen_attention_kernel(
     V,
     Out,
     Lse,
+    K_pe,
     k_desc_a,
     k_desc_b,
     v_desc,
@@ -228,6 +230,8 @@ def _varlen_attention_kernel(
     stride_o_t,
     stride_o_h,
     stride_lse_h,
+    stride_kpe_t,
+    stride_kpe_h,
     num_m_blocks,
     num_queries_per_kv,
     HEAD_DIM_QK: tl.constexpr,
@@ -241,6 +245,7 @@ def _varlen_attention_kernel(
     STORE_LSE: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = False,
 ):
     HAS_DQK_B: tl.constexpr = BLOCK_DQK_B > 0
     PAD_DQK_B: tl.constexpr = BLOCK_DQK_A + BLOCK_DQK_B != HEAD_DIM_QK
@@ -307,7 +312,14 @@ def _varlen_attention_kernel(
     else:
         q_b = q_a
     k_ptrs_a = k_base + offs_n[:, None] * stride_k_t + offs_d_a[None, :]
-    k_ptrs_b = k_base + offs_n[:, None] * stride_k_t + offs_d_b[None, :]
+    if SPLIT_K:
+        # the rotary columns come from K_pe [total_k, (heads,) BLOCK_DQK_B], shared by the heads (stride 0)
+        kpe_base = K_pe + k_start.to(tl.int64) * stride_kpe_t + kv_head.to(tl.int64) * stride_kpe_h
+        k_ptrs_b = kpe_base + offs_n[:, None] * stride_kpe_t + (offs_d_b - BLOCK_DQK_A)[None, :]
+        stride_kb_t = stride_kpe_t
+    else:
+        k_ptrs_b = k_base + offs_n[:, None] * stride_k_t + offs_d_b[None, :]
+        stride_kb_t = stride_k_t
     v_ptrs = v_base + offs_n[:, None] * stride_v_t + offs_dv[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -331,18 +343,19 @@ def _varlen_attention_kernel(
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q_a, q_b, k_ptrs_a, k_ptrs_b, v_ptrs,
         k_desc_a, k_desc_b, v_desc, k_start, kv_head * stride_k_h, kv_head * stride_v_h,
-        0, unmasked_hi, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
+        0, unmasked_hi, stride_k_t, stride_kb_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
         qk_scale_log2, offs_d_b, offs_dv,
         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
         False, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA, WARP_SPECIALIZE,
     )  # fmt: skip
     # 64-bit advance: unmasked_hi * stride overflows int32 past ~87K keys at 128 x 192.
     skip_k = unmasked_hi.to(tl.int64) * stride_k_t
+    skip_kb = unmasked_hi.to(tl.int64) * stride_kb_t
     skip_v = unmasked_hi.to(tl.int64) * stride_v_t
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q_a, q_b, k_ptrs_a + skip_k, k_ptrs_b + skip_k, v_ptrs + skip_v,
+        acc, l_i, m_i, q_a, q_b, k_ptrs_a + skip_k, k_ptrs_b + skip_kb, v_ptrs + skip_v,
         k_desc_a, k_desc_b, v_desc, k_start, kv_head * stride_k_h, kv_head * stride_v_h,
-        unmasked_hi, masked_end, stride_k_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
+        unmasked_hi, masked_end, stride_k_t, stride_kb_t, stride_v_t, offs_m, offs_n, seqlen_k, causal_offset,
         qk_scale_log2, offs_d_b, offs_dv,
         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK_A, BLOCK_DQK_B, BLOCK_DV, BLOCK_N,
         True, CAUSAL, HAS_DQK_B, PAD_DQK_B, PAD_DV, USE_TMA,
@@ -441,7 +454,7 @@ def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, constexprs: dict[str, Any
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse):
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -454,7 +467,21 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all tensors must share one device")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape[2] != q.shape[2]:
+    if k_pe is not None:
+        if not isinstance(k_pe, torch.Tensor) or k_pe.dim() not in (2, 3) or k_pe.dtype != q.dtype:
+            got = f"{k_pe.dtype} {tuple(k_pe.shape)}" if isinstance(k_pe, torch.Tensor) else type(k_pe).__name__
+            raise ValueError(f"k_pe must be a [total_k, rope_dim] or [total_k, heads, rope_dim] tensor of q's dtype, got {got}")
+        if k_pe.stride(-1) != 1 or k_pe.device != q.device or k_pe.shape[0] != k.shape[0]:
+            raise ValueError(f"k_pe {tuple(k_pe.shape)} strides {k_pe.stride()} on {k_pe.device}; accepted: k's tokens "
+                             f"({k.shape[0]}), a contiguous last dimension, on {q.device}")
+        if k_pe.dim() == 3 and k_pe.shape[1] not in (1, k.shape[1]):
+            raise ValueError(f"k_pe has {k_pe.shape[1]} heads; accepted: 1 (shared) or k's {k.shape[1]}")
+        if _split_head_dim_qk(q.shape[2]) != (k.shape[2], k_pe.shape[-1]):
+            raise ValueError(
+                f"k ({k.shape[2]}) and k_pe ({k_pe.shape[-1]}) head dims; accepted: the kernel's split of q's "
+                f"{q.shape[2]}: {_split_head_dim_qk(q.shape[2])}"
+            )
+    elif k.shape[2] != q.shape[2]:
         raise ValueError(f"k head dim {k.shape[2]} must equal q head dim {q.shape[2]}")
     if v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
         raise ValueError(f"v shape {tuple(v.shape)} must match k shape {tuple(k.shape)} in tokens and heads")
@@ -525,6 +552,7 @@ def varlen_attention(
     return_lse: bool = True,
     config=None,
     error_flag: torch.Tensor | None = None,
+    k_pe: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Variable-length flash attention returning the log-sum-exp.
 
@@ -553,6 +581,10 @@ def varlen_attention(
             current platform.
         error_flag: int32 ``[1]`` that bad boundaries are ORed into (`mla_multi.errors` bits);
             default the device's flag, ``mla_multi.errors.error_flag(q.device)``.
+        k_pe: the keys' rotary columns apart from k (MLA: one rotary key shared by every head):
+            ``[total_k, rope_dim]`` (or with a heads axis of 1 or num_kv_heads); k then holds the
+            other ``head_dim_qk - rope_dim`` columns, which must be the kernel's first block
+            (128 of MLA's 192). The shared rotary key is never repeated per head.
 
     Returns:
         ``(out, lse)``: out ``[total_q, num_heads, head_dim_v]`` in q's dtype, lse
@@ -560,7 +592,7 @@ def varlen_attention(
         A query that sees no key (empty key sequence, or causal with ``lk < lq``) gets
         output 0 and LSE -inf.
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
     if error_flag is None:
         error_flag = errors.error_flag(q.device)
     elif error_flag.shape != (1,) or error_flag.dtype != torch.int32 or error_flag.device != q.device:
@@ -590,11 +622,18 @@ def varlen_attention(
         descriptors = (None, None, None)
     if getattr(config, "warp_specialize", False):
         constexprs["WARP_SPECIALIZE"] = True
+    if k_pe is not None:  # pointer loads: the descriptors cover one tensor's columns
+        constexprs["SPLIT_K"] = True
+        constexprs["USE_TMA"] = False
+        descriptors = (None, None, None)
+        kpe_strides = (k_pe.stride(0), k_pe.stride(1) if k_pe.dim() == 3 and k_pe.shape[1] > 1 else 0)
+    else:
+        kpe_strides = (0, 0)
     num_m_blocks = max(1, triton.cdiv(max_seqlen_q, config.block_m))
     grid = (num_m_blocks, num_heads, batch)
     lse_arg = lse if return_lse else out  # never written when STORE_LSE is False
     _varlen_attention_kernel[grid](
-        q, k, v, out, lse_arg,
+        q, k, v, out, lse_arg, k_pe if k_pe is not None else k,
         *descriptors,
         cu_seqlens_q, cu_seqlens_k, error_flag,
         float(scale) * _LOG2_E,
@@ -602,6 +641,7 @@ def varlen_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0,
+        *kpe_strides,
         num_m_blocks,
         num_heads // k.shape[1],
         **constexprs,
@@ -611,6 +651,14 @@ def varlen_attention(
 
 
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def split_key_reason(platform) -> str:
+    """Why the split-key launch (`varlen_attention(k_pe=)`) is not used on `platform` ("" where it is)."""
+    if platform.is_cuda() and platform.device_capability is not None and platform.device_capability[0] < 10:
+        return ""
+    return (f"{platform.name} ({platform.arch}): the separate rotary-key pointers spill registers there in the "
+            "compile check (gfx942, gfx950, sm_100); the rotary key is repeated per head instead")
 
 
 def compile_specs(platform) -> list:
@@ -630,15 +678,22 @@ def compile_specs(platform) -> list:
         (torch.float16, True, True),
     ]
     specs = []
+    # the split-key launches (k_pe apart: MLA's chunked prefill) in bf16, causal and not, pointer loads
+    variants_split = [(torch.bfloat16, True, True, True), (torch.bfloat16, False, True, True)]
     for config in all_prefill_configs(platform):
         for use_tma in sorted({False, bool(config.use_tma)}):
-            for dtype, causal, store_lse in variants:
+            cases = [(d, c, s, False) for d, c, s in variants]
+            if not use_tma and not split_key_reason(platform):
+                cases += variants_split
+            for dtype, causal, store_lse, split_k in cases:
                 constexprs = kernel_constexprs(
                     head_dim_qk, head_dim_v, config.block_m, config.block_n, causal, store_lse, use_tma
                 )
                 constexprs["WARP_SPECIALIZE"] = bool(config.warp_specialize and use_tma)
+                constexprs["SPLIT_K"] = split_k
                 ty = _TRITON_DTYPE_NAMES[dtype]
-                signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32"}
+                signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32",
+                             "K_pe": f"*{ty}"}
                 if use_tma:
                     block_n = config.block_n
                     signature["k_desc_a"] = f"tensordesc<{ty}[{block_n},{constexprs['BLOCK_DQK_A']}]>"
@@ -654,13 +709,14 @@ def compile_specs(platform) -> list:
                 })  # fmt: skip
                 strides = [
                     "stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
-                    "stride_o_t", "stride_o_h", "stride_lse_h",
+                    "stride_o_t", "stride_o_h", "stride_lse_h", "stride_kpe_t", "stride_kpe_h",
                 ]  # fmt: skip
                 for name in strides + ["num_m_blocks", "num_queries_per_kv"]:
                     signature[name] = "i32"
                 for name in constexprs:
                     signature.setdefault(name, "constexpr")
                 mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",tma" if use_tma else "")
+                mode += ",split-k" if split_k else ""
                 specs.append(
                     CompileSpec(
                         name=f"prefill_varlen[{config.name},{ty},{mode}]",
@@ -669,7 +725,8 @@ def compile_specs(platform) -> list:
                         constexprs=constexprs,
                         options=config.launch_options(),
                         # The LSE head stride is the token count: any value.
-                        divisible_by_16=("Q", "K", "V", "Out", "Lse", "cu_seqlens_q", "cu_seqlens_k", *strides[:-1]),
+                        divisible_by_16=("Q", "K", "V", "Out", "Lse", "cu_seqlens_q", "cu_seqlens_k",
+                                         *(n for n in strides if n not in ("stride_lse_h", "stride_kpe_h"))),
                     )
                 )
     return specs
