@@ -496,6 +496,8 @@ class MLAAttention:
         return key, value, None
 
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
+        from mla_multi.kernels.merge import merge_attn_states as merge_kernel
+
         d = self.dims
         prefill_metadata = self._prefill_metadata(metadata)
         q_prefill = q[num_decode_tokens:]
@@ -505,6 +507,13 @@ class MLAAttention:
         if chunked is None:
             out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False, **split)
         else:
+            # where the backend writes into a given buffer and the merge kernel runs, the new tokens' result
+            # goes straight into the step's output and the merges happen in place: no [T, N, V] temporaries
+            # beside a chunk's K and V
+            in_place = (getattr(self.prefill_impl, "takes_out", False) and output.is_contiguous()
+                        and ops._use_triton(q_prefill))
+            if in_place:
+                split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
             suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
                 prefill_metadata, q_prefill, key, value, True, **split
             )
@@ -538,7 +547,12 @@ class MLAAttention:
                 del chunk_key, chunk_value, chunk_pe
                 if context_out is None:
                     context_out, context_lse = chunk_out, chunk_lse
+                elif in_place:
+                    merge_kernel(context_out, context_lse, chunk_out, chunk_lse, context_out, context_lse)
                 else:
                     context_out, context_lse = ops.merge_attn_states(context_out, context_lse, chunk_out, chunk_lse)
+            if in_place:  # into the output, where the new tokens' result already is (read before written)
+                merge_kernel(context_out, context_lse, suffix_out, suffix_lse, suffix_out, return_lse=False)
+                return
             out, _ = ops.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
         output[num_decode_tokens:] = out.reshape(out.shape[0], d.num_heads * d.v_head_dim)

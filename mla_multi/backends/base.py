@@ -220,13 +220,16 @@ class MLAPrefillImpl(ABC):
     # Whether `forward_varlen` takes the keys' shared rotary part apart (k [T, N, P] and k_pe [T, R]).
     takes_split_key: bool = False
 
-    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool, k_pe=None):
+    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool, k_pe=None, out=None):
         """Causal attention of the new tokens among themselves.
 
         q, k [num_tokens, N, P + R], v [num_tokens, N, V] (with `takes_split_key`: k [num_tokens, N, P] and
-        k_pe [num_tokens, R]). Returns out [num_tokens, N, V], plus lse [N, num_tokens] with `return_softmax_lse`.
+        k_pe [num_tokens, R]). Returns out [num_tokens, N, V] (written into `out` by backends with `takes_out`),
+        plus lse [N, num_tokens] with `return_softmax_lse`.
         """
         extra = {} if k_pe is None else {"k_pe": k_pe}
+        if out is not None:
+            extra["out"] = out
         return self.forward_varlen(
             q,
             k,

@@ -120,13 +120,16 @@ class TritonPrefillImpl(MLAPrefillImpl):
         rope = self.qk_rope_head_dim
         return _split_head_dim_qk(self.qk_nope_head_dim + rope) == (self.qk_nope_head_dim, rope)
 
+    # `forward_varlen(out=)` writes the output into a given [T, N, V] buffer
+    takes_out = True
+
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
-                       k_pe=None):
+                       k_pe=None, out=None):
         from mla_multi.kernels.prefill import varlen_attention
 
         out, lse = varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
-            return_lse=return_softmax_lse, k_pe=k_pe,
+            return_lse=return_softmax_lse, k_pe=k_pe, out=out,
         )
         return (out, lse) if return_softmax_lse else out
 
