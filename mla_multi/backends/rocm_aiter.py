@@ -130,21 +130,9 @@ FLASH_ATTN_VARLEN_FUNC = AiterCall(
 # Sparse MLA: the same function with one request per query token over the
 # page-size-1 cache; the split count is left to aiter, the LSE asked for where
 # the signature has `return_lse`.
-SPARSE_MLA_DECODE_FWD = AiterCall(
-    module="aiter.mla",
-    function="mla_decode_fwd",
-    source="aiter/mla.py",
-    keywords=(
-        "q",
-        "kv_buffer",
-        "o",
-        "qo_indptr",
-        "kv_indptr",
-        "kv_indices",
-        "kv_last_page_lens",
-        "max_seqlen_q",
-        "sm_scale",
-    ),
+SPARSE_MLA_DECODE_FWD = dataclasses.replace(
+    MLA_DECODE_FWD,
+    keywords=tuple(k for k in MLA_DECODE_FWD.keywords if k != "num_kv_splits"),
     optional_keywords=("return_lse",),
 )
 
