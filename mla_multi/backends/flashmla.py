@@ -317,9 +317,14 @@ class _SparseCall:
 _sparse_calls: dict = {}
 
 
-def _sparse_call(module, q_nope, indices, topk_length, *, decode: bool) -> _SparseCall:
+def _sparse_call(module, q_nope, indices, topk_length, num_slots: int, *, decode: bool) -> _SparseCall:
+    """The call of one layout: every shape, stride, alignment and integer its bound index launches were
+    specialised for is in the key."""
+    from mla_multi.kernels.launch import alignment_key
+
     tokens, heads, width = q_nope.shape
-    key = (decode, q_nope.device, tokens, heads, width, indices.shape[1], indices.stride(0), topk_length is not None)
+    key = (decode, q_nope.device, tokens, heads, width, indices.shape[1], indices.stride(0), topk_length is not None,
+           num_slots, alignment_key(indices, topk_length))
     call = _sparse_calls.get(key)
     if call is None:
         if len(_sparse_calls) >= 256:
@@ -348,8 +353,9 @@ class FlashMLASparseDecodeImpl(MLASparseImpl):
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         module = _module()
         tokens, heads, _ = q_nope.shape
-        call = _sparse_call(module, q_nope, indices, topk_length, decode=True)
-        clean, bad_rows = call.index_plan.sanitize(indices, kv.shape[0] * kv.shape[1], topk_length)
+        num_slots = kv.shape[0] * kv.shape[1]
+        call = _sparse_call(module, q_nope, indices, topk_length, num_slots, decode=True)
+        clean, bad_rows = call.index_plan.sanitize(indices, num_slots, topk_length)
         sched = _sched(module, call.tile_scheduler_metadata, call.num_splits)
         out, lse = module.flash_mla_with_kvcache(
             q=joined_query(q_nope, q_pe).unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
@@ -389,7 +395,7 @@ class FlashMLASparsePrefillImpl(MLASparseImpl):
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         module = _module()
         tokens, heads, _ = q_nope.shape
-        call = _sparse_call(module, q_nope, indices, topk_length, decode=False)
+        call = _sparse_call(module, q_nope, indices, topk_length, kv.shape[0], decode=False)
         clean, _ = call.index_plan.sanitize(indices, kv.shape[0], topk_length)
         out, _, lse = module.flash_mla_sparse_fwd(
             q=joined_query(q_nope, q_pe), kv=kv.unsqueeze(1), indices=clean.unsqueeze(1), sm_scale=float(scale),
