@@ -118,10 +118,7 @@ def mla_decode(
     plan = _DECODE_PLANS.get(key)
     if plan is None:
         plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
-        if key is not None:
-            if len(_DECODE_PLANS) >= _PLANS_MAX:
-                _DECODE_PLANS.clear()
-            _DECODE_PLANS[key] = plan
+        _remember(_DECODE_PLANS, key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
@@ -140,6 +137,14 @@ def mla_decode(
 # the split heuristic, the launch configuration and Triton's argument binding.
 _DECODE_PLANS: dict = {}
 _PLANS_MAX = 256
+
+
+def _remember(plans: dict, key, plan) -> None:
+    """Keep `plan` under `key` (None: arguments without a layout, never kept), at most _PLANS_MAX plans."""
+    if key is not None:
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
@@ -411,10 +416,7 @@ def mla_prefill(
     plan = _PREFILL_PLANS.get(key)
     if plan is None:
         plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
-        if key is not None:
-            if len(_PREFILL_PLANS) >= _PLANS_MAX:
-                _PREFILL_PLANS.clear()
-            _PREFILL_PLANS[key] = plan
+        _remember(_PREFILL_PLANS, key, plan)
     elif plan.data_checks:
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return plan.impl.forward_varlen(
@@ -519,10 +521,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     plan = _SPARSE_PLANS.get(key)
     if plan is None:
         plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
-        if key is not None:
-            if len(_SPARSE_PLANS) >= _PLANS_MAX:
-                _SPARSE_PLANS.clear()
-            _SPARSE_PLANS[key] = plan
+        _remember(_SPARSE_PLANS, key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
@@ -748,9 +747,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
             plan.device = device
             plan.data_checks = checks.data_checks_enabled(device)
             plan.scale = None if torch.is_tensor(scale) else scale_tensor
-            if len(_CACHE_WRITE_PLANS) >= _PLANS_MAX:
-                _CACHE_WRITE_PLANS.clear()
-            _CACHE_WRITE_PLANS[key] = plan
+            _remember(_CACHE_WRITE_PLANS, key, plan)
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 

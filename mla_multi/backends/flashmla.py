@@ -301,11 +301,11 @@ class _SparseCall:
     depends on the shapes alone, since topk_length is folded into the indices) and the bound index launches."""
 
     def __init__(self, module, tokens: int, heads: int, topk: int, width: int, device, *, decode: bool,
-                 has_length: bool, indices_stride: int) -> None:
+                 has_length: bool) -> None:
         from mla_multi.kernels.sparse_indices import SparseIndexPlan
 
         self.index_plan = SparseIndexPlan(tokens, topk, heads, width, device, bad_is_error=decode,
-                                          has_length=has_length, stride_in_t=indices_stride, out_dtype=torch.bfloat16)
+                                          has_length=has_length)
         self.tile_scheduler_metadata = self.num_splits = None
         if decode and tokens:
             self.tile_scheduler_metadata, self.num_splits = module.get_mla_decoding_metadata(
@@ -330,8 +330,7 @@ def _sparse_call(module, q_nope, indices, topk_length, num_slots: int, *, decode
         if len(_sparse_calls) >= 256:
             _sparse_calls.clear()
         call = _sparse_calls[key] = _SparseCall(module, tokens, heads, indices.shape[1], width, q_nope.device,
-                                                decode=decode, has_length=topk_length is not None,
-                                                indices_stride=indices.stride(0))
+                                                decode=decode, has_length=topk_length is not None)
     return call
 
 

@@ -276,6 +276,19 @@ def _missing_keywords(call: AiterCall, parameters: tuple[str, ...]) -> list[str]
     return [name for name in call.keywords if name not in parameters]
 
 
+def _mla_decode_fwd_reasons(call: AiterCall) -> list[str]:
+    """Why the installed aiter's mla_decode_fwd cannot take `call` (empty when it can)."""
+    probe = probe_aiter()
+    if probe.error:
+        return [probe.error]
+    if not probe.decode_parameters:
+        return [f"{probe.label} has no aiter.mla.mla_decode_fwd"]
+    missing = _missing_keywords(call, probe.decode_parameters)
+    if missing:
+        return [f"{probe.label}'s mla_decode_fwd lacks the parameters {', '.join(missing)}"]
+    return []
+
+
 def _where(platform: Platform) -> str:
     return f"{platform.name} ({platform.arch})"
 
@@ -485,15 +498,7 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        probe = probe_aiter()
-        if probe.error:
-            return [probe.error]
-        if not probe.decode_parameters:
-            return [f"{probe.label} has no aiter.mla.mla_decode_fwd"]
-        missing = _missing_keywords(MLA_DECODE_FWD, probe.decode_parameters)
-        if missing:
-            return [f"{probe.label}'s mla_decode_fwd lacks the parameters {', '.join(missing)}"]
-        return []
+        return _mla_decode_fwd_reasons(MLA_DECODE_FWD)
 
     @classmethod
     def provides_decode_lse(cls) -> bool:
@@ -923,15 +928,7 @@ class _AiterSparseBackend(MLASparseBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        probe = probe_aiter()
-        if probe.error:
-            return [probe.error]
-        if not probe.decode_parameters:
-            return [f"{probe.label} has no aiter.mla.mla_decode_fwd"]
-        missing = _missing_keywords(SPARSE_MLA_DECODE_FWD, probe.decode_parameters)
-        if missing:
-            return [f"{probe.label}'s mla_decode_fwd lacks the parameters {', '.join(missing)}"]
-        return []
+        return _mla_decode_fwd_reasons(SPARSE_MLA_DECODE_FWD)
 
     @classmethod
     def platform_reasons(cls, platform: Platform) -> list[str]:

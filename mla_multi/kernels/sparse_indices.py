@@ -182,7 +182,7 @@ class SparseIndexPlan:
     LSE some kernels leave for a token with nothing to attend to into -inf."""
 
     def __init__(self, tokens: int, topk: int, heads: int, row_width: int, device: torch.device, *,
-                 bad_is_error: bool, has_length: bool, stride_in_t: int, out_dtype: torch.dtype) -> None:
+                 bad_is_error: bool, has_length: bool) -> None:
         from mla_multi.kernels.launch import BoundLaunch
 
         self.tokens, self.topk, self.heads, self.row_width = tokens, topk, heads, row_width
