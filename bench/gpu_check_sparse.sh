@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of sparse MLA and the FLASHMLA backend, one device call:
 #   bash bench/gpu_check_sparse.sh OUTDIR     (carry .whl with sgl_flash_mla for FLASHMLA and the FlashMLA column)
-# 1. the sparse GPU tests (every installed sparse backend, FLASHMLA dense decode), 2. the host-path GPU tests,
+# 0. (COMPILE=substring) mla-multi compile-check for sm_90 of the kernels named, 1. the sparse GPU tests (every installed sparse backend, FLASHMLA dense decode), 2. the host-path GPU tests,
 # 3. mla-multi bench sparse-decode (fp8_ds_mla and bf16 caches) and sparse-prefill beside FlashMLA.
 set -uo pipefail
 out=${1:-.}
@@ -11,6 +11,10 @@ if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=.:/tmp/site
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/device.txt"
+if [ -n "${COMPILE:-}" ]; then  # ahead-of-time compilation with the device's Triton: spills, shared memory
+  timeout 300 python3 -m mla_multi compile-check --targets sm_90 --kernels "$COMPILE" 2>&1 | grep -v -i warn \
+    | tee "$out/compile_check.log" | tail -12
+fi
 timeout "${SPARSE_TESTS_S:-200}" python3 -m pytest -q -m gpu tests/test_sparse_gpu.py -p no:cacheprovider -rs \
   2>&1 | tee "$out/sparse_tests.log" | tail -25
 if [ -n "${HOST_TESTS_S:-}" ]; then

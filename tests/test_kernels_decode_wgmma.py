@@ -228,6 +228,71 @@ def test_an_fp8_cache_off_4_byte_boundaries_keeps_the_triton_kernel():
         _run_decode(tensors, 576**-0.5, 1, config=RM64, platform=platform)
 
 
+def _ds_mla_case(query_dtype=torch.bfloat16, width=656):
+    from mla_multi.kernels.mla_decode import attn_logits_width
+
+    batch, heads = 2, 16
+    return dict(
+        q_nope=torch.zeros(batch, heads, 512, dtype=query_dtype),
+        q_pe=torch.zeros(batch, heads, 64, dtype=query_dtype),
+        kv_cache=torch.zeros(4, 64, width, dtype=torch.uint8),
+        block_table=torch.zeros(batch, 2, dtype=torch.int32),
+        seq_lens=torch.tensor([5, 70], dtype=torch.int32),
+        k_scale=None,
+        num_kv_splits=1,
+        attn_logits=torch.zeros(batch, heads, 1, attn_logits_width(512)),
+        out=torch.zeros(batch, heads, 512, dtype=query_dtype),
+        lse=torch.zeros(batch, heads),
+    )
+
+
+def _ds_mla_decode(case, platform):
+    from mla_multi.kernels.mla_decode import mla_decode_fwd
+
+    case = dict(case)
+    args = [case.pop(name) for name in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens")]
+    return mla_decode_fwd(*args, 0.05, platform=platform, **case)
+
+
+@pytest.mark.parametrize("spec", ["A100", "B200", "MI300X", "MI355X"])
+def test_fp8_ds_mla_is_read_in_place_by_the_sm90_kernels_only(spec):
+    """An fp8_ds_mla (uint8, 656-byte rows) cache: a reason naming sm_90 elsewhere, and decoding one there
+    is a ValueError that says so (the sparse backends then go through the dequantised scratch)."""
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+    reason = ds_mla_decode_reason(SPECS[spec])
+    assert "sm_90" in reason
+    with pytest.raises(ValueError, match="fp8_ds_mla kv_cache cannot be decoded here.*sm_90"):
+        _ds_mla_decode(_ds_mla_case(), SPECS[spec])
+
+
+def test_fp8_ds_mla_decode_checks_its_layout_and_query():
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+    platform = SPECS["H100"]
+    if not _gluon_ok():
+        pytest.skip("this Triton has no Gluon")
+    assert ds_mla_decode_reason(platform) == ""
+    with pytest.raises(ValueError, match=r"kv_cache has shape \(4, 64, 576\); accepted: \[num_blocks, block_size, 656\]"):
+        _ds_mla_decode(_ds_mla_case(width=576), platform)
+    with pytest.raises(ValueError, match="fp8_ds_mla .* with a torch.float16 query; accepted: bfloat16"):
+        _ds_mla_decode(_ds_mla_case(torch.float16), platform)
+    unaligned = torch.zeros(4 * 64 * 656 + 2, dtype=torch.uint8)[2:].view(4, 64, 656)
+    assert "4-byte boundaries" in ds_mla_decode_reason(platform, unaligned)
+
+
+def test_compile_check_builds_the_fp8_ds_mla_loader_for_sm90_only():
+    from mla_multi.kernels.mla_decode import compile_specs
+
+    if not _gluon_ok():
+        pytest.skip("this Triton has no Gluon")
+    names = [spec.name for spec in compile_specs(SPECS["H100"]) if "fp8_ds_mla" in spec.name]
+    assert any("rm" in name and "page=1," in name for name in names)
+    assert any("ws" in name and "page=1," in name for name in names)
+    for spec in ("A100", "B200", "MI300X", "MI355X"):
+        assert not [s.name for s in compile_specs(SPECS[spec]) if "fp8_ds_mla" in s.name], spec
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------

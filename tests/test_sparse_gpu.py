@@ -294,3 +294,70 @@ def test_flashmla_dense_decode_plan_replays_from_a_cuda_graph_after_replanning()
         ref = mm.ops.mla_decode(q_nope.double().cpu(), q_pe.double().cpu(), cache.double().cpu(), table.cpu(),
                                 new_lens, 0.07, backend="REFERENCE")
         assert _rel(result["out"], ref) < BOUND
+
+
+def _sm90_in_place():
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+    reason = ds_mla_decode_reason(current_platform())
+    if reason:
+        pytest.skip(reason)
+
+
+def test_triton_fp8_ds_mla_decode_reads_the_cache_in_place_on_sm90(monkeypatch):
+    """No scratch on sm_90: the warp-specialised loader dequantises the named rows itself (the scratch
+    path is made to fail), and the result matches float64 as the scratch path's does."""
+    _sm90_in_place()
+    from mla_multi.kernels import sparse_indices
+
+    def no_scratch(*args, **kwargs):
+        raise AssertionError("the fp8_ds_mla rows went through the dequantised scratch")
+
+    generator = torch.Generator().manual_seed(21)
+    cache, rows, _ = _cache("fp8_ds_mla", 64, 64, generator, poison_slots=range(4000, 4096))
+    tokens, heads, topk = 5, 128, 1024
+    indices = _indices(generator, tokens, topk, list(range(4000))).cuda()
+    q_nope = torch.randn(tokens, heads, LKV, generator=generator).to(torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, ROPE, generator=generator).to(torch.bfloat16)
+    ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1).double(), rows, indices.cpu(), 0.07)
+    with monkeypatch.context() as patch:
+        patch.setattr(sparse_indices, "dequantize_named_rows", no_scratch)
+        out, lse = mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices, 0.07, backend="TRITON",
+                                            return_lse=True)
+    assert _rel(out, ref) < BOUND
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=2e-3, atol=1e-2)
+    # a float16 query keeps the scratch path (the loader writes bfloat16 stages)
+    with monkeypatch.context() as patch:
+        patch.setattr(sparse_indices, "dequantize_named_rows", no_scratch)
+        with pytest.raises(AssertionError, match="scratch"):
+            mm.ops.mla_sparse_decode(q_nope.half().cuda(), q_pe.half().cuda(), cache, indices, 0.07, backend="TRITON")
+
+
+@pytest.mark.parametrize("heads,splits", [(16, 1), (16, 4), (128, 1), (128, 3)])
+def test_dense_paged_fp8_ds_mla_decode_matches_float64(heads, splits):
+    """The kernel-level decode over a paged fp8_ds_mla cache (pages of 64: one block-table entry a tile,
+    partial last tiles, split and direct), unread pages poisoned, against float64 on the dequantised rows."""
+    _sm90_in_place()
+    from mla_multi.backends.reference import mla_decode_reference
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+
+    generator = torch.Generator().manual_seed(heads + splits)
+    num_blocks, block_size = 40, 64
+    cache, rows, _ = _cache("fp8_ds_mla", num_blocks, block_size, generator, poison_slots=range(36 * 64, 40 * 64))
+    seq_lens = torch.tensor([1, 200, 0, 64 * 9 - 5], dtype=torch.int32)
+    block_table = torch.randperm(36, generator=generator)[:36].view(4, 9).to(torch.int32)
+    batch = seq_lens.numel()
+    q_nope = torch.randn(batch, heads, LKV, generator=generator).to(torch.bfloat16)
+    q_pe = torch.randn(batch, heads, ROPE, generator=generator).to(torch.bfloat16)
+    out = torch.full((batch, heads, LKV), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device="cuda")
+    attn_logits = torch.full((batch, heads, splits, attn_logits_width(LKV)), float("nan"), device="cuda")
+    mla_decode_fwd(q_nope.cuda(), q_pe.cuda(), cache, block_table.cuda(), seq_lens.cuda(), 0.05, k_scale=None,
+                   num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse)
+    ref, ref_lse = mla_decode_reference(
+        q_nope.double(), q_pe.double(), rows.view(num_blocks, block_size, 576), block_table, seq_lens, 0.05,
+    )
+    assert bool((out[2] == 0).all()) and bool((lse[2] == -math.inf).all())
+    live = [0, 1, 3]
+    assert _rel(out[live], ref[live]) < BOUND
+    torch.testing.assert_close(lse[live].cpu().double(), ref_lse[live].double(), rtol=2e-3, atol=1e-2)

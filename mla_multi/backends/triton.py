@@ -290,8 +290,9 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
 class TritonSparseDecodeImpl(MLASparseImpl):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
-    kernels): 16-bit and per-tensor FP8 caches as they are; an fp8_ds_mla cache's named rows are first
-    dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
+    kernels): 16-bit and per-tensor FP8 caches as they are; an fp8_ds_mla cache in place on sm_90 (the
+    warp-specialised kernels' loader dequantises each named row as it loads it), elsewhere its named rows
+    first dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
@@ -304,16 +305,59 @@ def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk
 
     num_slots = kv.shape[0] * kv.shape[1]
     table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
-    if kv.dtype == torch.uint8:  # fp8_ds_mla: the named rows dequantised once into one-token pages
-        pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+    ds_mla = kv.dtype == torch.uint8
+    if ds_mla and not _ds_mla_in_place_reason(kv, q_nope.dtype):
+        # fp8_ds_mla read in place: the sm_90 warp-specialised kernels dequantise the named rows as they load them
+        out, lse = _ds_mla_decode(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens, scale)
     else:
-        pages = kv.reshape(num_slots, 1, kv.shape[-1])
-    out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
-                              return_lse=True)
+        if ds_mla:  # fp8_ds_mla elsewhere: the named rows dequantised once into one-token pages
+            pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+        else:
+            pages = kv.reshape(num_slots, 1, kv.shape[-1])
+        out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
+                                  return_lse=True)
     if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
         factor = torch.sigmoid(lse - attn_sink)
         out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
     return out, lse
+
+
+def _ds_mla_in_place_reason(kv, query_dtype) -> str:
+    """Why the decode kernels cannot read this fp8_ds_mla cache in place on the current device ("" when they
+    can: `mla_multi.kernels.mla_decode.ds_mla_decode_reason`, and a bfloat16 query, the rotary values'
+    type); a CPU tensor, or the interpreter, never."""
+    from mla_multi.kernels import interpreter_active
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+    from mla_multi.platforms import current_platform
+
+    if kv.device.type != "cuda" or interpreter_active():
+        return "not a GPU launch"
+    if query_dtype != torch.bfloat16:
+        return f"a {query_dtype} query (the in-place loader writes bfloat16 stages)"
+    return ds_mla_decode_reason(current_platform(), kv)
+
+
+def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
+    """The dense split-KV decode over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), the
+    split count from the heuristic for `table`'s width as the longest sequence."""
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+    from mla_multi.platforms import current_platform
+
+    platform = current_platform()
+    tokens, num_heads, kv_lora_rank = q_nope.shape
+    longest = max(1, table.shape[1])
+    splits = num_kv_splits(
+        platform, max(1, tokens), num_heads, longest, max_num_kv_splits(longest, platform), q_len=1,
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=q_pe.shape[-1], kv_cache_dtype=torch.float8_e4m3fn,
+    )
+    device = q_nope.device
+    attn_logits = torch.empty((tokens, num_heads, splits, attn_logits_width(kv_lora_rank)), dtype=torch.float32,
+                              device=device)
+    out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
+    lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
+    return mla_decode_fwd(q_nope, q_pe, pages, table, lens, scale, k_scale=None, num_kv_splits=splits,
+                          attn_logits=attn_logits, out=out, lse=lse, platform=platform)
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):

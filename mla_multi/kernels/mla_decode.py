@@ -63,6 +63,9 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
+from mla_multi.ds_mla_cache import KV_LORA_RANK as DS_KV_LORA_RANK
+from mla_multi.ds_mla_cache import ROPE_DIM as DS_ROPE_DIM
 from mla_multi.kernels.launch import BoundLaunch
 from mla_multi.kernels.launch_config import (
     CompileSpec,
@@ -482,6 +485,21 @@ def _mla_decode_reduce_kernel(
     tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)
 
 
+def ds_mla_decode_reason(platform, kv_cache=None) -> str:
+    """Why the decode kernels cannot read an fp8_ds_mla cache (uint8 [num_blocks, block_size, 656]) in place
+    ("" when they can): only the sm_90 warp-specialised kernels' loader dequantises its rows (e4m3 values,
+    four float32 scales a row, 16-bit rotary values), and it reads them as 4-byte words."""
+    reason = wgmma_decode_reason(platform, torch.float8_e4m3fn)
+    if reason:
+        return f"fp8_ds_mla rows are read by the sm_90 warp-specialised decode kernels only: {reason}"
+    if kv_cache is not None and any(value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))):
+        return (
+            f"the fp8_ds_mla kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
+            f"{tuple(kv_cache.stride())})"
+        )
+    return ""
+
+
 def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
@@ -510,13 +528,25 @@ def _check_inputs(
         raise ValueError(
             f"q_nope/q_pe dtypes {q_nope.dtype}/{q_pe.dtype}; accepted: both float16 or both bfloat16"
         )
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != kv_lora_rank + rope_dim:
+    ds_mla = kv_cache.dtype == torch.uint8
+    if ds_mla and (kv_lora_rank, rope_dim) != (DS_KV_LORA_RANK, DS_ROPE_DIM):
         raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, "
-            f"{kv_lora_rank + rope_dim}] (kv_lora_rank + qk_rope_head_dim)"
+            f"an fp8_ds_mla (uint8) kv_cache with kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; "
+            f"accepted: {DS_KV_LORA_RANK} and {DS_ROPE_DIM}"
         )
-    if kv_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}")
+    if ds_mla and q_nope.dtype != torch.bfloat16:
+        raise ValueError(f"an fp8_ds_mla (uint8) kv_cache with a {q_nope.dtype} query; accepted: bfloat16")
+    width = FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, {width}] "
+            + ("(fp8_ds_mla bytes)" if ds_mla else "(kv_lora_rank + qk_rope_head_dim)")
+        )
+    if kv_cache.dtype not in _CACHE_DTYPES + (torch.uint8,):
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype}; accepted: {', '.join(map(str, _CACHE_DTYPES))}, or uint8 "
+            "(fp8_ds_mla rows, sm_90 warpgroup kernels)"
+        )
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         # a bad block-table entry is read as block 0, which must exist
         raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: at least one block of one token")
@@ -700,10 +730,14 @@ class DecodeKernelPlan:
         self.num_kv_splits = num_kv_splits
         self.kv_lora_rank = kv_lora_rank
         # the warpgroup kernels read an FP8 cache in 4-byte words or wider copies: rows must start on 4-byte boundaries
-        fp8_rows_unaligned = kv_cache.dtype in FP8_DTYPES and any(
+        ds_mla = kv_cache.dtype == torch.uint8  # fp8_ds_mla rows: the warp-specialised kernels' own loader
+        fp8_rows_unaligned = (kv_cache.dtype in FP8_DTYPES or ds_mla) and any(
             value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
         )
-        if config is None:
+        if config is None and ds_mla:
+            # the FP8 table's register-loader configurations (float16 products: no raw stages, no TMA)
+            config = decode_config(platform, num_heads, q_len, torch.float8_e4m3fn, kv_lora_rank, rope_dim, fp8_qk=False)
+        elif config is None:
             config = decode_config(
                 platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
             )
@@ -747,8 +781,19 @@ class DecodeKernelPlan:
         rows = q_len * num_heads
         direct = num_kv_splits == 1
         grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
+        if ds_mla:
+            reason = ds_mla_decode_reason(platform, kv_cache)
+            if not reason and not (config.warp_specialised and config.raw_stages == 0 and config.num_stages > 0
+                                   and config.block_n == 64):
+                reason = (
+                    f"decode config {config.name}: fp8_ds_mla rows need a warp-specialised kernel (wgmma_ws or "
+                    f"wgmma_rm) with 64-token tiles, num_stages > 0 and raw_stages=0"
+                )
+            if reason:
+                raise ValueError(f"an fp8_ds_mla kv_cache cannot be decoded here: {reason}")
         if config.warpgroup:
-            reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
+            reason = wgmma_decode_reason(platform, torch.float8_e4m3fn if ds_mla else kv_cache.dtype, kv_lora_rank,
+                                         rope_dim)
             if not reason and fp8_rows_unaligned:
                 reason = (
                     f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
@@ -781,7 +826,7 @@ class DecodeKernelPlan:
                 page_size=kv_cache.shape[1],
                 config=config,
                 has_k_scale=k_scale is not None,
-                fp8_cache=kv_cache.dtype in FP8_DTYPES,
+                fp8_cache=kv_cache.dtype in FP8_DTYPES or ds_mla,
                 direct=direct,
             )
         else:
@@ -921,8 +966,11 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     `constexprs` holds those it shares with the Triton split kernel."""
     from mla_multi.kernels import mla_decode_wgmma
 
-    fp8 = cache_dtype in FP8_DTYPES
-    signature = {k: v for k, v in _split_kernel_signature(torch.bfloat16, cache_dtype, fp8).items() if v != "constexpr"}
+    fp8 = cache_dtype in FP8_DTYPES or cache_dtype == torch.uint8  # uint8: fp8_ds_mla rows
+    has_k_scale = cache_dtype in FP8_DTYPES
+    signature = {
+        k: v for k, v in _split_kernel_signature(torch.bfloat16, cache_dtype, has_k_scale).items() if v != "constexpr"
+    }
     constexprs = {**constexprs, "STAGES": config.num_stages, "FP8_CACHE": fp8, "num_warps": config.num_warps}
     for key in constexprs:
         signature[key] = "constexpr"
@@ -1007,6 +1055,22 @@ def compile_specs(platform) -> list[CompileSpec]:
                         divisible_by_16=_SPLIT_DIVISIBLE,
                     )
                 )
+    if not ds_mla_decode_reason(platform):
+        # fp8_ds_mla rows (sparse decode: one-token pages; any page size reads the same way)
+        ds_configs = []
+        for heads in (16, 32, 64):
+            config = decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
+            if config not in ds_configs:
+                ds_configs.append(config)
+        for config in ds_configs:
+            for page_size, direct in ((1, False), (1, True), (64, False)):
+                constexprs = {
+                    "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": page_size, "BLOCK_H": config.block_h,
+                    "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct,
+                }
+                name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
+                        f"{'direct' if direct else 'partial'}]")
+                specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     for reduce_config in all_decode_reduce_configs(platform):
         specs.append(
             CompileSpec(

@@ -126,6 +126,12 @@ if gluon is not None:
     # it converts; 160 / 144 / 200 is the split with which no partition spills under Triton 3.6 and 3.9
     WS_PV_REGS_FP8 = gl.constexpr(160)
     WS_LOAD_REGS_FP8 = gl.constexpr(144)
+    # the fp8_ds_mla loader: at most two 16-row quarters loaded ahead in registers (20 words a thread each:
+    # latent bytes and a scale per 128-value group), the rotary part by cp.async; 160 / 136 (rows as M)
+    # and 160 / 152 (tokens as M) are the splits with which no partition spills under Triton 3.9
+    WS_PV_REGS_DS = gl.constexpr(160)
+    WS_LOAD_REGS_DS = gl.constexpr(136)
+    WS_LOAD_REGS_DS_TM = gl.constexpr(152)
     # the raw-stage FP8 loader (cp.async, then a 16-row piece converted at a time)
     WS_LOAD_REGS_RAW = gl.constexpr(112)
     # FP8 P V (`_fp8_pv`): the second warpgroup holds both halves' output (64 registers) and operands
@@ -163,8 +169,15 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def _operand_dtype(query_dtype, cache_dtype):
-        """The warp-specialised kernel's MMA operand type: the query's, float16 for an FP8 cache."""
-        return gl.float16 if cache_dtype.primitive_bitwidth == 8 else query_dtype
+        """The warp-specialised kernel's MMA operand type: the query's, float16 for an FP8 cache (the
+        query's again for an fp8_ds_mla one, uint8 bytes, dequantised with its scales)."""
+        return gl.float16 if _scaled_query(cache_dtype) else query_dtype
+
+    @gluon.constexpr_function
+    def _scaled_query(cache_dtype):
+        """Whether the products are float16 with the query scaled by a power of two: an FP8 cache with one
+        per-tensor scale (not fp8_ds_mla's uint8 rows, dequantised into the query's type)."""
+        return cache_dtype.primitive_bitwidth == 8 and cache_dtype != gl.uint8
 
     @gluon.constexpr_function
     def _tile_layout(cols, bits, num_warps):
@@ -913,7 +926,7 @@ if gluon is not None:
         first_row = head_block * BLOCK_H
         # an FP8 cache: float16 products (the tile converts to float16 in one instruction per pair),
         # the query scaled by a power of two, undone on the scores
-        FP8: gl.constexpr = KV_cache.dtype.element_ty.primitive_bitwidth == 8
+        FP8: gl.constexpr = _scaled_query(KV_cache.dtype.element_ty)
         if FP8_QK:
             gl.static_assert(BLOCK_H <= BLOCK_N, "the query parks in a float16 stage")
             q_down = _load_query_e4m3(
@@ -1217,6 +1230,153 @@ if gluon is not None:
             page = next_page
             next_page = after_next
 
+    # e4m3 bytes times a float32 scale, four values a word: e4m3 -> float16 (exact), float32, the product,
+    # rounded to bfloat16 in pairs; results in memory order
+    _DS_SCALED_BF16 = gl.constexpr(
+        "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
+        "mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+        "mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; "
+        "cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3; "
+        "mul.f32 f0, f0, $3; mul.f32 f1, f1, $3; mul.f32 f2, f2, $3; mul.f32 f3, f3, $3; "
+        "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
+    )
+
+    @gluon.jit
+    def _e4m3_words_scaled(words, scales):
+        """int32 words of four e4m3 bytes, each word's values times its float32 scale -> int32 words of two
+        bfloat16 in memory order."""
+        return gl.inline_asm_elementwise(
+            _DS_SCALED_BF16, "=r,=r,r,f", [words, scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+        )
+
+    @gluon.jit
+    def _ds_piece_load(
+        src, page, PIECE: gl.constexpr, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        layout: gl.constexpr, FIRST: gl.constexpr,
+    ):
+        """Rows [FIRST, FIRST + PIECE) of an fp8_ds_mla tile (zero past split_end): the latent part's four
+        128-value groups as int32 words [PIECE, 32] each and their float32 scales [PIECE].  src: (the cache as int32 words and as float32, tile start, split end,
+        block-table row, blocks, block and token strides in bytes)."""
+        KV_words, KV_f32, tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token = src
+        rows, valid, bad = _tile_rows(
+            tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout), FIRST, PIECE,
+        )
+        words = rows >> 2
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+        at = KV_words + words[:, None] + cols[None, :]
+        mask = valid[:, None]
+        k0 = gl.load(at, mask=mask, other=0)
+        k1 = gl.load(at + 32, mask=mask, other=0)
+        k2 = gl.load(at + 64, mask=mask, other=0)
+        k3 = gl.load(at + 96, mask=mask, other=0)
+        scales = KV_f32 + words + KV_LORA_RANK // 4
+        s0 = gl.load(scales, mask=valid, other=0.0)
+        s1 = gl.load(scales + 1, mask=valid, other=0.0)
+        s2 = gl.load(scales + 2, mask=valid, other=0.0)
+        s3 = gl.load(scales + 3, mask=valid, other=0.0)
+        return k0, k1, k2, k3, s0, s1, s2, s3
+
+    @gluon.jit
+    def _ds_group_store(dst_rows, words, scales, GROUP: gl.constexpr):
+        """One 128-value group [PIECE, 32 words] dequantised into bfloat16 columns [128 GROUP, 128 GROUP +
+        128) of a stage's rows (its word view)."""
+        lo, hi = _e4m3_words_scaled(words, gl.broadcast(scales[:, None], words)[0])
+        dst_rows.slice(GROUP * 64, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 64]))
+
+    @gluon.jit
+    def _ds_piece_store(kv_words, k0, k1, k2, k3, s0, s1, s2, s3, FIRST: gl.constexpr, PIECE: gl.constexpr):
+        """A piece's latent groups dequantised into rows [FIRST, FIRST + PIECE) of the stage's word view."""
+        rows = kv_words.slice(FIRST, PIECE, dim=0)
+        _ds_group_store(rows, k0, s0, 0)
+        _ds_group_store(rows, k1, s1, 1)
+        _ds_group_store(rows, k2, s2, 2)
+        _ds_group_store(rows, k3, s3, 3)
+
+    @gluon.jit
+    def _ds_rope_copy(
+        kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+        stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        """The tile's bfloat16 rotary values (after the latent bytes and the four scales) copied by cp.async
+        as they are into the stage (zeros past split_end); the stage's ready barrier waits for them too."""
+        layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
+        rows, valid, bad = _tile_rows(
+            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout),
+        )
+        KV_bf16 = KV_cache.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        # bytes: 512 latent, 16 of scales, then the rotary values
+        cols = (KV_LORA_RANK + 4 * (KV_LORA_RANK // 128)) // 2 + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, layout))
+        _async_load(kpe_buf, KV_bf16 + (rows >> 1)[:, None] + cols[None, :], mask=valid[:, None])
+        async_copy.mbarrier_arrive(ready_bar)
+
+    @gluon.jit
+    def _ws_load_ds_mla(
+        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
+        num_cache_blocks, stride_kv_block, stride_kv_token,
+        KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
+        64 bfloat16 rotary values) into the bfloat16 stages both products read: the latent part dequantised
+        once per element through the loader's registers, in 16-row quarters loaded two ahead of the one
+        stored (three, as `_ws_load_fp8` holds, spill with the scales), the rotary part copied by cp.async
+        as it is.  Needs 4-byte aligned rows and a bfloat16 query."""
+        gl.static_assert(BLOCK_N == 64, "the fp8_ds_mla loader takes 64-token tiles in four 16-row quarters")
+        gl.static_assert(KV_LORA_RANK == 512 and ROPE_DIM == 64, "fp8_ds_mla rows hold 512 latent and 64 rotary values")
+        gl.static_assert(kv_smem.dtype == gl.bfloat16, "fp8_ds_mla is read with a bfloat16 query")
+        PIECE: gl.constexpr = 16
+        # a row a thread, four words (16 bytes) of each 128-value group: 8 threads a group of a row
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WS_LOAD_WARPS, 1], [1, 0])
+        words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
+        KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
+        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+        src = (KV_words, KV_f32, split_start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+               stride_kv_token)
+        a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 0)
+        b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 16)
+        next_page = _tile_page(block_table_row, split_start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            src = (KV_words, KV_f32, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+                   stride_kv_token)
+            nxt = (KV_words, KV_f32, start + BLOCK_N, split_end, block_table_row, num_cache_blocks, stride_kv_block,
+                   stride_kv_token)
+            after_next = _tile_page(block_table_row, start + 2 * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            _ds_rope_copy(
+                kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start, split_end, block_table_row,
+                num_cache_blocks, stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+            )
+            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 0, PIECE)
+            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(
+                src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 32
+            )
+            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 16, PIECE)
+            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(
+                src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 48
+            )
+            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 32, PIECE)
+            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(
+                nxt, next_page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 0
+            )
+            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 48, PIECE)
+            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(
+                nxt, next_page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 16
+            )
+            # generic-proxy stores, read next by the tensor cores; the rotary copies complete the barrier
+            # when they land
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(ready_bars.index(slot), count=1)
+            page = next_page
+            next_page = after_next
+
     @gluon.jit
     def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
         """One whole tile inside a page by TMA: two bulk tensor copies (latent and rotary columns, addressed
@@ -1427,6 +1587,12 @@ if gluon is not None:
                 stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
                 _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK), TMA,
             )
+        elif KV_cache.dtype.element_ty == gl.uint8:
+            _ws_load_ds_mla(
+                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
+                BLOCK_N, STAGES,
+            )
         elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
             _ws_load_fp8(
                 kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
@@ -1548,6 +1714,8 @@ if gluon is not None:
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
+                [WS_PV_REGS_DS, WS_LOAD_REGS_DS if ROWS_AS_M else WS_LOAD_REGS_DS_TM]
+                if KV_cache.dtype.element_ty == gl.uint8 else
                 [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS]
             ),
         )
