@@ -23,7 +23,7 @@ if [ -n "${HOST_TESTS_S:-}" ]; then
 fi
 [ -z "${SKIP_BENCH:-}" ] && timeout "${BENCH_S:-150}" python3 -m mla_multi bench sparse-decode --kv ${SPARSE_KV:-fp8_ds_mla,bf16} ${DECODE_ARGS:-} \
   --json "$out/sparse_decode.json" 2>&1 | tee "$out/sparse_decode.log" | grep -v "^  " | tail -14
-[ -z "${SKIP_BENCH:-}" ] && timeout "${BENCH_S:-150}" python3 -m mla_multi bench sparse-prefill ${PREFILL_ARGS:-} --json "$out/sparse_prefill.json" \
+[ -z "${SKIP_BENCH:-}${SKIP_PREFILL:-}" ] && timeout "${BENCH_S:-150}" python3 -m mla_multi bench sparse-prefill ${PREFILL_ARGS:-} --json "$out/sparse_prefill.json" \
   2>&1 | tee "$out/sparse_prefill.log" | grep -v "^  " | tail -8
 if [ -n "${PROFILE:-}" ]; then
   timeout 60 python3 bench/profile_sparse_eager.py 2>&1 | tee "$out/profile_sparse_eager.log" | grep -E "host per|tottime|\.py" | head -40

@@ -1230,24 +1230,34 @@ if gluon is not None:
             page = next_page
             next_page = after_next
 
-    # e4m3 bytes times a float32 scale, four values a word: e4m3 -> float16 (exact), float32, the product,
-    # rounded to bfloat16 in pairs; results in memory order
+    # e4m3 bytes times a bfloat16 scale, four values a word, two conversions a word: e4m3 pairs -> float16
+    # pairs (exact), each float16 made the bfloat16 of 2^-112 times its value by moving its bits (sign
+    # kept, exponent and mantissa shifted right by 3: exact, e4m3 values being normal float16 numbers),
+    # then multiplied by 2^112 (exact) and by the pair of bfloat16 scales ($3), rounded once; results in
+    # memory order.  (Conversion instructions run at a quarter of the ALU rate: the float32 route, six
+    # more a word, made the loader the kernel's bottleneck.)
     _DS_SCALED_BF16 = gl.constexpr(
-        "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
-        "mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-        "mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; "
-        "cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3; "
-        "mul.f32 f0, f0, $3; mul.f32 f1, f1, $3; mul.f32 f2, f2, $3; mul.f32 f3, f3, $3; "
-        "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
+        "{ .reg .b16 lo, hi; .reg .b32 a, b, t, u, k; "
+        "mov.b32 k, 0x77807780; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+        "shr.b32 t, a, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 u, a, 0x80008000; or.b32 t, t, u; "
+        "mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 $0, t, $3; "
+        "shr.b32 t, b, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 u, b, 0x80008000; or.b32 t, t, u; "
+        "mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 $1, t, $3; }"
     )
 
     @gluon.jit
     def _e4m3_words_scaled(words, scales):
-        """int32 words of four e4m3 bytes, each word's values times its float32 scale -> int32 words of two
-        bfloat16 in memory order."""
+        """int32 words of four e4m3 bytes times their scales (int32 words of the scale as a bfloat16
+        pair) -> int32 words of two bfloat16 in memory order."""
         return gl.inline_asm_elementwise(
-            _DS_SCALED_BF16, "=r,=r,r,f", [words, scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+            _DS_SCALED_BF16, "=r,=r,r,r", [words, scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
         )
+
+    @gluon.jit
+    def _bf16_pair(scale):
+        """float32 values -> int32 words holding each value twice as bfloat16 (rounded to nearest)."""
+        bits = scale.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return bits | (bits << 16)
 
     @gluon.jit
     def _ds_piece_load(
@@ -1281,7 +1291,7 @@ if gluon is not None:
     def _ds_group_store(dst_rows, words, scales, GROUP: gl.constexpr):
         """One 128-value group [PIECE, 32 words] dequantised into bfloat16 columns [128 GROUP, 128 GROUP +
         128) of a stage's rows (its word view)."""
-        lo, hi = _e4m3_words_scaled(words, gl.broadcast(scales[:, None], words)[0])
+        lo, hi = _e4m3_words_scaled(words, gl.broadcast(_bf16_pair(scales)[:, None], words)[0])
         dst_rows.slice(GROUP * 64, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 64]))
 
     @gluon.jit
