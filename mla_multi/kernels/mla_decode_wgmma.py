@@ -1260,19 +1260,27 @@ if gluon is not None:
         return bits | (bits << 16)
 
     @gluon.jit
-    def _ds_piece_load(
-        src, page, PIECE: gl.constexpr, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        layout: gl.constexpr, FIRST: gl.constexpr,
-    ):
-        """Rows [FIRST, FIRST + PIECE) of an fp8_ds_mla tile (zero past split_end): the latent part's four
-        128-value groups as int32 words [PIECE, 32] each and their float32 scales [PIECE].  src: (the cache as int32 words and as float32, tile start, split end,
-        block-table row, blocks, block and token strides in bytes)."""
-        KV_words, KV_f32, tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token = src
-        rows, valid, bad = _tile_rows(
-            tile_start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout), FIRST, PIECE,
-        )
-        words = rows >> 2
+    def _ds_entries(block_table_row, start, split_end, FIRST: gl.constexpr, PIECE: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """The block-table entries of tile positions [start + FIRST, start + FIRST + PIECE) (0 past
+        split_end), loaded a tile before their rows are."""
+        pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+        return gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
+
+    @gluon.jit
+    def _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token,
+                 FIRST: gl.constexpr, PIECE: gl.constexpr, PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
+        """Word offsets of the cache rows of tile positions [start + FIRST, start + FIRST + PIECE) and their
+        validity; an entry outside [0, num_cache_blocks) reads block 0 (the softmax partition flags it)."""
+        pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+        block = gl.where((entries < 0) | (entries >= num_cache_blocks), 0, entries).to(gl.int64)
+        rows = block * stride_kv_block + (pos % PAGE_SIZE).to(gl.int64) * stride_kv_token
+        return rows >> 2, pos < split_end
+
+    @gluon.jit
+    def _ds_piece_load(KV_words, KV_f32, words, valid, KV_LORA_RANK: gl.constexpr, layout: gl.constexpr):
+        """A piece of fp8_ds_mla rows (`_ds_rows`; zeros where not valid): the latent part's four 128-value
+        groups as int32 words [PIECE, 32] each and their float32 scales [PIECE]."""
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
         at = KV_words + words[:, None] + cols[None, :]
         mask = valid[:, None]
@@ -1304,23 +1312,13 @@ if gluon is not None:
         _ds_group_store(rows, k3, s3, 3)
 
     @gluon.jit
-    def _ds_rope_copy(
-        kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
-        stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-    ):
-        """The tile's bfloat16 rotary values (after the latent bytes and the four scales) copied by cp.async
-        as they are into the stage (zeros past split_end); the stage's ready barrier waits for them too."""
-        layout: gl.constexpr = _tile_layout(ROPE_DIM, 16, WS_LOAD_WARPS)
-        rows, valid, bad = _tile_rows(
-            start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-            PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, layout),
-        )
-        KV_bf16 = KV_cache.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        # bytes: 512 latent, 16 of scales, then the rotary values
-        cols = (KV_LORA_RANK + 4 * (KV_LORA_RANK // 128)) // 2 + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, layout))
-        _async_load(kpe_buf, KV_bf16 + (rows >> 1)[:, None] + cols[None, :], mask=valid[:, None])
-        async_copy.mbarrier_arrive(ready_bar)
+    def _ds_rope_copy(pe_words, KV_words, words, valid, FIRST: gl.constexpr, PIECE: gl.constexpr,
+                      KV_LORA_RANK: gl.constexpr, layout: gl.constexpr):
+        """A piece's bfloat16 rotary values (after the latent bytes and the four scales) copied by cp.async
+        as they are into rows [FIRST, FIRST + PIECE) of the stage's word view (zeros where not valid)."""
+        cols = KV_LORA_RANK // 4 + KV_LORA_RANK // 128 + gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+        _async_load(pe_words.slice(FIRST, PIECE, dim=0), KV_words + words[:, None] + cols[None, :],
+                    mask=valid[:, None])
 
     @gluon.jit
     def _ws_load_ds_mla(
@@ -1333,59 +1331,74 @@ if gluon is not None:
         64 bfloat16 rotary values) into the bfloat16 stages both products read: the latent part dequantised
         once per element through the loader's registers, in 16-row quarters loaded two ahead of the one
         stored (three, as `_ws_load_fp8` holds, spill with the scales), the rotary part copied by cp.async
-        as it is.  Needs 4-byte aligned rows and a bfloat16 query."""
+        as it is.  The block-table entries are loaded a tile ahead of the rows they name, so that no load
+        of the cache waits on one (with one-token pages, as the sparse decode reads, every row has its
+        own).  Needs 4-byte aligned rows and a bfloat16 query."""
         gl.static_assert(BLOCK_N == 64, "the fp8_ds_mla loader takes 64-token tiles in four 16-row quarters")
         gl.static_assert(KV_LORA_RANK == 512 and ROPE_DIM == 64, "fp8_ds_mla rows hold 512 latent and 64 rotary values")
         gl.static_assert(kv_smem.dtype == gl.bfloat16, "fp8_ds_mla is read with a bfloat16 query")
-        PIECE: gl.constexpr = 16
+        P: gl.constexpr = 16
         # a row a thread, four words (16 bytes) of each 128-value group: 8 threads a group of a row
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WS_LOAD_WARPS, 1], [1, 0])
         words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
-        page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
-        src = (KV_words, KV_f32, split_start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
-               stride_kv_token)
-        a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 0)
-        b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 16)
-        next_page = _tile_page(block_table_row, split_start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+        e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
+        e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
+        e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
+        e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
+        w0, v0 = _ds_rows(e0, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
+                          PAGE_SIZE, layout)
+        a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w0, v0, KV_LORA_RANK, layout)
+        w1, v1 = _ds_rows(e1, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
+                          PAGE_SIZE, layout)
+        b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w1, v1, KV_LORA_RANK, layout)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
-            src = (KV_words, KV_f32, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
-                   stride_kv_token)
-            nxt = (KV_words, KV_f32, start + BLOCK_N, split_end, block_table_row, num_cache_blocks, stride_kv_block,
-                   stride_kv_token)
-            after_next = _tile_page(block_table_row, start + 2 * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            nxt = start + BLOCK_N
+            # the next tile's entries, in flight during this one
+            n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
+            n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
+            n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
+            n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
+            pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
-            _ds_rope_copy(
-                kpe_smem.index(slot), ready_bars.index(slot), KV_cache, start, split_end, block_table_row,
-                num_cache_blocks, stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
-            )
-            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 0, PIECE)
-            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(
-                src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 32
-            )
-            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 16, PIECE)
-            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(
-                src, page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 48
-            )
-            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 32, PIECE)
-            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(
-                nxt, next_page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 0
-            )
-            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 48, PIECE)
-            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(
-                nxt, next_page, PIECE, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, layout, 16
-            )
-            # generic-proxy stores, read next by the tensor cores; the rotary copies complete the barrier
-            # when they land
+            w0, v0 = _ds_rows(e0, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
+                              PAGE_SIZE, layout)
+            _ds_rope_copy(pe_words, KV_words, w0, v0, 0, P, KV_LORA_RANK, layout)
+            w1, v1 = _ds_rows(e1, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
+                              PAGE_SIZE, layout)
+            _ds_rope_copy(pe_words, KV_words, w1, v1, 16, P, KV_LORA_RANK, layout)
+            w2, v2 = _ds_rows(e2, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
+                              PAGE_SIZE, layout)
+            _ds_rope_copy(pe_words, KV_words, w2, v2, 32, P, KV_LORA_RANK, layout)
+            w3, v3 = _ds_rows(e3, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 48, P,
+                              PAGE_SIZE, layout)
+            _ds_rope_copy(pe_words, KV_words, w3, v3, 48, P, KV_LORA_RANK, layout)
+            # the stage turns ready when the rotary copies have landed too
+            async_copy.mbarrier_arrive(ready_bars.index(slot))
+            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 0, P)
+            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w2, v2, KV_LORA_RANK, layout)
+            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 16, P)
+            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w3, v3, KV_LORA_RANK, layout)
+            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 32, P)
+            w0, v0 = _ds_rows(n0, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
+                              PAGE_SIZE, layout)
+            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w0, v0, KV_LORA_RANK, layout)
+            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 48, P)
+            w1, v1 = _ds_rows(n1, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
+                              PAGE_SIZE, layout)
+            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w1, v1, KV_LORA_RANK, layout)
+            e0 = n0
+            e1 = n1
+            e2 = n2
+            e3 = n3
+            # generic-proxy stores, read next by the tensor cores
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
-            page = next_page
-            next_page = after_next
 
     @gluon.jit
     def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
