@@ -123,15 +123,10 @@ if gluon is not None:
     WS_PV_REGS = gl.constexpr(168)
     WS_LOAD_REGS = gl.constexpr(56)
     # an FP8 loader holds three quarters of a tile ahead in registers (54 words a thread) and the quarter
-    # it converts; 160 / 144 / 200 is the split with which no partition spills under Triton 3.6 and 3.9
+    # it converts (an fp8_ds_mla one 48 words, its scales going through shared memory); 160 / 144 / 200
+    # is the split with which no partition spills under Triton 3.6 and 3.9
     WS_PV_REGS_FP8 = gl.constexpr(160)
     WS_LOAD_REGS_FP8 = gl.constexpr(144)
-    # the fp8_ds_mla loader: at most two 16-row quarters loaded ahead in registers (20 words a thread each:
-    # latent bytes and a scale per 128-value group), the rotary part by cp.async; 160 / 136 (rows as M)
-    # and 160 / 152 (tokens as M) are the splits with which no partition spills under Triton 3.9
-    WS_PV_REGS_DS = gl.constexpr(160)
-    WS_LOAD_REGS_DS = gl.constexpr(136)
-    WS_LOAD_REGS_DS_TM = gl.constexpr(152)
     # the raw-stage FP8 loader (cp.async, then a 16-row piece converted at a time)
     WS_LOAD_REGS_RAW = gl.constexpr(112)
     # FP8 P V (`_fp8_pv`): the second warpgroup holds both halves' output (64 registers) and operands
@@ -901,7 +896,7 @@ if gluon is not None:
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done, ds_scales) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -1042,7 +1037,7 @@ if gluon is not None:
         """PV for the second half of the latent columns (`_pv_whole`: all of them), from the first warpgroup's P
         and rescale."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done, ds_scales) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         (stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h, stride_kv_block, stride_kv_token,
@@ -1278,9 +1273,9 @@ if gluon is not None:
         return rows >> 2, pos < split_end
 
     @gluon.jit
-    def _ds_piece_load(KV_words, KV_f32, words, valid, KV_LORA_RANK: gl.constexpr, layout: gl.constexpr):
+    def _ds_piece_load(KV_words, words, valid, layout: gl.constexpr):
         """A piece of fp8_ds_mla rows (`_ds_rows`; zeros where not valid): the latent part's four 128-value
-        groups as int32 words [PIECE, 32] each and their float32 scales [PIECE]."""
+        groups as int32 words [PIECE, 32] each."""
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
         at = KV_words + words[:, None] + cols[None, :]
         mask = valid[:, None]
@@ -1288,28 +1283,52 @@ if gluon is not None:
         k1 = gl.load(at + 32, mask=mask, other=0)
         k2 = gl.load(at + 64, mask=mask, other=0)
         k3 = gl.load(at + 96, mask=mask, other=0)
-        scales = KV_f32 + words + KV_LORA_RANK // 4
-        s0 = gl.load(scales, mask=valid, other=0.0)
-        s1 = gl.load(scales + 1, mask=valid, other=0.0)
-        s2 = gl.load(scales + 2, mask=valid, other=0.0)
-        s3 = gl.load(scales + 3, mask=valid, other=0.0)
-        return k0, k1, k2, k3, s0, s1, s2, s3
+        return k0, k1, k2, k3
 
     @gluon.jit
-    def _ds_group_store(dst_rows, words, scales, GROUP: gl.constexpr):
-        """One 128-value group [PIECE, 32 words] dequantised into bfloat16 columns [128 GROUP, 128 GROUP +
-        128) of a stage's rows (its word view)."""
-        lo, hi = _e4m3_words_scaled(words, gl.broadcast(_bf16_pair(scales)[:, None], words)[0])
+    def _ds_scale_load(KV_f32, block_table_row, start, split_end, num_cache_blocks, stride_kv_block,
+                       stride_kv_token, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
+        """The four float32 scales of each row of the tile at `start`, four [BLOCK_N] vectors (zeros past
+        split_end), a row a thread; the block-table entries and the scales are both loaded here."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WS_LOAD_WARPS, 1], [1, 0])
+        entries = _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, BLOCK_N, layout)
+        words, valid = _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0,
+                                BLOCK_N, PAGE_SIZE, layout)
+        at = KV_f32 + words + KV_LORA_RANK // 4
+        s0 = gl.load(at, mask=valid, other=0.0)
+        s1 = gl.load(at + 1, mask=valid, other=0.0)
+        s2 = gl.load(at + 2, mask=valid, other=0.0)
+        s3 = gl.load(at + 3, mask=valid, other=0.0)
+        return s0, s1, s2, s3
+
+    @gluon.jit
+    def _ds_scale_store(ds_scales, s0, s1, s2, s3):
+        """A tile's scales into the shared buffer [4 x BLOCK_N] (group-major) as bfloat16 pairs."""
+        n: gl.constexpr = s0.shape[0]
+        ds_scales.slice(0, n).store(_bf16_pair(s0))
+        ds_scales.slice(n, n).store(_bf16_pair(s1))
+        ds_scales.slice(2 * n, n).store(_bf16_pair(s2))
+        ds_scales.slice(3 * n, n).store(_bf16_pair(s3))
+
+    @gluon.jit
+    def _ds_group_store(dst_rows, words, ds_scales, FIRST: gl.constexpr, GROUP: gl.constexpr):
+        """One 128-value group [PIECE, 32 words] of rows [FIRST, FIRST + PIECE) dequantised into bfloat16
+        columns [128 GROUP, 128 GROUP + 128) of a stage's rows (its word view), the scales from the shared
+        buffer."""
+        BLOCK_N: gl.constexpr = ds_scales.shape[0] // 4
+        pairs = ds_scales.slice(GROUP * BLOCK_N + FIRST, words.shape[0]).load(gl.SliceLayout(1, words.type.layout))
+        lo, hi = _e4m3_words_scaled(words, gl.broadcast(pairs[:, None], words)[0])
         dst_rows.slice(GROUP * 64, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 64]))
 
     @gluon.jit
-    def _ds_piece_store(kv_words, k0, k1, k2, k3, s0, s1, s2, s3, FIRST: gl.constexpr, PIECE: gl.constexpr):
+    def _ds_piece_store(kv_words, ds_scales, k0, k1, k2, k3, FIRST: gl.constexpr, PIECE: gl.constexpr):
         """A piece's latent groups dequantised into rows [FIRST, FIRST + PIECE) of the stage's word view."""
         rows = kv_words.slice(FIRST, PIECE, dim=0)
-        _ds_group_store(rows, k0, s0, 0)
-        _ds_group_store(rows, k1, s1, 1)
-        _ds_group_store(rows, k2, s2, 2)
-        _ds_group_store(rows, k3, s3, 3)
+        _ds_group_store(rows, k0, ds_scales, FIRST, 0)
+        _ds_group_store(rows, k1, ds_scales, FIRST, 1)
+        _ds_group_store(rows, k2, ds_scales, FIRST, 2)
+        _ds_group_store(rows, k3, ds_scales, FIRST, 3)
 
     @gluon.jit
     def _ds_rope_copy(pe_words, KV_words, words, valid, FIRST: gl.constexpr, PIECE: gl.constexpr,
@@ -1322,18 +1341,19 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_ds_mla(
-        kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end, num_tiles,
-        num_cache_blocks, stride_kv_block, stride_kv_token,
+        kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+        num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
         """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
-        64 bfloat16 rotary values) into the bfloat16 stages both products read: the latent part dequantised
-        once per element through the loader's registers, in 16-row quarters loaded two ahead of the one
-        stored (three, as `_ws_load_fp8` holds, spill with the scales), the rotary part copied by cp.async
-        as it is.  The block-table entries are loaded a tile ahead of the rows they name, so that no load
-        of the cache waits on one (with one-token pages, as the sparse decode reads, every row has its
-        own).  Needs 4-byte aligned rows and a bfloat16 query."""
+        64 bfloat16 rotary values) into the bfloat16 stages both products read.  The latent part is
+        dequantised once per element through the loader's registers, in 16-row quarters three ahead of the
+        one stored, as `_ws_load_fp8` does; the scales go a tile ahead through a shared buffer (as bfloat16
+        pairs), which leaves the registers to the latent bytes; the rotary part is copied by cp.async as
+        it is.  The block-table entries are loaded a tile ahead of the rows they name, so that no load of
+        the cache waits on one (with one-token pages, as the sparse decode reads, every row has its own).
+        Needs 4-byte aligned rows and a bfloat16 query."""
         gl.static_assert(BLOCK_N == 64, "the fp8_ds_mla loader takes 64-token tiles in four 16-row quarters")
         gl.static_assert(KV_LORA_RANK == 512 and ROPE_DIM == 64, "fp8_ds_mla rows hold 512 latent and 64 rotary values")
         gl.static_assert(kv_smem.dtype == gl.bfloat16, "fp8_ds_mla is read with a bfloat16 query")
@@ -1343,27 +1363,39 @@ if gluon is not None:
         words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
+        t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, split_start, split_end, num_cache_blocks,
+                                        stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
+        _ds_scale_store(ds_scales, t0, t1, t2, t3)
         e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
         e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
         e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
         e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
         w0, v0 = _ds_rows(e0, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
                           PAGE_SIZE, layout)
-        a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w0, v0, KV_LORA_RANK, layout)
+        a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
         w1, v1 = _ds_rows(e1, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
                           PAGE_SIZE, layout)
-        b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w1, v1, KV_LORA_RANK, layout)
+        b0, b1, b2, b3 = _ds_piece_load(KV_words, w1, v1, layout)
+        w2, v2 = _ds_rows(e2, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
+                          PAGE_SIZE, layout)
+        c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
+        _cta_barrier()
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             nxt = start + BLOCK_N
-            # the next tile's entries, in flight during this one
+            # the next tile's entries and scales, in flight during this one
             n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
             n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
             n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
             n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
+            t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, nxt, split_end, num_cache_blocks,
+                                            stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
+            w3, v3 = _ds_rows(e3, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 48, P,
+                              PAGE_SIZE, layout)
+            d0, d1, d2, d3 = _ds_piece_load(KV_words, w3, v3, layout)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             w0, v0 = _ds_rows(e0, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
                               PAGE_SIZE, layout)
@@ -1374,23 +1406,22 @@ if gluon is not None:
             w2, v2 = _ds_rows(e2, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
                               PAGE_SIZE, layout)
             _ds_rope_copy(pe_words, KV_words, w2, v2, 32, P, KV_LORA_RANK, layout)
-            w3, v3 = _ds_rows(e3, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 48, P,
-                              PAGE_SIZE, layout)
             _ds_rope_copy(pe_words, KV_words, w3, v3, 48, P, KV_LORA_RANK, layout)
             # the stage turns ready when the rotary copies have landed too
             async_copy.mbarrier_arrive(ready_bars.index(slot))
-            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 0, P)
-            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w2, v2, KV_LORA_RANK, layout)
-            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 16, P)
-            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w3, v3, KV_LORA_RANK, layout)
-            _ds_piece_store(kv_words, a0, a1, a2, a3, as0, as1, as2, as3, 32, P)
+            _ds_piece_store(kv_words, ds_scales, a0, a1, a2, a3, 0, P)
             w0, v0 = _ds_rows(n0, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
                               PAGE_SIZE, layout)
-            a0, a1, a2, a3, as0, as1, as2, as3 = _ds_piece_load(KV_words, KV_f32, w0, v0, KV_LORA_RANK, layout)
-            _ds_piece_store(kv_words, b0, b1, b2, b3, bs0, bs1, bs2, bs3, 48, P)
+            a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
+            _ds_piece_store(kv_words, ds_scales, b0, b1, b2, b3, 16, P)
             w1, v1 = _ds_rows(n1, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
                               PAGE_SIZE, layout)
-            b0, b1, b2, b3, bs0, bs1, bs2, bs3 = _ds_piece_load(KV_words, KV_f32, w1, v1, KV_LORA_RANK, layout)
+            b0, b1, b2, b3 = _ds_piece_load(KV_words, w1, v1, layout)
+            _ds_piece_store(kv_words, ds_scales, c0, c1, c2, c3, 32, P)
+            w2, v2 = _ds_rows(n2, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
+                              PAGE_SIZE, layout)
+            c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
+            _ds_piece_store(kv_words, ds_scales, d0, d1, d2, d3, 48, P)
             e0 = n0
             e1 = n1
             e2 = n2
@@ -1399,6 +1430,9 @@ if gluon is not None:
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
+            # the next tile's scales, once every thread has read this tile's
+            _ds_scale_store(ds_scales, t0, t1, t2, t3)
+            _cta_barrier()
 
     @gluon.jit
     def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
@@ -1583,7 +1617,7 @@ if gluon is not None:
         float16 stages P V reads (RAW_STAGES > 0), or through registers, converted once per element into
         the float16 stages both products read."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done) = bufs
+         raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done, ds_scales) = bufs
         Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag = ptrs
         sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks = scalars
         stride_kv_block = strides[6]
@@ -1612,7 +1646,7 @@ if gluon is not None:
             )
         elif KV_cache.dtype.element_ty == gl.uint8:
             _ws_load_ds_mla(
-                kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
+                kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
                 num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                 BLOCK_N, STAGES,
             )
@@ -1711,9 +1745,14 @@ if gluon is not None:
         # the query is in shared memory (`_query_parked`: the loader's first conversion waits for it)
         q_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_done, count=1)
+        # an fp8_ds_mla cache: the next tile's row scales as bfloat16 pairs, per 128-value group
+        ds_scales = gl.allocate_shared_memory(
+            gl.int32, [4 * BLOCK_N if KV_cache.dtype.element_ty == gl.uint8 else 1],
+            gl.SwizzledSharedLayout(1, 1, 1, [0]),
+        )
         bufs = (
             q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
-            raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done,
+            raw_kv, raw_pe, raw_ready, raw_empty, red_smem, q_done, ds_scales,
         )
         ptrs = (Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag)
         scalars = (sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks)
@@ -1737,8 +1776,6 @@ if gluon is not None:
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
-                [WS_PV_REGS_DS, WS_LOAD_REGS_DS if ROWS_AS_M else WS_LOAD_REGS_DS_TM]
-                if KV_cache.dtype.element_ty == gl.uint8 else
                 [WS_PV_REGS_FP8, WS_LOAD_REGS_FP8] if FP8_CACHE else [WS_PV_REGS, WS_LOAD_REGS]
             ),
         )
