@@ -1349,8 +1349,8 @@ if gluon is not None:
         """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
         64 bfloat16 rotary values) into the bfloat16 stages both products read.  The latent part is
         dequantised once per element through the loader's registers, in 16-row quarters three ahead of the
-        one stored, as `_ws_load_fp8` does; the scales go a tile ahead through a shared buffer (as bfloat16
-        pairs), which leaves the registers to the latent bytes; the rotary part is copied by cp.async as
+        one stored, as `_ws_load_fp8` does; the scales go a tile ahead through two shared buffers (as
+        bfloat16 pairs), which leaves the registers to the latent bytes; the rotary part is copied by cp.async as
         it is.  The block-table entries are loaded a tile ahead of the rows they name, so that no load of
         the cache waits on one (with one-token pages, as the sparse decode reads, every row has its own).
         Needs 4-byte aligned rows and a bfloat16 query."""
@@ -1365,7 +1365,7 @@ if gluon is not None:
         KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
         t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, split_start, split_end, num_cache_blocks,
                                         stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
-        _ds_scale_store(ds_scales, t0, t1, t2, t3)
+        _ds_scale_store(ds_scales.index(0), t0, t1, t2, t3)
         e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
         e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
         e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
@@ -1393,6 +1393,7 @@ if gluon is not None:
                                             stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
+            scales = ds_scales.index(tile % 2)
             w3, v3 = _ds_rows(e3, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 48, P,
                               PAGE_SIZE, layout)
             d0, d1, d2, d3 = _ds_piece_load(KV_words, w3, v3, layout)
@@ -1409,19 +1410,21 @@ if gluon is not None:
             _ds_rope_copy(pe_words, KV_words, w3, v3, 48, P, KV_LORA_RANK, layout)
             # the stage turns ready when the rotary copies have landed too
             async_copy.mbarrier_arrive(ready_bars.index(slot))
-            _ds_piece_store(kv_words, ds_scales, a0, a1, a2, a3, 0, P)
+            _ds_piece_store(kv_words, scales, a0, a1, a2, a3, 0, P)
             w0, v0 = _ds_rows(n0, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
                               PAGE_SIZE, layout)
             a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
-            _ds_piece_store(kv_words, ds_scales, b0, b1, b2, b3, 16, P)
+            _ds_piece_store(kv_words, scales, b0, b1, b2, b3, 16, P)
             w1, v1 = _ds_rows(n1, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
                               PAGE_SIZE, layout)
             b0, b1, b2, b3 = _ds_piece_load(KV_words, w1, v1, layout)
-            _ds_piece_store(kv_words, ds_scales, c0, c1, c2, c3, 32, P)
+            _ds_piece_store(kv_words, scales, c0, c1, c2, c3, 32, P)
             w2, v2 = _ds_rows(n2, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
                               PAGE_SIZE, layout)
             c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
-            _ds_piece_store(kv_words, ds_scales, d0, d1, d2, d3, 48, P)
+            # the next tile's scales into the other buffer (read after this tile's closing barrier)
+            _ds_scale_store(ds_scales.index((tile + 1) % 2), t0, t1, t2, t3)
+            _ds_piece_store(kv_words, scales, d0, d1, d2, d3, 48, P)
             e0 = n0
             e1 = n1
             e2 = n2
@@ -1430,9 +1433,6 @@ if gluon is not None:
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
-            # the next tile's scales, once every thread has read this tile's
-            _ds_scale_store(ds_scales, t0, t1, t2, t3)
-            _cta_barrier()
 
     @gluon.jit
     def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
@@ -1745,9 +1745,9 @@ if gluon is not None:
         # the query is in shared memory (`_query_parked`: the loader's first conversion waits for it)
         q_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_done, count=1)
-        # an fp8_ds_mla cache: the next tile's row scales as bfloat16 pairs, per 128-value group
+        # an fp8_ds_mla cache: a tile's row scales as bfloat16 pairs, per 128-value group, two tiles
         ds_scales = gl.allocate_shared_memory(
-            gl.int32, [4 * BLOCK_N if KV_cache.dtype.element_ty == gl.uint8 else 1],
+            gl.int32, [2, 4 * BLOCK_N] if KV_cache.dtype.element_ty == gl.uint8 else [1, 1],
             gl.SwizzledSharedLayout(1, 1, 1, [0]),
         )
         bufs = (
