@@ -1312,23 +1312,34 @@ if gluon is not None:
         ds_scales.slice(3 * n, n).store(_bf16_pair(s3))
 
     @gluon.jit
-    def _ds_group_store(dst_rows, words, ds_scales, FIRST: gl.constexpr, GROUP: gl.constexpr):
-        """One 128-value group [PIECE, 32 words] of rows [FIRST, FIRST + PIECE) dequantised into bfloat16
-        columns [128 GROUP, 128 GROUP + 128) of a stage's rows (its word view), the scales from the shared
+    def _ds_group_pairs(ds_scales, FIRST: gl.constexpr, GROUP: gl.constexpr, PIECE: gl.constexpr,
+                        layout: gl.constexpr):
+        """The bfloat16 scale pairs of rows [FIRST, FIRST + PIECE), 128-value group GROUP, from the shared
         buffer."""
         BLOCK_N: gl.constexpr = ds_scales.shape[0] // 4
-        pairs = ds_scales.slice(GROUP * BLOCK_N + FIRST, words.shape[0]).load(gl.SliceLayout(1, words.type.layout))
+        return ds_scales.slice(GROUP * BLOCK_N + FIRST, PIECE).load(gl.SliceLayout(1, layout))
+
+    @gluon.jit
+    def _ds_group_store(dst_rows, words, pairs, GROUP: gl.constexpr):
+        """One 128-value group [PIECE, 32 words] dequantised with its scale pairs into bfloat16 columns
+        [128 GROUP, 128 GROUP + 128) of a stage's rows (its word view)."""
         lo, hi = _e4m3_words_scaled(words, gl.broadcast(pairs[:, None], words)[0])
         dst_rows.slice(GROUP * 64, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 64]))
 
     @gluon.jit
     def _ds_piece_store(kv_words, ds_scales, k0, k1, k2, k3, FIRST: gl.constexpr, PIECE: gl.constexpr):
-        """A piece's latent groups dequantised into rows [FIRST, FIRST + PIECE) of the stage's word view."""
+        """A piece's latent groups dequantised into rows [FIRST, FIRST + PIECE) of the stage's word view
+        (the four groups' scales read first: a shared load after the stage's stores would wait for them)."""
+        layout: gl.constexpr = k0.type.layout
+        p0 = _ds_group_pairs(ds_scales, FIRST, 0, PIECE, layout)
+        p1 = _ds_group_pairs(ds_scales, FIRST, 1, PIECE, layout)
+        p2 = _ds_group_pairs(ds_scales, FIRST, 2, PIECE, layout)
+        p3 = _ds_group_pairs(ds_scales, FIRST, 3, PIECE, layout)
         rows = kv_words.slice(FIRST, PIECE, dim=0)
-        _ds_group_store(rows, k0, ds_scales, FIRST, 0)
-        _ds_group_store(rows, k1, ds_scales, FIRST, 1)
-        _ds_group_store(rows, k2, ds_scales, FIRST, 2)
-        _ds_group_store(rows, k3, ds_scales, FIRST, 3)
+        _ds_group_store(rows, k0, p0, 0)
+        _ds_group_store(rows, k1, p1, 1)
+        _ds_group_store(rows, k2, p2, 2)
+        _ds_group_store(rows, k3, p3, 3)
 
     @gluon.jit
     def _ds_rope_copy(pe_words, KV_words, words, valid, FIRST: gl.constexpr, PIECE: gl.constexpr,
