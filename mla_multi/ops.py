@@ -185,7 +185,7 @@ class _DecodePlan:
         self.k_scale = k_scale  # the tensor of a float k_scale, made once
         self.num_kv_splits = None
         self.kernel_plan = None
-        self.logits_shape = None
+        self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -195,7 +195,7 @@ class _DecodePlan:
             k_scale = self.k_scale
         if seq_lens.dtype != torch.int32:
             seq_lens = seq_lens.to(torch.int32)
-        if self.logits_shape is None:
+        if self.partial_dims is None:
             impl = self.impl
             impl.scale = float(scale)
             result, result_lse = impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
@@ -211,7 +211,9 @@ class _DecodePlan:
         if lse is None:
             lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
         if attn_logits is None:
-            attn_logits = torch.empty(self.logits_shape, dtype=torch.float32, device=device)
+            from mla_multi.kernels.mla_decode import split_partials
+
+            attn_logits = split_partials(*self.partial_dims, device)
         kernel_plan = self.kernel_plan
         if kernel_plan is None:
             from mla_multi.kernels.mla_decode import DecodeKernelPlan
@@ -254,12 +256,10 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     from mla_multi.kernels import interpreter_active
 
     if isinstance(impl, TritonDecodeImpl) and device.type == "cuda" and not interpreter_active():
-        from mla_multi.kernels.mla_decode import attn_logits_width
-
         plan.num_kv_splits = impl.choose_num_kv_splits(
             batch, q_len, None, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
         )
-        plan.logits_shape = (batch * q_len, num_heads, plan.num_kv_splits, attn_logits_width(dims.kv_lora_rank))
+        plan.partial_dims = (batch * q_len, num_heads, plan.num_kv_splits, dims.kv_lora_rank)
     else:
         plan.num_kv_splits = num_kv_splits
     return plan
@@ -289,8 +289,10 @@ class MLADecodePlan:
         self._out_shape = shape
         self._dtype = dtype
         self._attn_logits = None
-        if plan.logits_shape is not None:
-            self._attn_logits = torch.empty(plan.logits_shape, dtype=torch.float32, device=plan.device)
+        if plan.partial_dims is not None:
+            from mla_multi.kernels.mla_decode import split_partials
+
+            self._attn_logits = split_partials(*plan.partial_dims, plan.device)
 
     def _check_output(self, name: str, tensor, shape, dtype) -> None:
         if tensor is None:

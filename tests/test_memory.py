@@ -207,3 +207,37 @@ def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, boun
         mm.workspace.set_workspace_manager(None, device)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_one_split_functional_calls_allocate_no_partials():
+    """A functional call whose split heuristic picks one split writes its output directly: no split-KV
+    partials are allocated (sparse prefill of 4096 tokens x 128 heads through TRITON: the partials would be
+    1.06 GiB, twice the output), and the result still matches float64."""
+    from mla_multi.backends.reference import sparse_attention_reference
+    from mla_multi.kernels.mla_decode import split_partials
+
+    stand_in = split_partials(4096, 128, 1, 512, "cuda")
+    assert stand_in.shape == (4096, 128, 1, 528) and stand_in.untyped_storage().nbytes() == 528 * 4
+    assert split_partials(8, 128, 3, 512, "cuda").is_contiguous()
+    generator = torch.Generator().manual_seed(3)
+    tokens, heads, topk, s_kv = 4096, 128, 256, 8192
+    kv = torch.randn(s_kv, 576, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-1, s_kv, (tokens, topk), generator=generator, dtype=torch.int32)
+    q_nope = torch.randn(tokens, heads, 512, generator=generator).to(torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, 64, generator=generator).to(torch.bfloat16)
+    args = (q_nope.cuda(), q_pe.cuda(), kv.cuda(), indices.cuda(), 0.05)
+    mm.ops.mla_sparse_prefill(*args, backend="TRITON")  # compile and plan outside the measurement
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = mm.ops.mla_sparse_prefill(*args, backend="TRITON")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    partials = tokens * heads * 528 * 4
+    assert peak < 0.7 * partials, (peak, partials)
+    rows = slice(0, 4096, 511)
+    ref, _, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1)[rows].double(), kv.double(), indices[rows],
+                                           0.05)
+    got = out[rows].double().cpu()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2

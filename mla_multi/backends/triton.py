@@ -229,7 +229,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
         workspace views and the bound kernels of the step, so that every later layer only launches."""
         from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd, split_partials
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
@@ -253,7 +253,8 @@ class TritonDecodeImpl(MLADecodeImpl):
         if workspace_manager is not None:
             attn_logits, out, lse = workspace_manager.get_simultaneous(*specs)
         else:
-            attn_logits, out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs)
+            out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs[1:])
+            attn_logits = split_partials(batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank, q_nope.device)
         if key is None or q_nope.device.type != "cuda":
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
@@ -341,7 +342,7 @@ def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
     """The dense split-KV decode over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), the
     split count from the heuristic for `table`'s width as the longest sequence."""
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
-    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+    from mla_multi.kernels.mla_decode import mla_decode_fwd, split_partials
     from mla_multi.platforms import current_platform
 
     platform = current_platform()
@@ -352,8 +353,7 @@ def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=q_pe.shape[-1], kv_cache_dtype=torch.float8_e4m3fn,
     )
     device = q_nope.device
-    attn_logits = torch.empty((tokens, num_heads, splits, attn_logits_width(kv_lora_rank)), dtype=torch.float32,
-                              device=device)
+    attn_logits = split_partials(tokens, num_heads, splits, kv_lora_rank, device)
     out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
     lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
     return mla_decode_fwd(q_nope, q_pe, pages, table, lens, scale, k_scale=None, num_kv_splits=splits,

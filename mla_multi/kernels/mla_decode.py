@@ -500,6 +500,16 @@ def ds_mla_decode_reason(platform, kv_cache=None) -> str:
     return ""
 
 
+def split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_rank: int, device) -> torch.Tensor:
+    """The ``attn_logits`` buffer of a launch of `num_kv_splits` splits: float32 [rows, N, splits, W]. With one
+    split the kernels write the output and LSE directly and never touch it, so one row of W values expanded
+    to that shape (stride 0) stands in for it (at 8192 query rows of 128 heads the real one is 2.2 GiB)."""
+    width = attn_logits_width(kv_lora_rank)
+    if num_kv_splits == 1:
+        return torch.empty(width, dtype=torch.float32, device=device).expand(num_rows, num_heads, 1, width)
+    return torch.empty((num_rows, num_heads, num_kv_splits, width), dtype=torch.float32, device=device)
+
+
 def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
