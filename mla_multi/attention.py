@@ -518,6 +518,8 @@ class MLAAttention:
                 prefill_metadata, q_prefill, key, value, True, **split
             )
             del key, value, split  # the chunks' K and V take their place: one chunk's at a time
+            # where the kernel merges, each chunk's result goes into the output as it is computed
+            merge_into = (suffix_out, suffix_lse) if in_place and getattr(self.prefill_impl, "merges_chunks", False) else None
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:
@@ -540,17 +542,23 @@ class MLAAttention:
                     )
                 chunk_key, chunk_value, chunk_pe = self._up_project(rows[:, : d.kv_lora_rank],
                                                                     rows[:, d.kv_lora_rank :])
+                chunk_extra = {} if chunk_pe is None else {"k_pe": chunk_pe}
+                if merge_into is not None:
+                    chunk_extra["merge_into"] = merge_into
                 chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
-                    prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value,
-                    **({} if chunk_pe is None else {"k_pe": chunk_pe}),
+                    prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value, **chunk_extra
                 )
                 del chunk_key, chunk_value, chunk_pe
+                if merge_into is not None:
+                    continue
                 if context_out is None:
                     context_out, context_lse = chunk_out, chunk_lse
                 elif in_place:
                     merge_kernel(context_out, context_lse, chunk_out, chunk_lse, context_out, context_lse)
                 else:
                     context_out, context_lse = ops.merge_attn_states(context_out, context_lse, chunk_out, chunk_lse)
+            if merge_into is not None:  # every chunk is already in the output
+                return
             if in_place:  # into the output, where the new tokens' result already is (read before written)
                 merge_kernel(context_out, context_lse, suffix_out, suffix_lse, suffix_out, return_lse=False)
                 return

@@ -137,6 +137,24 @@ def _run_interpreter_case(case):
         split = _compare(split_out, split_lse, ref_out, ref_lse)
         result["split_out_err"], result["split_lse_err"] = split["out_err"], split["lse_err"]
         result["split_ok"] = not split["out_nan"] and not split["lse_nan"] and split["inf_pattern_ok"]
+    if not causal:
+        # merge=True: a second key set merged into (out, lse) in place equals attention over both sets
+        # (one side empty for some sequences, both for others)
+        klens2 = [(n * 7 + 3) % 41 if i % 3 else 0 for i, n in enumerate(klens)]
+        k2 = torch.randn(sum(klens2), num_kv_heads, dqk, generator=generator).to(dtype)
+        v2 = torch.randn(sum(klens2), num_kv_heads, dv, generator=generator).to(dtype)
+        cu_k2 = _cu(klens2)
+        merged_out, merged_lse = varlen_attention(
+            q, k2, v2, cu_q, cu_k2, max(qlens), max(max(klens2), 1), scale, causal=False, out=out.clone(),
+            lse=lse.clone(), config=config, merge=True,
+        )
+        both_k = torch.cat([torch.cat([k[cu_k[i]:cu_k[i + 1]], k2[cu_k2[i]:cu_k2[i + 1]]]) for i in range(len(klens))])
+        both_v = torch.cat([torch.cat([v[cu_k[i]:cu_k[i + 1]], v2[cu_k2[i]:cu_k2[i + 1]]]) for i in range(len(klens))])
+        ref_out, ref_lse = _reference(q, both_k, both_v, cu_q, _cu([a + b for a, b in zip(klens, klens2)]), scale, False)
+        merged = _compare(merged_out, merged_lse, ref_out, ref_lse)
+        result["merge_out_err"], result["merge_lse_err"] = merged["out_err"], merged["lse_err"]
+        result["merge_ok"] = (not merged["out_nan"] and not merged["lse_nan"] and merged["inf_pattern_ok"]
+                              and merged["empty_rows_zero"])
     return result
 
 
@@ -162,6 +180,8 @@ def test_varlen_attention_interpreter(interpreter_results, case):
     assert result["returned_buffers"] and result["no_lse_out_equal"], result
     if "split_ok" in result:  # MLA dims: the same attention with the rotary key apart
         assert result["split_ok"] and result["split_out_err"] <= tol and result["split_lse_err"] <= 1e-4, result
+    if not case[2]:  # non-causal: a second key set merged in place (merge=True)
+        assert result["merge_ok"] and result["merge_out_err"] <= tol and result["merge_lse_err"] <= 1e-4, result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,6 +213,7 @@ def _valid_args():
         (dict(out=torch.zeros(4, 2, 192, dtype=torch.float16)), "out must be"),
         (dict(lse=torch.zeros(4, 2)), "lse must be"),
         (dict(error_flag=torch.zeros(2, dtype=torch.int32)), "error_flag has shape"),
+        (dict(merge=True), "merge=True with out=None, lse=None"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )

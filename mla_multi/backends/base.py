@@ -243,14 +243,17 @@ class MLAPrefillImpl(ABC):
             **extra,
         )
 
-    def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v, k_pe=None):
+    def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v, k_pe=None, merge_into=None):
         """Non-causal attention of the new tokens over context chunk `chunk_idx`.
 
         q [num_tokens, N, P + R], k [chunk_tokens, N, P + R] (or [.., P] and k_pe, as above), v [chunk_tokens, N, V].
-        Returns (out [num_tokens, N, V], lse [N, num_tokens] float32).
+        Returns (out [num_tokens, N, V], lse [N, num_tokens] float32). `merge_into` (backends with
+        `merges_chunks`): an (out, lse) pair that the chunk's result is merged into, in place, and returned.
         """
         chunked = prefill_metadata.chunked_context
         extra = {} if k_pe is None else {"k_pe": k_pe}
+        if merge_into is not None:
+            extra.update(out=merge_into[0], lse=merge_into[1], merge=True)
         return self.forward_varlen(
             q,
             k,

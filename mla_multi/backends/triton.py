@@ -123,13 +123,21 @@ class TritonPrefillImpl(MLAPrefillImpl):
     # `forward_varlen(out=)` writes the output into a given [T, N, V] buffer
     takes_out = True
 
+    @functools.cached_property
+    def merges_chunks(self) -> bool:
+        """Whether a context chunk's result merges into a given (out, lse) inside the kernel
+        (`run_prefill_context_chunk(merge_into=)`): no [T, N, V] temporary a chunk, no merge launch."""
+        from mla_multi.kernels.prefill import merge_reason
+
+        return not _interpreted(current_platform()) and not merge_reason(current_platform())
+
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
-                       k_pe=None, out=None):
+                       k_pe=None, out=None, lse=None, merge=False):
         from mla_multi.kernels.prefill import varlen_attention
 
         out, lse = varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.scale, causal=causal,
-            return_lse=return_softmax_lse, k_pe=k_pe, out=out,
+            return_lse=return_softmax_lse, k_pe=k_pe, out=out, lse=lse, merge=merge,
         )
         return (out, lse) if return_softmax_lse else out
 

@@ -246,6 +246,7 @@ def _varlen_attention_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     SPLIT_K: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
 ):
     HAS_DQK_B: tl.constexpr = BLOCK_DQK_B > 0
     PAD_DQK_B: tl.constexpr = BLOCK_DQK_A + BLOCK_DQK_B != HEAD_DIM_QK
@@ -374,12 +375,29 @@ def _varlen_attention_kernel(
         + offs_dv[None, :]
     )
     if PAD_DV:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+        o_mask = row_in[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_in[:, None])
+        o_mask = row_in[:, None]
+    lse_ptrs = Lse + head.to(tl.int64) * stride_lse_h + q_start + offs_m
+    lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if MERGE:
+        # merged into the result already in Out / Lse, as `merge_attn_states` merges (an LSE of +inf is an
+        # empty side; both empty: 0 and -inf; a side of weight 0 contributes nothing, whatever it holds)
+        lse_prev = tl.load(lse_ptrs, mask=row_in, other=float("-inf"))
+        lse_prev = tl.where(lse_prev == float("inf"), float("-inf"), lse_prev)
+        lse_max = tl.maximum(lse_prev, lse)
+        both_empty = lse_max == float("-inf")
+        lse_max = tl.where(both_empty, 0.0, lse_max)
+        w_prev = tl.exp(lse_prev - lse_max)
+        w_new = tl.exp(lse - lse_max)
+        total = tl.where(both_empty, 1.0, w_prev + w_new)
+        o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        out = tl.where((w_new > 0.0)[:, None], out * (w_new / total)[:, None], 0.0) + tl.where(
+            (w_prev > 0.0)[:, None], o_prev * (w_prev / total)[:, None], 0.0
+        )
+        lse = tl.where(both_empty, float("-inf"), tl.log(total) + lse_max)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     if STORE_LSE:
-        lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-        lse_ptrs = Lse + head.to(tl.int64) * stride_lse_h + q_start + offs_m
         tl.store(lse_ptrs, lse, mask=row_in)
 
 
@@ -553,6 +571,7 @@ def varlen_attention(
     config=None,
     error_flag: torch.Tensor | None = None,
     k_pe: torch.Tensor | None = None,
+    merge: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Variable-length flash attention returning the log-sum-exp.
 
@@ -585,6 +604,9 @@ def varlen_attention(
             ``[total_k, rope_dim]`` (or with a heads axis of 1 or num_kv_heads); k then holds the
             other ``head_dim_qk - rope_dim`` columns, which must be the kernel's first block
             (128 of MLA's 192). The shared rotary key is never repeated per head.
+        merge: `out` and `lse` (both required) hold a result over other keys, which this one is
+            merged into by their LSEs, in place (as `merge_attn_states` merges): chunked prefill
+            accumulates every context chunk into the step's output without a temporary.
 
     Returns:
         ``(out, lse)``: out ``[total_q, num_heads, head_dim_v]`` in q's dtype, lse
@@ -593,6 +615,11 @@ def varlen_attention(
         output 0 and LSE -inf.
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
+    if merge and (out is None or lse is None or not return_lse):
+        raise ValueError(
+            f"merge=True with out={'given' if out is not None else None}, lse={'given' if lse is not None else None}, "
+            f"return_lse={return_lse}; accepted: out and lse holding the result to merge into, and return_lse=True"
+        )
     if error_flag is None:
         error_flag = errors.error_flag(q.device)
     elif error_flag.shape != (1,) or error_flag.dtype != torch.int32 or error_flag.device != q.device:
@@ -622,6 +649,8 @@ def varlen_attention(
         descriptors = (None, None, None)
     if getattr(config, "warp_specialize", False):
         constexprs["WARP_SPECIALIZE"] = True
+    if merge:
+        constexprs["MERGE"] = True
     if k_pe is not None:  # pointer loads: the descriptors cover one tensor's columns
         constexprs["SPLIT_K"] = True
         constexprs["USE_TMA"] = False
@@ -661,12 +690,22 @@ def split_key_reason(platform) -> str:
             "compile check (gfx942, gfx950, sm_100); the rotary key is repeated per head instead")
 
 
+def merge_reason(platform) -> str:
+    """Why context chunks do not merge into the output inside the kernel (`varlen_attention(merge=True)`) on
+    `platform` ("" where they do)."""
+    if platform.arch == "gfx950":
+        return (f"{platform.name} ({platform.arch}): the merging epilogue spills registers there in the compile "
+                "check; chunks merge through merge_attn_states instead")
+    return ""
+
+
 def compile_specs(platform) -> list:
     """Kernel instances for the ahead-of-time compile check on `platform`.
 
     Every launch configuration `all_prefill_configs` can choose, for the MLA head
     dims (qk 192, v 128): bfloat16 causal and non-causal with LSE, causal without
-    LSE, and float16 causal; with TMA configurations also the pointer-load fallback.
+    LSE, float16 causal, and non-causal merging into the output (context chunks); with
+    TMA configurations also the pointer-load fallback.
     """
     from mla_multi.kernels.launch_config import CompileSpec, all_prefill_configs
 
@@ -678,19 +717,24 @@ def compile_specs(platform) -> list:
         (torch.float16, True, True),
     ]
     specs = []
-    # the split-key launches (k_pe apart: MLA's chunked prefill) in bf16, causal and not, pointer loads
-    variants_split = [(torch.bfloat16, True, True, True), (torch.bfloat16, False, True, True)]
+    # the split-key launches (k_pe apart: MLA's chunked prefill) in bf16, causal and not, pointer loads; and
+    # the context chunks' launches that merge into the step's output (non-causal, LSE, with and without k_pe)
+    variants_split = [(torch.bfloat16, True, True, True, False), (torch.bfloat16, False, True, True, False),
+                      (torch.bfloat16, False, True, True, True)]
     for config in all_prefill_configs(platform):
         for use_tma in sorted({False, bool(config.use_tma)}):
-            cases = [(d, c, s, False) for d, c, s in variants]
+            cases = [(d, c, s, False, False) for d, c, s in variants]
+            if not merge_reason(platform):
+                cases.append((torch.bfloat16, False, True, False, True))
             if not use_tma and not split_key_reason(platform):
-                cases += variants_split
-            for dtype, causal, store_lse, split_k in cases:
+                cases += [case for case in variants_split if not (case[4] and merge_reason(platform))]
+            for dtype, causal, store_lse, split_k, merge in cases:
                 constexprs = kernel_constexprs(
                     head_dim_qk, head_dim_v, config.block_m, config.block_n, causal, store_lse, use_tma
                 )
                 constexprs["WARP_SPECIALIZE"] = bool(config.warp_specialize and use_tma)
                 constexprs["SPLIT_K"] = split_k
+                constexprs["MERGE"] = merge
                 ty = _TRITON_DTYPE_NAMES[dtype]
                 signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32",
                              "K_pe": f"*{ty}"}
@@ -716,7 +760,7 @@ def compile_specs(platform) -> list:
                 for name in constexprs:
                     signature.setdefault(name, "constexpr")
                 mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",tma" if use_tma else "")
-                mode += ",split-k" if split_k else ""
+                mode += (",split-k" if split_k else "") + (",merge" if merge else "")
                 specs.append(
                     CompileSpec(
                         name=f"prefill_varlen[{config.name},{ty},{mode}]",
