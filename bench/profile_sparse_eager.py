@@ -36,3 +36,4 @@ for backend in backends:
     profile.disable()
     torch.cuda.synchronize()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(22)

@@ -346,6 +346,10 @@ def _ds_mla_in_place_reason(kv, query_dtype) -> str:
     return ds_mla_decode_reason(current_platform(), kv)
 
 
+# (platform, tokens, heads, topk, dims) -> the split count of an in-place fp8_ds_mla decode (the heuristic, once)
+_DS_SPLITS: dict = {}
+
+
 def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
     """The dense split-KV decode over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), the
     split count from the heuristic for `table`'s width as the longest sequence."""
@@ -356,10 +360,15 @@ def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
     platform = current_platform()
     tokens, num_heads, kv_lora_rank = q_nope.shape
     longest = max(1, table.shape[1])
-    splits = num_kv_splits(
-        platform, max(1, tokens), num_heads, longest, max_num_kv_splits(longest, platform), q_len=1,
-        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=q_pe.shape[-1], kv_cache_dtype=torch.float8_e4m3fn,
-    )
+    key = (id(platform), tokens, num_heads, longest, kv_lora_rank, q_pe.shape[-1])
+    splits = _DS_SPLITS.get(key)
+    if splits is None:
+        if len(_DS_SPLITS) >= 256:
+            _DS_SPLITS.clear()
+        splits = _DS_SPLITS[key] = num_kv_splits(
+            platform, max(1, tokens), num_heads, longest, max_num_kv_splits(longest, platform), q_len=1,
+            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=q_pe.shape[-1], kv_cache_dtype=torch.float8_e4m3fn,
+        )
     device = q_nope.device
     attn_logits = split_partials(tokens, num_heads, splits, kv_lora_rank, device)
     out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)

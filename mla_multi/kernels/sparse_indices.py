@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels.launch import layout_key
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -114,13 +115,34 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
     table = torch.empty((tokens, max(topk, 1)), dtype=torch.int32, device=indices.device)
     lens = torch.empty(tokens, dtype=torch.int32, device=indices.device)
     if tokens:
-        _compact_indices_kernel[(tokens,)](
-            indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
-            num_slots, topk, indices.stride(0), table.stride(0),
-            BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), HAS_LENGTH=topk_length is not None,
-            OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=4,
+        launch = _bound(
+            _compact_indices_kernel, (tokens,),
+            dict(BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), HAS_LENGTH=topk_length is not None,
+                 OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=4),
+            indices.device,
+            ("compact", layout_key(indices), None if topk_length is None else layout_key(topk_length), num_slots,
+             out_of_range_is_none),
         )
+        launch(indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
+               num_slots, topk, indices.stride(0), table.stride(0))
     return table, lens
+
+
+# bound launches of the index kernels, by the layouts of their tensors (see `mla_multi.kernels.launch`)
+_LAUNCHES: dict = {}
+
+
+def _bound(kernel, grid, constexprs, device, key):
+    """The `BoundLaunch` of `kernel` for `key` (every layout and integer its specialisation depends on)."""
+    from mla_multi.kernels.launch import BoundLaunch
+
+    key = (kernel, grid) + key
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= 256:
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = BoundLaunch(kernel, grid, constexprs, device)
+    return launch
 
 
 @triton.jit
@@ -165,10 +187,12 @@ def dequantize_named_rows(table: torch.Tensor, lens: torch.Tensor, cache: torch.
     flat = cache.reshape(-1, cache.shape[-1])
     rows = torch.empty(tokens * topk, 576, dtype=dtype, device=table.device)
     if tokens and topk:
-        _dequant_rows_kernel[(tokens, triton.cdiv(topk, _DEQUANT_ROWS))](
-            table, lens, flat, rows, topk, table.stride(0), flat.stride(0), rows.stride(0),
-            ROWS=_DEQUANT_ROWS, KV_LORA_RANK=512, ROPE_DIM=64, num_warps=4,
+        launch = _bound(
+            _dequant_rows_kernel, (tokens, triton.cdiv(topk, _DEQUANT_ROWS)),
+            dict(ROWS=_DEQUANT_ROWS, KV_LORA_RANK=512, ROPE_DIM=64, num_warps=4), table.device,
+            ("dequant", layout_key(table), layout_key(flat), dtype),
         )
+        launch(table, lens, flat, rows, topk, table.stride(0), flat.stride(0), rows.stride(0))
     return rows.view(tokens * topk, 1, 576), table
 
 
