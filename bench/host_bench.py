@@ -1,7 +1,7 @@
 """Eager and graph-replayed time of the decode op and of a layer's decode step, beside FlashMLA and FlashInfer
 (its wrapper.run, planned outside) where they are installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
 
-    PYTHONPATH=. python3 bench/host_bench.py
+    PYTHONPATH=. python3 bench/host_bench.py [--op-only | --mixed-only]
 
 Eager: `triton.testing.do_bench` of the plain call (the host path included), median. Captured: one CUDA graph
 of 20 calls replayed, median per call. Working set over L2: every case reads at least 128 MiB of cache.
@@ -132,6 +132,8 @@ for n, b, s in () if MIXED_ONLY else ((16, 1, 8192), (128, 1, 8192), (16, 8, 819
             parts += f", FlashMLA {host_us(theirs):.1f} us"
         print("    " + parts, flush=True)
 
+if "--op-only" in sys.argv:
+    sys.exit(0)
 print("layer decode step, N=128 (plan outside): eager / captured us")
 dims = mm.MLADims.deepseek_v3(num_heads=128)
 weight = (torch.randn(128 * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)

@@ -184,7 +184,7 @@ class _DecodePlan:
         self.data_checks = data_checks
         self.k_scale = k_scale  # the tensor of a float k_scale, made once
         self.num_kv_splits = None
-        self.kernel_plan = None
+        self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
         self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
@@ -214,11 +214,14 @@ class _DecodePlan:
             from mla_multi.kernels.mla_decode import split_partials
 
             attn_logits = split_partials(*self.partial_dims, device)
-        kernel_plan = self.kernel_plan
+        from mla_multi.kernels.mla_decode import capturing
+
+        graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
+        kernel_plan = self.kernel_plans.get(graph)
         if kernel_plan is None:
             from mla_multi.kernels.mla_decode import DecodeKernelPlan
 
-            kernel_plan = self.kernel_plan = DecodeKernelPlan(
+            kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
                 platform=self.impl.platform,
             )

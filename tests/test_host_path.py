@@ -66,17 +66,48 @@ def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(hea
     out2 = mm.ops.mla_decode(*second, scale)
     assert len(ops._DECODE_PLANS) == 1
     plan = next(iter(ops._DECODE_PLANS.values()))
-    assert plan.kernel_plan is not None
+    assert list(plan.kernel_plans) == [False]  # one eager kernel plan
+    kernel_plan = plan.kernel_plans[False]
     from mla_multi.kernels.launch import direct_launch_reason
+    from mla_multi.kernels.mla_decode import EAGER_TMA_MIN_ROWS
 
     if not direct_launch_reason():
-        assert plan.kernel_plan.split._run is not None  # launched directly after the first call
+        assert kernel_plan.split._run is not None  # launched directly after the first call
+    if batch < EAGER_TMA_MIN_ROWS:
+        assert not kernel_plan.tma  # a small eager launch encodes no TMA descriptors
     for result, inputs in ((out, first), (out2, second)):
         expected = _reference(*inputs, scale)
         error = ((result.double() - expected).norm() / expected.norm()).item()
         assert error < 1e-2, error
     launches = _kernel_launches(lambda: mm.ops.mla_decode(*second, scale))
     assert 1 <= len(launches) <= 2, launches  # the split kernel, and the merge when it splits
+
+
+def test_small_eager_decode_skips_tma_and_a_captured_one_takes_it():
+    """At B = 1 an eager decode binds the cp.async loader (no descriptor encoding a call); capturing the same
+    planned decode binds its own kernel plan with the TMA loader where the configuration asks for it, and
+    both give the same result."""
+    from mla_multi.kernels.mla_decode import decode_config, wgmma_decode_reason
+    from mla_multi.platforms import current_platform
+    from mla_multi.testing import capture_graph
+
+    inputs = _decode_inputs(1, 128, 8192, seed=4)
+    scale = 192**-0.5
+    plan = mm.plan_mla_decode(*inputs, scale, backend="TRITON")
+    eager = plan.run(*inputs).clone()
+    kernel_plans = plan._plan.kernel_plans
+    assert list(kernel_plans) == [False] and not kernel_plans[False].tma
+    out = torch.full_like(eager, float("nan"))
+    graph = capture_graph(lambda: plan.run(*inputs, out=out))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert sorted(kernel_plans) == [False, True]
+    platform = current_platform()
+    if not wgmma_decode_reason(platform, torch.bfloat16):
+        assert kernel_plans[True].tma == decode_config(platform, 128, 1, torch.bfloat16).tma
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    expected = _reference(*inputs, scale)
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
 
 
 def test_planned_layer_forward_neither_synchronises_nor_allocates_device_memory():

@@ -237,7 +237,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
         workspace views and the bound kernels of the step, so that every later layer only launches."""
         from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd, split_partials
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, split_partials
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
@@ -245,7 +245,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         if step_plans is not None and workspace_manager is not None:
             key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
                    id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
-                   max_seq_len, id(workspace_manager), self.scale)
+                   max_seq_len, id(workspace_manager), self.scale, capturing(q_nope))
             found = step_plans.get(key)
             if found is not None and found[0] is workspace_manager._buffer:
                 _, attn_logits, out, lse, plan = found

@@ -1911,13 +1911,15 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
-                      fp8_cache, direct):
+                      fp8_cache, direct, allow_tma: bool = True):
     """The warpgroup split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
-    `tma_cache_reason` reads."""
+    `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
+    (`mla_decode.eager_tma`: small eager launches)."""
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
-    tma_ok = ws and tma_loader(config, fp8_cache) and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank)
+    tma_ok = (allow_tma and ws and tma_loader(config, fp8_cache)
+              and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok,
