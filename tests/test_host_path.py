@@ -94,7 +94,7 @@ def test_small_eager_decode_skips_tma_and_a_captured_one_takes_it():
     inputs = _decode_inputs(1, 128, 8192, seed=4)
     scale = 192**-0.5
     plan = mm.ops.plan_mla_decode(*inputs, scale, backend="TRITON")
-    eager = plan.run(*inputs).clone()
+    eager = plan.run(*inputs)[0].clone()
     kernel_plans = plan._plan.kernel_plans
     assert list(kernel_plans) == [False] and not kernel_plans[False].tma
     out = torch.full_like(eager, float("nan"))
