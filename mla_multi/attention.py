@@ -519,7 +519,8 @@ class MLAAttention:
             )
             del key, value, split  # the chunks' K and V take their place: one chunk's at a time
             # where the kernel merges, each chunk's result goes into the output as it is computed
-            merge_into = (suffix_out, suffix_lse) if in_place and getattr(self.prefill_impl, "merges_chunks", False) else None
+            merges = in_place and getattr(self.prefill_impl, "merges_chunks", False)
+            merge_into = (suffix_out, suffix_lse) if merges else None
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:

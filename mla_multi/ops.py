@@ -210,17 +210,13 @@ class _DecodePlan:
             out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
         if lse is None:
             lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, split_partials
+
         if attn_logits is None:
-            from mla_multi.kernels.mla_decode import split_partials
-
             attn_logits = split_partials(*self.partial_dims, device)
-        from mla_multi.kernels.mla_decode import capturing
-
         graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
         kernel_plan = self.kernel_plans.get(graph)
         if kernel_plan is None:
-            from mla_multi.kernels.mla_decode import DecodeKernelPlan
-
             kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
                 platform=self.impl.platform,
