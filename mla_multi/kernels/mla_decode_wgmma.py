@@ -60,7 +60,12 @@ past the end are zeros (1-4 % faster than cp.async at 64-128 heads on an H200). 
   which loads the cache as 32-bit words three quarters of a tile ahead of the
   quarter it converts).
 
-An FP8 cache whose rows are not 4-byte aligned takes the Triton kernel.  Everything
+fp8_ds_mla caches (uint8 [.., 656]: FlashMLA's rows of 512 e4m3 values, four float32 tile scales and 64
+bfloat16 rotary values; the sparse decode reads them as one-token pages) with a bfloat16 query: the
+warp-specialised kernels' loader (`_ws_load_ds_mla`) dequantises each row's latent part once into the
+bfloat16 stages both products read (the scales, a tile ahead, through shared memory as bfloat16 pairs;
+the block-table entries a tile ahead of the rows they name), and copies the rotary part by cp.async;
+the products are the bfloat16 path's.  An FP8 cache whose rows are not 4-byte aligned takes the Triton kernel.  Everything
 else is the Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
 and reported through the error flag with NaN rows, no host synchronisation.
@@ -1228,9 +1233,9 @@ if gluon is not None:
     # e4m3 bytes times a bfloat16 scale, four values a word, two conversions a word: e4m3 pairs -> float16
     # pairs (exact), each float16 made the bfloat16 of 2^-112 times its value by moving its bits (sign
     # kept, exponent and mantissa shifted right by 3: exact, e4m3 values being normal float16 numbers),
-    # then multiplied by 2^112 (exact) and by the pair of bfloat16 scales ($3), rounded once; results in
-    # memory order.  (Conversion instructions run at a quarter of the ALU rate: the float32 route, six
-    # more a word, made the loader the kernel's bottleneck.)
+    # then multiplied by 2^112 (exact) and by the pair of bfloat16 scales ($3: the scale rounded to
+    # bfloat16, as FlashMLA applies it), rounded once; results in memory order.  (The float32 route takes
+    # eight conversions a word; on an H100 the two measured the same, the loader's limit being latency.)
     _DS_SCALED_BF16 = gl.constexpr(
         "{ .reg .b16 lo, hi; .reg .b32 a, b, t, u, k; "
         "mov.b32 k, 0x77807780; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
@@ -1256,7 +1261,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ds_entries(block_table_row, start, split_end, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+                    PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
         """The block-table entries of tile positions [start + FIRST, start + FIRST + PIECE) (0 past
         split_end), loaded a tile before their rows are."""
         pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
@@ -1292,7 +1297,7 @@ if gluon is not None:
         """The four float32 scales of each row of the tile at `start`, four [BLOCK_N] vectors (zeros past
         split_end), a row a thread; the block-table entries and the scales are both loaded here."""
         layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WS_LOAD_WARPS, 1], [1, 0])
-        entries = _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, BLOCK_N, layout)
+        entries = _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, layout)
         words, valid = _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0,
                                 BLOCK_N, PAGE_SIZE, layout)
         at = KV_f32 + words + KV_LORA_RANK // 4
@@ -1377,10 +1382,10 @@ if gluon is not None:
         t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, split_start, split_end, num_cache_blocks,
                                         stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
         _ds_scale_store(ds_scales.index(0), t0, t1, t2, t3)
-        e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
-        e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
-        e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
-        e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
+        e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, layout)
+        e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, layout)
+        e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, layout)
+        e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, PAGE_SIZE, layout)
         w0, v0 = _ds_rows(e0, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
                           PAGE_SIZE, layout)
         a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
@@ -1396,10 +1401,10 @@ if gluon is not None:
             start = split_start + tile * BLOCK_N
             nxt = start + BLOCK_N
             # the next tile's entries and scales, in flight during this one
-            n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, PAGE_SIZE, BLOCK_N, layout)
-            n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, PAGE_SIZE, BLOCK_N, layout)
-            n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, BLOCK_N, layout)
-            n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, BLOCK_N, layout)
+            n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, PAGE_SIZE, layout)
+            n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, PAGE_SIZE, layout)
+            n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, layout)
+            n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, layout)
             t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, nxt, split_end, num_cache_blocks,
                                             stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
