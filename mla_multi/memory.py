@@ -45,9 +45,16 @@ class MemoryPlan:
     entries: list[tuple[str, int, str]]  # (purpose, bytes, how it was sized)
     workspace_bytes: int
     num_layers: int
+    # buffers the backends' libraries keep apart from the shared workspace, one per device (purpose, bytes, why)
+    own_buffers: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
 
     def decode_bytes(self) -> int:
         return sum(b for purpose, b, _ in self.entries if purpose.startswith("decode"))
+
+    def device_bytes(self) -> int:
+        """What the attention of every layer holds on the device beyond weights and cache: the shared
+        workspace and the libraries' own buffers."""
+        return self.workspace_bytes + sum(b for _, b, _ in self.own_buffers)
 
     def __str__(self) -> str:
         mib = 2**20
@@ -61,6 +68,10 @@ class MemoryPlan:
             f"  {self.workspace_bytes / mib:9.1f} MiB  one buffer shared by all {self.num_layers} layers "
             "(the largest reservation: decode and prefill run one after the other)"
         )
+        for purpose, nbytes, why in self.own_buffers:
+            lines.append(f"  {nbytes / mib:9.1f} MiB  plus {purpose}: {why}")
+        if self.own_buffers:
+            lines.append(f"  {self.device_bytes() / mib:9.1f} MiB  in all")
         return "\n".join(lines)
 
 
@@ -121,4 +132,5 @@ def memory_plan(
         entries=recorder.describe(),
         workspace_bytes=recorder.largest,
         num_layers=num_layers,
+        own_buffers=list({buffer[0]: buffer for buffer in decode.own_buffers() + prefill.own_buffers()}.values()),
     )

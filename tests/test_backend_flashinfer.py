@@ -521,3 +521,23 @@ def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
     other = cu.clone()  # equal values, another tensor: planned again (its contents are not compared)
     impl.forward_varlen(q, q, v, other, other, 3, 3, causal=False, return_softmax_lse=False)
     assert len(plans) == 4
+
+
+def test_memory_plan_lists_flashinfer_float_workspace_once(installed):
+    """FlashInfer's float workspace is its own buffer, one per device: the memory plan lists it once when
+    FLASHINFER serves decode, prefill or both, beside (not inside) the shared workspace."""
+    from mla_multi.memory import memory_plan
+
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    with override("H100"):
+        both = memory_plan(dims, 256, 32768, decode_backend="FLASHINFER", prefill_backend="FLASHINFER")
+        decode_only = memory_plan(dims, 256, 32768, decode_backend="FLASHINFER", prefill_backend="TRITON")
+        neither = memory_plan(dims, 256, 32768, decode_backend="TRITON", prefill_backend="TRITON")
+    assert both.own_buffers == decode_only.own_buffers == [
+        ("FlashInfer float workspace", fi.FLOAT_WORKSPACE_BYTES, both.own_buffers[0][2])]
+    assert neither.own_buffers == []
+    assert both.device_bytes() == both.workspace_bytes + 128 * 2**20
+    assert neither.device_bytes() == neither.workspace_bytes
+    text = str(both)
+    assert "plus FlashInfer float workspace" in text and "in all" in text
+    assert "in all" not in str(neither)

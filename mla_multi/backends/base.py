@@ -115,6 +115,12 @@ class _BackendDeclarations:
     requires_plan: ClassVar[bool] = False
 
     @classmethod
+    def own_buffers(cls) -> list[tuple[str, int, str]]:
+        """Device buffers the backend's library keeps apart from the shared workspace, one per device
+        whatever the number of layers: (purpose, bytes, why). `mla_multi.memory.memory_plan` lists them."""
+        return []
+
+    @classmethod
     def is_available(cls) -> bool:
         """Whether the backend's libraries import here."""
         return not cls.availability_reasons()

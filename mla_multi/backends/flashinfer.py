@@ -262,6 +262,10 @@ class _FlashInferRequirements:
     supported_dtypes = MLA_QUERY_DTYPES
 
     @classmethod
+    def own_buffers(cls) -> list[tuple[str, int, str]]:
+        return _own_buffers()
+
+    @classmethod
     def availability_reasons(cls) -> list[str]:
         probe = probe_flashinfer()
         return [probe.error] if probe.error else []
@@ -284,6 +288,15 @@ _float_workspaces: dict[torch.device, torch.Tensor] = {}
 _decode_wrappers: dict[tuple, tuple] = {}
 _built: set[tuple] = set()
 _lock = threading.Lock()
+
+
+def _own_buffers() -> list[tuple[str, int, str]]:
+    return [(
+        "FlashInfer float workspace", FLOAT_WORKSPACE_BYTES,
+        "one per device, shared by every FlashInfer wrapper (decode and prefill; its split partials and "
+        "temporaries); the wrappers keep it from their construction, so it is a buffer of its own, not a view "
+        "of the shared workspace",
+    )]
 
 
 def float_workspace(device: torch.device) -> torch.Tensor:
