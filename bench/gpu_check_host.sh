@@ -6,11 +6,7 @@
 # peak), 3. mla-multi bench layer, 4. bench/registration_cost.py on the GPU.
 set -uo pipefail
 out=${1:-.}
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sgl_flash_mla-*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
+source bench/carried_wheels.sh
 timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_host_path.py tests/test_ops.py tests/test_attention.py \
   -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8
 timeout 150 python3 bench/host_bench.py 2>&1 | grep -v -i warn | tee "$out/host_bench.log"

@@ -5,11 +5,7 @@
 # 3. mla-multi bench sparse-decode (fp8_ds_mla and bf16 caches) and sparse-prefill beside FlashMLA.
 set -uo pipefail
 out=${1:-.}
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sgl_flash_mla-*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
+source bench/carried_wheels.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/device.txt"
 if [ -n "${COMPILE:-}" ]; then  # ahead-of-time compilation with the device's Triton: spills, shared memory
   timeout 300 python3 -m mla_multi compile-check --targets sm_90 --kernels "$COMPILE" 2>&1 | grep -v -i warn \

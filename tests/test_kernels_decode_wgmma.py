@@ -281,6 +281,27 @@ def test_fp8_ds_mla_decode_checks_its_layout_and_query():
     assert "4-byte boundaries" in ds_mla_decode_reason(platform, unaligned)
 
 
+def test_fp8_ds_mla_configuration_and_splits_come_from_the_shared_tables():
+    """decode_config and the split heuristic know fp8_ds_mla (uint8) themselves: the FP8 table's
+    register-loader configurations on sm_90 (no raw stages, 64-token tiles), and the split counts the
+    measured in-place decode used (those of an e4m3fn cache)."""
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+
+    platform = SPECS["H100"]
+    if not _gluon_ok():
+        pytest.skip("this Triton has no Gluon")
+    assert wgmma_decode_reason(platform, torch.uint8) == ""
+    assert "sm_90" in wgmma_decode_reason(SPECS["A100"], torch.uint8)
+    for heads in (16, 32, 64, 128):
+        config = decode_config(platform, heads, 1, torch.uint8)
+        assert config == decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
+        assert config.warp_specialised and config.raw_stages == 0 and config.num_stages > 0 and config.block_n == 64
+    for tokens, heads, topk in ((1, 128, 2048), (32, 128, 2048), (128, 128, 2048), (64, 64, 2048), (4096, 128, 256)):
+        limit = max_num_kv_splits(topk, platform)
+        assert num_kv_splits(platform, tokens, heads, topk, limit, kv_cache_dtype=torch.uint8) == num_kv_splits(
+            platform, tokens, heads, topk, limit, kv_cache_dtype=torch.float8_e4m3fn)
+
+
 def test_compile_check_builds_the_fp8_ds_mla_loader_for_sm90_only():
     from mla_multi.kernels.mla_decode import compile_specs
 

@@ -382,7 +382,7 @@ class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
         reasons = super().validate_configuration(platform, config)
-        if config.kv_dtype != torch.uint8 and config.kv_dtype in (torch.bfloat16, torch.float16):
+        if config.kv_dtype in (torch.bfloat16, torch.float16):
             reasons.append(f"a {dtype_name(config.kv_dtype)} cache: FlashMLA's sparse decode reads only the "
                            "fp8_ds_mla layout")
         return reasons + _sparse_reasons("sparse_decode", config)

@@ -276,16 +276,18 @@ def _missing_keywords(call: AiterCall, parameters: tuple[str, ...]) -> list[str]
     return [name for name in call.keywords if name not in parameters]
 
 
-def _mla_decode_fwd_reasons(call: AiterCall) -> list[str]:
-    """Why the installed aiter's mla_decode_fwd cannot take `call` (empty when it can)."""
+def _call_reasons(call: AiterCall, phase: str) -> list[str]:
+    """Why the installed aiter cannot take `call` (empty when it can), against the signature the probe read
+    of its decode function (`phase` "decode") or its prefill one ("prefill")."""
     probe = probe_aiter()
     if probe.error:
         return [probe.error]
-    if not probe.decode_parameters:
-        return [f"{probe.label} has no aiter.mla.mla_decode_fwd"]
-    missing = _missing_keywords(call, probe.decode_parameters)
+    parameters = probe.decode_parameters if phase == "decode" else probe.prefill_parameters
+    if not parameters:
+        return [f"{probe.label} has no {call.module}.{call.function}"]
+    missing = _missing_keywords(call, parameters)
     if missing:
-        return [f"{probe.label}'s mla_decode_fwd lacks the parameters {', '.join(missing)}"]
+        return [f"{probe.label}'s {call.function} lacks the parameters {', '.join(missing)}"]
     return []
 
 
@@ -498,7 +500,7 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        return _mla_decode_fwd_reasons(MLA_DECODE_FWD)
+        return _call_reasons(MLA_DECODE_FWD, "decode")
 
     @classmethod
     def provides_decode_lse(cls) -> bool:
@@ -625,15 +627,7 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        probe = probe_aiter()
-        if probe.error:
-            return [probe.error]
-        if not probe.prefill_parameters:
-            return [f"{probe.label} has no aiter.flash_attn_varlen_func"]
-        missing = _missing_keywords(FLASH_ATTN_VARLEN_FUNC, probe.prefill_parameters)
-        if missing:
-            return [f"{probe.label}'s flash_attn_varlen_func lacks the parameters {', '.join(missing)}"]
-        return []
+        return _call_reasons(FLASH_ATTN_VARLEN_FUNC, "prefill")
 
     @classmethod
     def validate_configuration(cls, platform: Platform, config: PrefillSelectorConfig) -> list[str]:
@@ -928,7 +922,7 @@ class _AiterSparseBackend(MLASparseBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        return _mla_decode_fwd_reasons(SPARSE_MLA_DECODE_FWD)
+        return _call_reasons(SPARSE_MLA_DECODE_FWD, "decode")
 
     @classmethod
     def platform_reasons(cls, platform: Platform) -> list[str]:

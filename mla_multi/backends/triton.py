@@ -303,23 +303,73 @@ class TritonSparseDecodeImpl(MLASparseImpl):
     warp-specialised kernels' loader dequantises each named row as it loads it), elsewhere its named rows
     first dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_place = None  # the dense decode impl that reads fp8_ds_mla pages in place (made on first use)
+        self._splits: dict = {}  # (tokens, topk) -> its split count
+
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
+        in_place = None
+        if kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype):
+            in_place = functools.partial(self._decode_in_place, scale=scale)
+        return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
+                                            in_place=in_place)
+
+    @functools.cached_property
+    def _platform_reason(self) -> str:
+        """Why this device's decode kernels cannot read fp8_ds_mla rows in place ("" where they can)."""
+        from mla_multi.kernels import interpreter_active
+        from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+        if self.device is None or torch.device(self.device).type != "cuda" or interpreter_active():
+            return "not a GPU launch"
+        return ds_mla_decode_reason(current_platform())
+
+    def _in_place_reason(self, kv, query_dtype) -> str:
+        """`_platform_reason`, a bfloat16 query (the rotary values' type) and rows on 4-byte boundaries."""
+        from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+        if self._platform_reason or kv.device.type != "cuda":
+            return self._platform_reason or "not a GPU launch"
+        if query_dtype != torch.bfloat16:
+            return f"a {query_dtype} query (the in-place loader writes bfloat16 stages)"
+        if kv.data_ptr() % 4 or kv.stride(0) % 4 or kv.stride(1) % 4:
+            return ds_mla_decode_reason(current_platform(), kv)
+        return ""
+
+    def _decode_in_place(self, q_nope, q_pe, pages, table, lens, *, scale):
+        """The dense decode impl over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]); the split
+        count of a (tokens, topk) shape chosen once."""
+        decode = self._in_place
+        if decode is None:
+            decode = self._in_place = TritonDecodeImpl(
+                self.num_heads, 1.0, self.kv_lora_rank, self.qk_rope_head_dim, torch.uint8, 1, q_nope.device
+            )
+        decode.scale = float(scale)
+        key = (q_nope.shape[0], table.shape[1])
+        splits = self._splits.get(key)
+        if splits is None:
+            if len(self._splits) >= 256:
+                self._splits.clear()
+            splits = self._splits[key] = decode.choose_num_kv_splits(
+                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1]
+            )
+        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits)
 
 
 def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                 out_of_range_is_none: bool = False):
+                                 out_of_range_is_none: bool = False, in_place=None):
+    """Compact the indices into one-token pages and decode them with the dense kernels; `in_place`, for an
+    fp8_ds_mla cache its kernels read as it is: (q_nope, q_pe, pages, table, lens) -> (out, lse)."""
     from mla_multi import ops
     from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
 
     num_slots = kv.shape[0] * kv.shape[1]
     table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
-    ds_mla = kv.dtype == torch.uint8
-    if ds_mla and not _ds_mla_in_place_reason(kv, q_nope.dtype):
-        # fp8_ds_mla read in place: the sm_90 warp-specialised kernels dequantise the named rows as they load them
-        out, lse = _ds_mla_decode(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens, scale)
+    if in_place is not None:
+        out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens)
     else:
-        if ds_mla:  # fp8_ds_mla elsewhere: the named rows dequantised once into one-token pages
+        if kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: the named rows dequantised into one-token pages
             pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
         else:
             pages = kv.reshape(num_slots, 1, kv.shape[-1])
@@ -329,52 +379,6 @@ def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk
         factor = torch.sigmoid(lse - attn_sink)
         out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
     return out, lse
-
-
-def _ds_mla_in_place_reason(kv, query_dtype) -> str:
-    """Why the decode kernels cannot read this fp8_ds_mla cache in place on the current device ("" when they
-    can: `mla_multi.kernels.mla_decode.ds_mla_decode_reason`, and a bfloat16 query, the rotary values'
-    type); a CPU tensor, or the interpreter, never."""
-    from mla_multi.kernels import interpreter_active
-    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
-    from mla_multi.platforms import current_platform
-
-    if kv.device.type != "cuda" or interpreter_active():
-        return "not a GPU launch"
-    if query_dtype != torch.bfloat16:
-        return f"a {query_dtype} query (the in-place loader writes bfloat16 stages)"
-    return ds_mla_decode_reason(current_platform(), kv)
-
-
-# (platform, tokens, heads, topk, dims) -> the split count of an in-place fp8_ds_mla decode (the heuristic, once)
-_DS_SPLITS: dict = {}
-
-
-def _ds_mla_decode(q_nope, q_pe, pages, table, lens, scale):
-    """The dense split-KV decode over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), the
-    split count from the heuristic for `table`'s width as the longest sequence."""
-    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
-    from mla_multi.kernels.mla_decode import mla_decode_fwd, split_partials
-    from mla_multi.platforms import current_platform
-
-    platform = current_platform()
-    tokens, num_heads, kv_lora_rank = q_nope.shape
-    longest = max(1, table.shape[1])
-    key = (id(platform), tokens, num_heads, longest, kv_lora_rank, q_pe.shape[-1])
-    splits = _DS_SPLITS.get(key)
-    if splits is None:
-        if len(_DS_SPLITS) >= 256:
-            _DS_SPLITS.clear()
-        splits = _DS_SPLITS[key] = num_kv_splits(
-            platform, max(1, tokens), num_heads, longest, max_num_kv_splits(longest, platform), q_len=1,
-            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=q_pe.shape[-1], kv_cache_dtype=torch.float8_e4m3fn,
-        )
-    device = q_nope.device
-    attn_logits = split_partials(tokens, num_heads, splits, kv_lora_rank, device)
-    out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
-    lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
-    return mla_decode_fwd(q_nope, q_pe, pages, table, lens, scale, k_scale=None, num_kv_splits=splits,
-                          attn_logits=attn_logits, out=out, lse=lse, platform=platform)
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):

@@ -434,7 +434,11 @@ def decode_config(
     wgmma = warpgroup and not wgmma_decode_reason(platform, kv_dtype, kv_lora_rank, rope_dim)
     if fp8_qk is None:
         fp8_qk = envs.MLA_MULTI_FP8_QK
-    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES, wgmma=wgmma, fp8_qk=fp8_qk)
+    if kv_dtype == torch.uint8:
+        # fp8_ds_mla rows (uint8, 656 bytes): the FP8 table's register-loader configurations, whose loader
+        # dequantises into 16-bit stages (no raw FP8 stages: the values have a scale per row and tile)
+        fp8_qk = False
+    table = _decode_table(platform, fp8=kv_dtype in _FP8_DTYPES or kv_dtype == torch.uint8, wgmma=wgmma, fp8_qk=fp8_qk)
     if rows <= 16:
         return table["16"]
     if rows <= 32:
@@ -530,8 +534,9 @@ def wgmma_decode_reason(platform, kv_dtype: torch.dtype, kv_lora_rank: int = 512
 
     They need an sm_90 device (warpgroup MMA exists on Hopper only), a Triton
     whose Gluon has Hopper's warpgroup MMA and cp.async (3.6 and later), a
-    16-bit or ``float8_e4m3fn`` cache (the NVIDIA backend has no conversion
-    for ``float8_e4m3fnuz``, which the Triton kernel decodes by bits), and
+    16-bit, ``float8_e4m3fn`` or fp8_ds_mla (uint8 rows) cache (the NVIDIA
+    backend has no conversion for ``float8_e4m3fnuz``, which the Triton kernel
+    decodes by bits; only these kernels read fp8_ds_mla rows in place), and
     DeepSeek's latent dims, for which they are built and measured.
     """
     if (kv_lora_rank, rope_dim) != WGMMA_DECODE_DIMS:
@@ -541,8 +546,9 @@ def wgmma_decode_reason(platform, kv_dtype: torch.dtype, kv_lora_rank: int = 512
         )
     if not platform.is_cuda() or platform.arch != "sm_90":
         return f"the warpgroup decode kernel needs sm_90 (Hopper), not {platform.arch}"
-    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-        return f"the warpgroup decode kernel reads bfloat16, float16 or float8_e4m3fn caches, not {kv_dtype}"
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8):
+        return (f"the warpgroup decode kernel reads bfloat16, float16, float8_e4m3fn or fp8_ds_mla (uint8) caches, "
+                f"not {kv_dtype}")
     from mla_multi.kernels.mla_decode_wgmma import gluon_available
 
     ok, reason = gluon_available()

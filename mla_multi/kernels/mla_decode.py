@@ -489,7 +489,7 @@ def ds_mla_decode_reason(platform, kv_cache=None) -> str:
     """Why the decode kernels cannot read an fp8_ds_mla cache (uint8 [num_blocks, block_size, 656]) in place
     ("" when they can): only the sm_90 warp-specialised kernels' loader dequantises its rows (e4m3 values,
     four float32 scales a row, 16-bit rotary values), and it reads them as 4-byte words."""
-    reason = wgmma_decode_reason(platform, torch.float8_e4m3fn)
+    reason = wgmma_decode_reason(platform, torch.uint8)
     if reason:
         return f"fp8_ds_mla rows are read by the sm_90 warp-specialised decode kernels only: {reason}"
     if kv_cache is not None and any(value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))):
@@ -762,10 +762,7 @@ class DecodeKernelPlan:
         fp8_rows_unaligned = (kv_cache.dtype in FP8_DTYPES or ds_mla) and any(
             value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
         )
-        if config is None and ds_mla:
-            # the FP8 table's register-loader configurations (float16 products: no raw stages, no TMA)
-            config = decode_config(platform, num_heads, q_len, torch.float8_e4m3fn, kv_lora_rank, rope_dim, fp8_qk=False)
-        elif config is None:
+        if config is None:
             config = decode_config(
                 platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
             )
@@ -820,8 +817,7 @@ class DecodeKernelPlan:
             if reason:
                 raise ValueError(f"an fp8_ds_mla kv_cache cannot be decoded here: {reason}")
         if config.warpgroup:
-            reason = wgmma_decode_reason(platform, torch.float8_e4m3fn if ds_mla else kv_cache.dtype, kv_lora_rank,
-                                         rope_dim)
+            reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
             if not reason and fp8_rows_unaligned:
                 reason = (
                     f"the FP8 kv_cache's rows start off 4-byte boundaries (data_ptr {kv_cache.data_ptr()}, strides "
@@ -1088,7 +1084,7 @@ def compile_specs(platform) -> list[CompileSpec]:
         # fp8_ds_mla rows (sparse decode: one-token pages; any page size reads the same way)
         ds_configs = []
         for heads in (16, 32, 64):
-            config = decode_config(platform, heads, 1, torch.float8_e4m3fn, fp8_qk=False)
+            config = decode_config(platform, heads, 1, torch.uint8)
             if config not in ds_configs:
                 ds_configs.append(config)
         for config in ds_configs:

@@ -1,0 +1,7 @@
+# Sourced by the GPU check scripts: the common environment, and FlashMLA installed from a carried wheel
+# (.whl/sgl_flash_mla-*.whl, --no-deps: it runs on the device's torch) onto PYTHONPATH when one is there.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sgl_flash_mla-*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
