@@ -594,3 +594,39 @@ def test_wgmma_decode_cuda_graph_replay_with_new_lengths(kv, config):
                 rel = (out.double() - ref_out)[finite].norm() / ref_out[finite].norm().clamp_min(1e-30)
                 assert rel <= _emulated_rel_err(config) or not finite.any(), (batch, trial, float(rel))
             assert torch.equal(torch.isfinite(lse), finite), (batch, trial)
+
+
+def test_triton_sparse_in_place_decode_goes_through_the_dense_decode_impl(monkeypatch):
+    """The plumbing of TRITON's in-place fp8_ds_mla sparse decode, on the CPU with the kernel launch recorded:
+    the dense decode gets the cache as one-token pages, the compacted table, and the split count the
+    heuristic gives an e4m3fn cache of that shape (chosen once per shape); the scale is the call's."""
+    from mla_multi.backends.triton import TritonSparseDecodeImpl
+    from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
+    from mla_multi.kernels import mla_decode
+    from mla_multi.platforms import override
+
+    calls = []
+
+    def record(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, **kwargs):
+        calls.append((kv_cache.shape, block_table.shape, scale, kwargs["num_kv_splits"], kwargs["attn_logits"].shape))
+        return kwargs["out"], kwargs["lse"]
+
+    monkeypatch.setattr(mla_decode, "mla_decode_fwd", record)
+    with override("H100"):
+        impl = TritonSparseDecodeImpl(128, 512, 64, torch.device("cpu"))
+        pages = torch.zeros(4096, 1, 656, dtype=torch.uint8)
+        table = torch.zeros(32, 2048, dtype=torch.int32)
+        lens = torch.full((32,), 2048, dtype=torch.int32)
+        q_nope, q_pe = torch.zeros(32, 128, 512, dtype=torch.bfloat16), torch.zeros(32, 128, 64, dtype=torch.bfloat16)
+        for scale in (0.5, 0.25):
+            out, lse = impl._decode_in_place(q_nope, q_pe, pages, table, lens, scale=scale)
+            assert out.shape == (32, 128, 512) and lse.shape == (32, 128)
+        from mla_multi.platforms import current_platform
+
+        platform = current_platform()
+        splits = num_kv_splits(platform, 32, 128, 2048, max_num_kv_splits(2048, platform),
+                               kv_cache_dtype=torch.float8_e4m3fn)
+    assert [c[2] for c in calls] == [0.5, 0.25] and len(impl._splits) == 1
+    assert calls[0][0] == (4096, 1, 656) and calls[0][1] == (32, 2048) and calls[0][3] == splits
+    assert calls[0][4] == (32, 128, splits, 528)
+    assert "not a GPU launch" in impl._in_place_reason(pages, torch.bfloat16)
