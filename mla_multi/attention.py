@@ -127,6 +127,7 @@ class MLAAttention:
         self.W_UV = weight[:, p:, :].contiguous()  # [N, V, Lkv]: latent output @ W_UV^T -> per-head V
         self._W_UK_rows = self.W_UK.view(n * p, lkv)  # the same weights as rows of one product each
         self._W_UV_rows = self.W_UV.view(n * v, lkv)
+        self._W_UV_T = self.W_UV.transpose(1, 2)  # [N, Lkv, V]: the up-projection's right operand
 
         self.dcp = dcp
         decode_heads = n
@@ -227,7 +228,10 @@ class MLAAttention:
         num_decodes, num_prefills, _, _ = self._split(metadata)
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
-            self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
+            plan = self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
+            step = metadata.backend_plans.get(self._decode_step_key(num_decodes))
+            if step is not None and step[2].get("plan") is not plan:  # replanned: made again from the new plan
+                del metadata.backend_plans[self._decode_step_key(num_decodes)]
         if num_prefills > 0:
             self._prefill_metadata(metadata)
 
@@ -288,7 +292,8 @@ class MLAAttention:
         key = ("prefill_metadata", self.workspace_tokens, metadata_cls)
         prefill_metadata = metadata.backend_plans.get(key)
         if prefill_metadata is None:
-            prefill_metadata = build_prefill_metadata(metadata, self.workspace_tokens, metadata_cls)
+            prefill_metadata = build_prefill_metadata(metadata, self.workspace_tokens, metadata_cls,
+                                                      self._split(metadata))
             metadata.backend_plans[key] = prefill_metadata
         if self.prefill_backend.requires_plan:
             plan_key = self.prefill_impl.plan_key() + (self.dtype,)
@@ -430,28 +435,21 @@ class MLAAttention:
             q_latent[..., : d.kv_lora_rank], q_latent[..., d.kv_lora_rank:], kv_cache, slots, self.scale,
             k_scale=self.k_scale, backend=self.sparse_backend.name,
         )
-        decoded = torch.bmm(latent.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
-        output.copy_(decoded.reshape(tokens, n * v))
+        self._up_project_latent(latent, output, tokens)
         return output
 
-    def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
-        d = self.dims
-        p, v = d.qk_nope_head_dim, d.v_head_dim
+    def _decode_step(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
+        """(block_table, seq_lens, keywords) of the step's decodes, shared by every layer of this decode
+        configuration: the keywords hold its plan (backends that plan) or split count (TRITON). Looked up
+        once per step, so that every later layer only launches; `plan` drops it when it replans."""
+        key = self._decode_step_key(num_decodes)
+        found = metadata.backend_plans.get(key)
+        if found is not None:
+            return found
         block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
-        q_decode = q[:num_decode_tokens]
-        q_nope, q_pe = q_decode[..., :p], q_decode[..., p:]
-        # Absorb W_UK into the query: [B, N, P] x [N, P, Lkv] -> [B, N, Lkv].
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
         plan = self._decode_plan(metadata, num_decodes)
-        forward_mqa = self.decode_impl.forward_mqa
-        if self.dcp is not None:
-            forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
-        else:
-            # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
-            checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
-        extra = {} if plan is None else {"plan": plan}
-        triton = hasattr(self.decode_impl, "choose_num_kv_splits")
-        if self.dcp is None and triton:
+        keywords = {} if plan is None else {"plan": plan}
+        if self.dcp is None and hasattr(self.decode_impl, "choose_num_kv_splits"):
             # the split count of the step, chosen by its first layer
             splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype, self.decode_impl.max_partial_rows)
             splits = metadata.backend_plans.get(splits_key)
@@ -459,28 +457,62 @@ class MLAAttention:
                 splits = metadata.backend_plans[splits_key] = self.decode_impl.choose_num_kv_splits(
                     block_table.shape[0], 1, metadata.max_seq_len, self.kv_cache_dtype
                 )
-            extra["num_kv_splits"] = splits
-            extra["step_plans"] = metadata.backend_plans
-        latent_out, _ = forward_mqa(
-            # the TRITON kernels take the query's strides as they are
-            ql_nope, q_pe if triton and self.dcp is None else q_pe.contiguous(), kv_cache, block_table, seq_lens,
-            k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **extra,
-        )
-        # Up-project with W_UV: [B, N, Lkv] x [N, Lkv, V] -> [B, N, V].
-        decoded = torch.bmm(latent_out.transpose(0, 1), self.W_UV.transpose(1, 2)).transpose(0, 1)
-        output[:num_decode_tokens] = decoded.reshape(num_decode_tokens, d.num_heads * v)
+            keywords["num_kv_splits"] = splits
+            keywords["step_plans"] = metadata.backend_plans
+        found = metadata.backend_plans[key] = (block_table, seq_lens, keywords)
+        return found
 
-    # tokens up-projected at a time for K's nope part: bounds the temporary beside K and V
-    _UP_PROJECT_BLOCK = 8192
+    def _decode_step_key(self, num_decodes: int) -> tuple:
+        key = self.__dict__.get("_decode_step_key_base")
+        if key is None:
+            plan_key = self.decode_impl.plan_key() if self.decode_backend.requires_plan else None
+            key = self._decode_step_key_base = (
+                "decode step", self.decode_backend.name, plan_key, self.dtype, self.kv_cache_dtype,
+                getattr(self.decode_impl, "num_heads", None), getattr(self.decode_impl, "max_partial_rows", None),
+                None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave),
+            )
+        return key + (num_decodes,)
+
+    def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
+        """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
+        written by the product itself where the output's rows are contiguous (no copy, no temporary)."""
+        n, v = self.dims.num_heads, self.dims.v_head_dim
+        rows = output.narrow(0, 0, tokens)
+        if rows.stride(1) == 1:
+            torch.bmm(latent.transpose(0, 1), self._W_UV_T, out=rows.view(tokens, n, v).transpose(0, 1))
+        else:
+            rows.copy_(torch.bmm(latent.transpose(0, 1), self._W_UV_T).transpose(0, 1).reshape(tokens, n * v))
+
+    def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
+        d = self.dims
+        p = d.qk_nope_head_dim
+        block_table, seq_lens, keywords = self._decode_step(metadata, num_decodes)
+        if self.dcp is None:
+            # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
+            checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
+            forward_mqa = self.decode_impl.forward_mqa
+        else:
+            forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
+        # the TRITON kernels take the query's strides as they are
+        contiguous_pe = self.dcp is not None or "num_kv_splits" not in keywords
+        q_decode = q if num_decode_tokens == q.shape[0] else q.narrow(0, 0, num_decode_tokens)
+        q_nope, q_pe = q_decode.narrow(2, 0, p), q_decode.narrow(2, p, d.qk_rope_head_dim)
+        # Absorb W_UK into the query: [N, B, P] x [N, P, Lkv] -> [N, B, Lkv], read by the kernels as [B, N, Lkv].
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        latent_out, _ = forward_mqa(
+            ql_nope, q_pe.contiguous() if contiguous_pe else q_pe, kv_cache, block_table, seq_lens,
+            k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **keywords,
+        )
+        self._up_project_latent(latent_out, output, num_decode_tokens)
 
     def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """Latent rows -> (k, v, k_pe): per-head k [T, N, P + R] and v [T, N, V], both contiguous, and None;
         or, where the prefill backend takes the shared rotary key apart (`takes_split_key`), k [T, N, P] and
         the rotary rows k_pe [T, R] as given (never repeated per head: a fifth less for MLA).
 
-        V comes straight from its own product; K's nope part is computed in
-        blocks of tokens into K, so a chunk costs K and V plus one block's
-        temporary, never the [T, N, P + V] product besides them.
+        V comes straight from its own product and K's nope part from one
+        batched product written into K, so a chunk costs K and V alone, never
+        the [T, N, P + V] product besides them.
         """
         d = self.dims
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
@@ -489,9 +521,10 @@ class MLAAttention:
         if getattr(self.prefill_impl, "takes_split_key", False):
             return torch.matmul(kv_c, self._W_UK_rows.t()).view(tokens, n, p), value, k_pe
         key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
-        for start in range(0, tokens, self._UP_PROJECT_BLOCK):
-            end = min(tokens, start + self._UP_PROJECT_BLOCK)
-            key[start:end, :, :p] = torch.matmul(kv_c[start:end], self._W_UK_rows.t()).view(end - start, n, p)
+        # per head, the product written by cuBLAS straight into K's nope columns (its rows strided by the
+        # whole key): the latent rows broadcast over the heads (batch stride 0), no temporary, no copy
+        torch.bmm(kv_c.expand(n, tokens, kv_c.shape[1]), self.W_UK.transpose(1, 2),
+                  out=key.transpose(0, 1).narrow(2, 0, p))
         key[:, :, p:] = k_pe.unsqueeze(1)
         return key, value, None
 
@@ -504,16 +537,18 @@ class MLAAttention:
         key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
         split = {} if key_pe is None else {"k_pe": key_pe}
         chunked = prefill_metadata.chunked_context
+        # where the backend writes into a given buffer (and, with context, the merge kernel runs), the new
+        # tokens' result goes straight into the step's output and the merges happen in place: no [T, N, V]
+        # temporaries beside a chunk's K and V, no copy into the output
+        in_place = (getattr(self.prefill_impl, "takes_out", False) and output.is_contiguous()
+                    and ops._use_triton(q_prefill))
+        if in_place:
+            split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
         if chunked is None:
             out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False, **split)
-        else:
-            # where the backend writes into a given buffer and the merge kernel runs, the new tokens' result
-            # goes straight into the step's output and the merges happen in place: no [T, N, V] temporaries
-            # beside a chunk's K and V
-            in_place = (getattr(self.prefill_impl, "takes_out", False) and output.is_contiguous()
-                        and ops._use_triton(q_prefill))
             if in_place:
-                split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
+                return
+        else:
             suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
                 prefill_metadata, q_prefill, key, value, True, **split
             )

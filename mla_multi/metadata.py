@@ -11,6 +11,7 @@ the block size, and the context is cut into chunks of that many tokens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -105,29 +106,32 @@ class CommonAttentionMetadata:
                 "reorder with reorder_batch_to_split_decodes_and_prefills"
             )
         device = block_table.device
-        query_start_loc_cpu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        num_reqs = len(query_lens)
         query_lens_cpu = torch.tensor(query_lens, dtype=torch.int64)
-        if query_lens:
-            query_start_loc_cpu[1:] = query_lens_cpu.cumsum(0)
+        query_start_loc_cpu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens_list, dtype=torch.int32)
         computed = seq_lens_cpu - query_lens_cpu.to(torch.int32)
-        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size,
-        # gathered where the block table lives (no copy of it to the host, no synchronisation)
+        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size, gathered
+        # where the block table lives (no copy of it to the host, no synchronisation); the start locations
+        # and each token's (table entry, offset) reach the device in one copy (the lengths in their own
+        # storage: a view at an offset that changes with the batch would recompile a compiled caller)
         total = int(query_start_loc_cpu[-1])
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_cpu)
-        offsets = torch.arange(total) - torch.repeat_interleave(query_start_loc_cpu[:-1].long(), query_lens_cpu)
-        positions = torch.repeat_interleave(computed.long(), query_lens_cpu) + offsets
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), query_lens_cpu)
+        positions = torch.arange(total) + (computed - query_start_loc_cpu[:-1]).long()[req_of_token]
+        flat_index = req_of_token * block_table.shape[1] + positions // block_size
+        packed = torch.cat([query_start_loc_cpu, flat_index.to(torch.int32),
+                            (positions % block_size).to(torch.int32)]).to(device)
+        query_start_loc = packed[: num_reqs + 1]
+        seq_lens = seq_lens_cpu.to(device)
         if total:
-            width = block_table.shape[1]
-            flat_index = (req_of_token * width + positions // block_size).to(device)
-            blocks = block_table.reshape(-1).index_select(0, flat_index).long()
-            slot_mapping = blocks * block_size + (positions % block_size).to(device)
+            blocks = block_table.reshape(-1).index_select(0, packed[num_reqs + 1 : num_reqs + 1 + total])
+            slot_mapping = blocks.long() * block_size + packed[num_reqs + 1 + total :]
         else:
             slot_mapping = torch.zeros(0, dtype=torch.int64, device=device)
         return cls(
-            query_start_loc=query_start_loc_cpu.to(device),
+            query_start_loc=query_start_loc,
             query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens_cpu.to(device),
+            seq_lens=seq_lens,
             seq_lens_cpu=seq_lens_cpu,
             num_computed_tokens_cpu=computed,
             block_table=block_table,
@@ -202,36 +206,51 @@ def plan_context_chunks(
     down to the block size (the gather starts on block boundaries); None when
     no prefill has context.
     """
-    context_lens = _as_int_list(context_lens, "context_lens")
+    return _chunked_context(_as_int_list(context_lens, "context_lens"), workspace_tokens, block_size, device)[0]
+
+
+def _chunked_context(
+    context_lens: list[int], workspace_tokens: int, block_size: int, device, head: Sequence[int] = ()
+) -> tuple[ChunkedContextMetadata | None, torch.Tensor]:
+    """`plan_context_chunks`, and `head` (ints) as an int32 tensor on `device`: the tables are computed on
+    the host in plain Python (a step plans them for every prefill: no tiny tensor operations) and reach
+    the device in one copy together with `head`."""
     num_with_context = sum(1 for c in context_lens if c > 0)
     if num_with_context == 0:
-        return None
+        return None, torch.tensor(head, dtype=torch.int32).to(device)
     max_context_chunk = (workspace_tokens // num_with_context) // block_size * block_size
     if max_context_chunk <= 0:
         raise ValueError(
             f"workspace_tokens={workspace_tokens} cannot hold one block of {block_size} tokens for each of the "
             f"{num_with_context} prefills with context; accepted: at least {num_with_context * block_size}"
         )
-    lens = torch.tensor(context_lens, dtype=torch.int64)
-    num_chunks = -(-int(lens.max()) // max_context_chunk)
-    starts = torch.arange(num_chunks, dtype=torch.int64).unsqueeze(1).expand(-1, len(context_lens)) * max_context_chunk
-    ends = torch.minimum(lens.unsqueeze(0), starts + max_context_chunk)
-    seq_lens = (ends - starts).clamp(min=0)
-    cu = torch.zeros(num_chunks, len(context_lens) + 1, dtype=torch.int64)
-    cu[:, 1:] = seq_lens.cumsum(dim=1)
-    seq_tot = seq_lens.sum(dim=1).tolist()
+    num_chunks = -(-max(context_lens) // max_context_chunk)
+    starts, seq_lens, cu = [], [], []
+    for chunk in range(num_chunks):
+        first = chunk * max_context_chunk
+        row = [max(0, min(length, first + max_context_chunk) - first) for length in context_lens]
+        starts.append([first] * len(context_lens))
+        seq_lens.append(row)
+        cu.append(list(itertools.accumulate(row, initial=0)))
+    seq_tot = [row[-1] for row in cu]
     if max(seq_tot) > workspace_tokens:  # cannot happen by construction; guard the invariant
         raise AssertionError(f"context chunk of {max(seq_tot)} tokens exceeds the workspace of {workspace_tokens}")
-    return ChunkedContextMetadata(
-        starts=starts.to(torch.int32).to(device),
-        seq_lens=seq_lens.to(torch.int32).to(device),
-        cu_seq_lens=cu.to(torch.int32).to(device),
+    tables = list(head) + [v for rows in (starts, seq_lens, cu) for row in rows for v in row]
+    host = torch.tensor(tables, dtype=torch.int32)
+    packed = host.to(device)  # one host-to-device copy (from pageable memory each costs the host ~10 us)
+    size, shape, cu_shape = num_chunks * len(context_lens), (num_chunks, len(context_lens)), (num_chunks, len(context_lens) + 1)
+    offset = len(head)
+    chunked = ChunkedContextMetadata(
+        starts=packed[offset : offset + size].view(shape),
+        seq_lens=packed[offset + size : offset + 2 * size].view(shape),
+        cu_seq_lens=packed[offset + 2 * size :].view(cu_shape),
         seq_tot=seq_tot,
-        max_seq_lens=seq_lens.max(dim=1).values.tolist(),
+        max_seq_lens=[max(row) for row in seq_lens],
         max_context_chunk=max_context_chunk,
-        starts_cpu=starts.to(torch.int32),
-        seq_lens_cpu=seq_lens.to(torch.int32),
+        starts_cpu=host[offset : offset + size].view(shape),
+        seq_lens_cpu=host[offset + size : offset + 2 * size].view(shape),
     )
+    return chunked, packed[:offset]
 
 
 @dataclasses.dataclass
@@ -251,20 +270,23 @@ class MLAPrefillMetadata:
 
 
 def build_prefill_metadata(
-    common: CommonAttentionMetadata, workspace_tokens: int, metadata_cls: type = MLAPrefillMetadata
+    common: CommonAttentionMetadata, workspace_tokens: int, metadata_cls: type = MLAPrefillMetadata,
+    split: tuple[int, int, int, int] | None = None,
 ) -> MLAPrefillMetadata | None:
-    """Prefill metadata of `common`'s prefills with their context chunks; None without prefills."""
-    num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(common)
+    """Prefill metadata of `common`'s prefills with their context chunks; None without prefills.
+    `split`: the step's `split_decodes_and_prefills`, where the caller has it."""
+    num_decodes, num_prefills, num_decode_tokens, _ = split or split_decodes_and_prefills(common)
     if num_prefills == 0:
         return None
     device = common.block_table.device
-    start = common.query_start_loc_cpu[num_decodes:] - num_decode_tokens
+    start = (common.query_start_loc_cpu[num_decodes:] - num_decode_tokens).tolist()
     context_lens = common.num_computed_tokens_cpu[num_decodes:]
-    query_lens = start[1:] - start[:-1]
+    chunked, query_start_loc = _chunked_context(context_lens.tolist(), workspace_tokens, common.block_size, device,
+                                                head=start)
     return metadata_cls(
-        query_start_loc=start.to(device),
-        max_query_len=int(query_lens.max()),
+        query_start_loc=query_start_loc,
+        max_query_len=max(b - a for a, b in zip(start, start[1:])),
         block_table=common.block_table[num_decodes:],
         context_lens_cpu=context_lens,
-        chunked_context=plan_context_chunks(context_lens, workspace_tokens, common.block_size, device),
+        chunked_context=chunked,
     )

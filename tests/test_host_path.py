@@ -142,6 +142,31 @@ def test_planned_layer_forward_neither_synchronises_nor_allocates_device_memory(
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_planned_layer_decode_step_launches_five_kernels_and_copies_nothing(batch):
+    """A planned decode step of one layer: the cache write, the absorption product, the split kernel, its
+    merge and the up-projection written by its product straight into the step's output (no copy kernel)."""
+    heads = 128
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    weight = (torch.randn(heads * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=BLOCK, max_model_len=8192,
+                            max_num_seqs=16, decode_backend="TRITON")
+    _, _, cache, table, _ = _decode_inputs(batch, heads, 8192)
+    md = mm.CommonAttentionMetadata.from_lengths([1] * batch, [8192] * batch, table, BLOCK)
+    q = torch.randn(batch, heads, 192, device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.randn(batch, 512, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(batch, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((batch, heads * 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    layer.plan(md)
+    layer.forward(q, kv_c, k_pe, cache, md, output=out)
+    expected = out.clone()
+    out.fill_(float("nan"))
+    launches = _kernel_launches(lambda: layer.forward(q, kv_c, k_pe, cache, md, output=out))
+    assert len(launches) <= 5, launches
+    assert not [name for name in launches if "copy" in name.lower() or "elementwise" in name.lower()], launches
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # every row written by the up-projection
+
+
 def test_captured_decode_step_replays_new_lengths_with_the_locked_shared_workspace():
     dims = mm.MLADims.deepseek_v3(num_heads=16)
     weight = (torch.randn(16 * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)

@@ -6,7 +6,9 @@ A step is `plan` + `forward` of one layer on DeepSeek-V3 dims (bf16, block size
 64). Per backend (decode backend for decode steps, prefill backend for prefill
 steps, both for mixed ones) it reports:
 
-* plan µs: the host time of `layer.plan(metadata)` (once per step for all layers);
+* metadata µs: the host time of `CommonAttentionMetadata.from_lengths` for the step (median);
+* plan µs: the host time of `layer.plan(metadata)` (once per step for all layers; median of 11
+  fresh steps);
 * eager µs: `triton.testing.do_bench` of `forward` with the step planned outside;
 * captured µs: `forward` replayed from a CUDA graph (decode steps only, as
   engines capture them), the workspace locked;
@@ -50,6 +52,9 @@ def parse_step(text: str) -> tuple[str, list[int], list[int]]:
     return kind, query_lens, seq_lens
 
 
+PLAN_REPEATS = 11  # fresh steps planned; the median is reported
+
+
 def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backend: str | None) -> dict:
     import triton
 
@@ -79,15 +84,19 @@ def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backen
         return mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK_SIZE)
 
     md = metadata()
-    start = time.perf_counter()
-    layer.plan(md)
-    plan_us = (time.perf_counter() - start) * 1e6
-    fresh = metadata()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    layer.plan(fresh)
-    torch.cuda.synchronize()
-    plan_us = min(plan_us, (time.perf_counter() - start) * 1e6)
+    layer.plan(md)  # the first plan of a layer also makes its lazily built state
+    times, built = [], []
+    for _ in range(PLAN_REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fresh = metadata()
+        middle = time.perf_counter()
+        layer.plan(fresh)
+        end = time.perf_counter()
+        built.append((middle - start) * 1e6)
+        times.append((end - middle) * 1e6)
+    plan_us = sorted(times)[len(times) // 2]
+    metadata_us = sorted(built)[len(built) // 2]
 
     def step():
         return layer.forward(q, kv_c, k_pe, cache, md, output=out)
@@ -104,7 +113,7 @@ def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backen
             captured = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3 / 10
         finally:
             layer.workspace.unlock()
-    return {"step": text, "heads": heads, "backends": layer.backends(), "plan_us": plan_us, "eager_us": eager,
+    return {"step": text, "heads": heads, "backends": layer.backends(), "metadata_us": metadata_us, "plan_us": plan_us, "eager_us": eager,
             "captured_us": captured}
 
 
@@ -126,19 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     decode_names = [b for b in args.decode_backends.split(",") if b] or [None]
     prefill_names = [b for b in args.prefill_backends.split(",") if b] or [None]
-    print(f"| step | decode / prefill backend | plan µs | eager µs | captured µs | eager - captured |")
-    print("|---|---|--:|--:|--:|--:|")
+    print("| step | decode / prefill backend | metadata µs | plan µs | eager µs | captured µs | eager - captured |")
+    print("|---|---|--:|--:|--:|--:|--:|")
     for text in steps:
         for decode in decode_names:
             for prefill in prefill_names:
                 try:
                     row = bench_step(text, args.heads, decode, prefill)
                 except Exception as error:  # one pair failing must not hide the others
-                    print(f"| {text} | {decode} / {prefill} | {type(error).__name__}: {str(error)[:120]} | | | |")
+                    print(f"| {text} | {decode} / {prefill} | {type(error).__name__}: {str(error)[:120]} | | | | |")
                     continue
                 captured = row["captured_us"]
                 gap = "-" if captured is None else f"{row['eager_us'] - captured:.1f}"
-                print(f"| {text} | {row['backends']['decode']} / {row['backends']['prefill']} | {row['plan_us']:.0f} | "
+                print(f"| {text} | {row['backends']['decode']} / {row['backends']['prefill']} | {row['metadata_us']:.0f} | "
+                      f"{row['plan_us']:.0f} | "
                       f"{row['eager_us']:.1f} | {'-' if captured is None else f'{captured:.1f}'} | {gap} |",
                       flush=True)
     return 0
