@@ -267,6 +267,7 @@ class MLAPrefillMetadata:
     context_lens_cpu: torch.Tensor
     chunked_context: ChunkedContextMetadata | None = None
     backend_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    query_start_loc_cpu: torch.Tensor | None = None  # the host copy: planning reads it without a synchronisation
 
 
 def build_prefill_metadata(
@@ -289,4 +290,5 @@ def build_prefill_metadata(
         block_table=common.block_table[num_decodes:],
         context_lens_cpu=context_lens,
         chunked_context=chunked,
+        query_start_loc_cpu=torch.tensor(start, dtype=torch.int32),
     )

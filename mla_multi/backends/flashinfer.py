@@ -641,7 +641,9 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
 
     def plan(self, prefill_metadata, dtype: torch.dtype) -> FlashInferPrefillPlan:
         """Plan the new tokens and every context chunk of `prefill_metadata` (host copies only)."""
-        cu_q = prefill_metadata.query_start_loc.cpu()
+        cu_q = prefill_metadata.query_start_loc_cpu
+        if cu_q is None:  # metadata built by hand (a copy to the host: it waits for the device)
+            cu_q = prefill_metadata.query_start_loc.cpu()
         chunked = prefill_metadata.chunked_context
         num_chunks = chunked.num_chunks if chunked is not None else 0
         device = prefill_metadata.query_start_loc.device
