@@ -13,7 +13,8 @@ import mla_multi as mm
 dims = mm.MLADims.deepseek_v3(num_heads=128)
 device = torch.device("cuda")
 weight = (torch.randn(128 * 256, 512, device=device) / 512**0.5).to(torch.bfloat16)
-layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=64, max_model_len=8192, max_num_seqs=256)
+layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=64, max_model_len=8192, max_num_seqs=256,
+                        decode_backend="TRITON")
 cache = torch.randn(128, 64, 576, device=device, dtype=torch.bfloat16)
 table = torch.arange(128, device=device, dtype=torch.int32).view(1, 128)
 q = torch.randn(1, 128, 192, device=device, dtype=torch.bfloat16)

@@ -157,6 +157,9 @@ class MLAAttention:
                 decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
             )
             self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
+            self.context_prefill_backend, self.context_prefill_impl = self._context_prefill(
+                dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
+            )
             # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
             # prefill run one after the other, so they share the buffer
             self.workspace.reserve(
@@ -186,6 +189,45 @@ class MLAAttention:
         )
         self.prefill_backend = self.decode_backend = None
 
+    def _context_prefill(self, dims: MLADims, forced: str | None, impl_args: tuple):
+        """(backend, impl) for steps whose prefills have cached context. The chosen prefill backend, unless
+        it was not forced, reads K with its rotary part repeated per head, and TRITON runs here taking that
+        part apart and merging the chunks inside its kernel: a chunk's K is then a third smaller and needs
+        no merge launch. Measured on an H100, N = 128 (bench/RESULTS.md, "Layer steps after the host-path
+        work"): 16 prefills x 512 after 3584 cached, TRITON 0.88x FLASHINFER's time through the layer,
+        while without context FLASHINFER's kernel is the faster (0.77x TRITON's time at 1 x 8192)."""
+        from mla_multi import envs
+        from mla_multi.registry import NoBackendError
+
+        chosen = (self.prefill_backend, self.prefill_impl)
+        if forced is not None or envs.MLA_MULTI_PREFILL_BACKEND or self.prefill_backend.name == "TRITON":
+            return chosen
+        if getattr(self.prefill_impl, "takes_split_key", False):
+            return chosen
+        try:
+            backend = select_prefill_backend(dims, self.dtype, backend="TRITON")
+        except NoBackendError:
+            return chosen
+        impl = backend.get_prefill_impl_cls()(*impl_args)
+        if not (getattr(impl, "takes_split_key", False) and getattr(impl, "merges_chunks", False)):
+            return chosen
+        return backend, impl
+
+    def _step_prefill(self, metadata: CommonAttentionMetadata):
+        """(backend, impl) of this step's prefills: `context_prefill_*` where any prefill has cached
+        context, else the chosen prefill backend."""
+        if self.context_prefill_impl is self.prefill_impl:
+            return self.prefill_backend, self.prefill_impl
+        has_context = metadata.backend_plans.get("prefill_has_context")
+        if has_context is None:
+            num_decodes = self._split(metadata)[0]
+            has_context = metadata.backend_plans["prefill_has_context"] = bool(
+                (metadata.num_computed_tokens_cpu[num_decodes:] > 0).any()
+            )
+        if has_context:
+            return self.context_prefill_backend, self.context_prefill_impl
+        return self.prefill_backend, self.prefill_impl
+
     @property
     def W_UK_T(self) -> torch.Tensor:
         """[N, P, Lkv], vLLM's name for the absorption weight."""
@@ -202,7 +244,10 @@ class MLAAttention:
     def backends(self) -> dict[str, str]:
         if self.sparse_topk is not None:
             return {"sparse_decode": self.sparse_backend.name}
-        return {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+        names = {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+        if self.context_prefill_backend is not self.prefill_backend:
+            names["prefill_context"] = self.context_prefill_backend.name  # steps whose prefills have context
+        return names
 
     # ------------------------------------------------------------------ planning
     def plan(self, metadata: CommonAttentionMetadata, *, cuda_graph: bool = False) -> None:
@@ -288,17 +333,18 @@ class MLAAttention:
 
     def _prefill_metadata(self, metadata: CommonAttentionMetadata):
         """The prefill metadata of the batch, built once per step (and planned, for backends that plan)."""
-        metadata_cls = self.prefill_backend.get_prefill_metadata_cls()
+        backend, impl = self._step_prefill(metadata)
+        metadata_cls = backend.get_prefill_metadata_cls()
         key = ("prefill_metadata", self.workspace_tokens, metadata_cls)
         prefill_metadata = metadata.backend_plans.get(key)
         if prefill_metadata is None:
             prefill_metadata = build_prefill_metadata(metadata, self.workspace_tokens, metadata_cls,
                                                       self._split(metadata))
             metadata.backend_plans[key] = prefill_metadata
-        if self.prefill_backend.requires_plan:
-            plan_key = self.prefill_impl.plan_key() + (self.dtype,)
+        if backend.requires_plan:
+            plan_key = impl.plan_key() + (self.dtype,)
             if plan_key not in prefill_metadata.backend_plans:
-                prefill_metadata.backend_plans[plan_key] = self.prefill_impl.plan(prefill_metadata, self.dtype)
+                prefill_metadata.backend_plans[plan_key] = impl.plan(prefill_metadata, self.dtype)
         return prefill_metadata
 
     # ------------------------------------------------------------------ forward
@@ -505,7 +551,7 @@ class MLAAttention:
         )
         self._up_project_latent(latent_out, output, num_decode_tokens)
 
-    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
+    def _up_project(self, kv_c: torch.Tensor, k_pe: torch.Tensor, impl=None):
         """Latent rows -> (k, v, k_pe): per-head k [T, N, P + R] and v [T, N, V], both contiguous, and None;
         or, where the prefill backend takes the shared rotary key apart (`takes_split_key`), k [T, N, P] and
         the rotary rows k_pe [T, R] as given (never repeated per head: a fifth less for MLA).
@@ -518,7 +564,7 @@ class MLAAttention:
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         tokens = kv_c.shape[0]
         value = torch.matmul(kv_c, self._W_UV_rows.t()).view(tokens, n, v)
-        if getattr(self.prefill_impl, "takes_split_key", False):
+        if getattr(self.prefill_impl if impl is None else impl, "takes_split_key", False):
             return torch.matmul(kv_c, self._W_UK_rows.t()).view(tokens, n, p), value, k_pe
         key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
         # per head, the product written by cuBLAS straight into K's nope columns (its rows strided by the
@@ -533,28 +579,29 @@ class MLAAttention:
 
         d = self.dims
         prefill_metadata = self._prefill_metadata(metadata)
+        _, impl = self._step_prefill(metadata)
         q_prefill = q[num_decode_tokens:]
-        key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:])
+        key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:], impl)
         split = {} if key_pe is None else {"k_pe": key_pe}
         chunked = prefill_metadata.chunked_context
         # where the backend writes into a given buffer (and, with context, the merge kernel runs), the new
         # tokens' result goes straight into the step's output and the merges happen in place: no [T, N, V]
         # temporaries beside a chunk's K and V, no copy into the output
-        in_place = (getattr(self.prefill_impl, "takes_out", False) and output.is_contiguous()
+        in_place = (getattr(impl, "takes_out", False) and output.is_contiguous()
                     and ops._use_triton(q_prefill))
         if in_place:
             split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
         if chunked is None:
-            out = self.prefill_impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False, **split)
+            out = impl.run_prefill_new_tokens(prefill_metadata, q_prefill, key, value, False, **split)
             if in_place:
                 return
         else:
-            suffix_out, suffix_lse = self.prefill_impl.run_prefill_new_tokens(
+            suffix_out, suffix_lse = impl.run_prefill_new_tokens(
                 prefill_metadata, q_prefill, key, value, True, **split
             )
             del key, value, split  # the chunks' K and V take their place: one chunk's at a time
             # where the kernel merges, each chunk's result goes into the output as it is computed
-            merges = in_place and getattr(self.prefill_impl, "merges_chunks", False)
+            merges = in_place and getattr(impl, "merges_chunks", False)
             merge_into = (suffix_out, suffix_lse) if merges else None
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
@@ -577,11 +624,11 @@ class MLAAttention:
                         out=gathered,
                     )
                 chunk_key, chunk_value, chunk_pe = self._up_project(rows[:, : d.kv_lora_rank],
-                                                                    rows[:, d.kv_lora_rank :])
+                                                                    rows[:, d.kv_lora_rank :], impl)
                 chunk_extra = {} if chunk_pe is None else {"k_pe": chunk_pe}
                 if merge_into is not None:
                     chunk_extra["merge_into"] = merge_into
-                chunk_out, chunk_lse = self.prefill_impl.run_prefill_context_chunk(
+                chunk_out, chunk_lse = impl.run_prefill_context_chunk(
                     prefill_metadata, chunk_idx, q_prefill, chunk_key, chunk_value, **chunk_extra
                 )
                 del chunk_key, chunk_value, chunk_pe

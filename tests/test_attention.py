@@ -292,3 +292,49 @@ def test_plan_rejects_other_metadata(planning_backends):
     layer, _, _ = make_layer(mm.MLADims(2, **SMALL), torch.float32, 16)
     with pytest.raises(ValueError, match="metadata=dict; accepted: a CommonAttentionMetadata"):
         layer.plan({})
+
+
+# --------------------------------------------------------------------------- the prefill of steps with context
+
+
+def test_steps_with_context_take_the_split_key_prefill_where_the_chosen_one_repeats_the_rotary_key(monkeypatch):
+    """A default prefill backend that reads K with its rotary part per head keeps steps without context;
+    steps whose prefills have cached context go to TRITON where it takes the rotary key apart and merges
+    the chunks in its kernel (stood in for here by a REFERENCE impl that says so); a forced backend, by
+    argument or environment, keeps every step."""
+    from mla_multi import attention
+    from mla_multi.backends.reference import ReferencePrefillBackend, ReferencePrefillImpl
+
+    class SplitKeyImpl(ReferencePrefillImpl):
+        takes_split_key = True
+        merges_chunks = True
+
+    class SplitKey(ReferencePrefillBackend):
+        name = "TRITON"
+
+        @staticmethod
+        def get_prefill_impl_cls():
+            return SplitKeyImpl
+
+    real = attention.select_prefill_backend
+
+    def select(dims, dtype, *, backend=None, platform=None):
+        return SplitKey if backend == "TRITON" else real(dims, dtype, backend=backend, platform=platform)
+
+    monkeypatch.setattr(attention, "select_prefill_backend", select)
+    dims = mm.MLADims(4, **SMALL)
+    layer, _, _ = make_layer(dims, torch.float32, 16, workspace_tokens=64)
+    assert layer.backends() == {"prefill": "REFERENCE", "decode": "REFERENCE", "prefill_context": "TRITON"}
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    fresh = mm.CommonAttentionMetadata.from_lengths([1, 9, 5], [30, 9, 5], table, 16)  # no prefill has context
+    cached = mm.CommonAttentionMetadata.from_lengths([1, 9, 5], [30, 9, 40], table, 16)  # the last one has 35
+    assert type(layer._step_prefill(fresh)[1]) is not SplitKeyImpl
+    assert type(layer._step_prefill(cached)[1]) is SplitKeyImpl
+    for forced in ({"prefill_backend": "REFERENCE"}, {}):
+        if not forced:
+            monkeypatch.setenv("MLA_MULTI_PREFILL_BACKEND", "REFERENCE")
+        weight = torch.randn(4 * 64, 64)
+        other = mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=4096, max_num_seqs=16,
+                                workspace_tokens=64, **forced)
+        assert "prefill_context" not in other.backends()
+        assert type(other._step_prefill(cached)[1]) is not SplitKeyImpl

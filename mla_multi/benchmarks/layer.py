@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--steps", default=DEFAULT_STEPS, help="comma list of steps (see above)")
-    parser.add_argument("--decode-backends", default="", help="comma list (default: the registry's choice)")
-    parser.add_argument("--prefill-backends", default="", help="comma list (default: the registry's choice)")
+    parser.add_argument("--decode-backends", default="", help="comma list; 'default' (or none given): the registry's choice")
+    parser.add_argument("--prefill-backends", default="", help="comma list; 'default' (or none given): the registry's choice")
     args = parser.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     for text in steps:
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("mla-multi bench layer needs a CUDA or ROCm GPU")
         return 2
-    decode_names = [b for b in args.decode_backends.split(",") if b] or [None]
-    prefill_names = [b for b in args.prefill_backends.split(",") if b] or [None]
+    decode_names = [None if b == "default" else b for b in args.decode_backends.split(",") if b] or [None]
+    prefill_names = [None if b == "default" else b for b in args.prefill_backends.split(",") if b] or [None]
     print("| step | decode / prefill backend | metadata µs | plan µs | eager µs | back to back µs | captured µs | "
           "eager - captured |")
     print("|---|---|--:|--:|--:|--:|--:|--:|")
@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 captured = row["captured_us"]
                 gap = "-" if captured is None else f"{row['eager_us'] - captured:.1f}"
-                print(f"| {text} | {row['backends']['decode']} / {row['backends']['prefill']} | {row['metadata_us']:.0f} | "
+                names = row["backends"]
+                prefill_name = names["prefill"] + (f" (context: {names['prefill_context']})"
+                                                   if "prefill_context" in names else "")
+                print(f"| {text} | {names['decode']} / {prefill_name} | {row['metadata_us']:.0f} | "
                       f"{row['plan_us']:.0f} | "
                       f"{row['eager_us']:.1f} | {row['back_to_back_us']:.1f} | {'-' if captured is None else f'{captured:.1f}'} | {gap} |",
                       flush=True)
