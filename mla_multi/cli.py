@@ -220,7 +220,7 @@ def cmd_demo(args) -> int:
     print(f"platform: {platform.name} ({platform.vendor} {platform.arch}); device {device}")
     print(f"layer: DeepSeek-V3 MLA, {num_heads} heads, {dtype}, block size {block_size}, "
           f"workspace {layer.workspace_tokens} tokens")
-    print(f"backends: prefill={layer.prefill_backend.name} decode={layer.decode_backend.name}")
+    print("backends: " + " ".join(f"{phase}={name}" for phase, name in layer.backends().items()))
     worst = 0.0
     for index, requests in enumerate(steps):
         metadata, q, kv_c, k_pe = scenario.step(requests)
@@ -298,7 +298,7 @@ def cmd_warmup(args) -> int:
         workspace_tokens=block_size,
     )
     print(f"warmup on {platform.name}: {dims.num_heads} heads, {dtype}, kv cache {layer.kv_cache_dtype}, "
-          f"block size {block_size}; backends prefill={layer.prefill_backend.name} decode={layer.decode_backend.name}")
+          f"block size {block_size}; backends " + " ".join(f"{phase}={name}" for phase, name in layer.backends().items()))
     scenario = PagedScenario(dims, block_size, 16, device, dtype, seed=0)
     cache = torch.zeros(16, block_size, dims.kv_lora_rank + dims.qk_rope_head_dim, device=device).to(layer.kv_cache_dtype)
     for name, requests in (("prefill", [(0, block_size + 3)]), ("decode + prefill", [(0, 1), (1, 2 * block_size)]),
