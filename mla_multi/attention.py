@@ -495,13 +495,16 @@ class MLAAttention:
         block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
         plan = self._decode_plan(metadata, num_decodes)
         keywords = {} if plan is None else {"plan": plan}
-        if self.dcp is None and hasattr(self.decode_impl, "choose_num_kv_splits"):
-            # the split count of the step, chosen by its first layer
-            splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype, self.decode_impl.max_partial_rows)
+        if hasattr(self.decode_impl, "choose_num_kv_splits"):
+            # the split count of the step, chosen by its first layer (under DCP for this rank's share: the
+            # bound every rank's kernels see, so that the collectives meet equal shapes)
+            bound = metadata.max_seq_len if self.dcp is None else self.dcp.local_num_tokens(metadata.max_seq_len, rank=0)
+            splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype,
+                          self.decode_impl.max_partial_rows, bound)
             splits = metadata.backend_plans.get(splits_key)
             if splits is None:
                 splits = metadata.backend_plans[splits_key] = self.decode_impl.choose_num_kv_splits(
-                    block_table.shape[0], 1, metadata.max_seq_len, self.kv_cache_dtype
+                    block_table.shape[0], 1, bound, self.kv_cache_dtype
                 )
             keywords["num_kv_splits"] = splits
             keywords["step_plans"] = metadata.backend_plans
@@ -539,7 +542,7 @@ class MLAAttention:
             forward_mqa = self.decode_impl.forward_mqa
         else:
             forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
-        # the TRITON kernels take the query's strides as they are
+        # the TRITON kernels take the query's strides as they are (under DCP the query is gathered anew)
         contiguous_pe = self.dcp is not None or "num_kv_splits" not in keywords
         q_decode = q if num_decode_tokens == q.shape[0] else q.narrow(0, 0, num_decode_tokens)
         q_nope, q_pe = q_decode.narrow(2, 0, p), q_decode.narrow(2, p, d.qk_rope_head_dim)

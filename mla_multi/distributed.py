@@ -337,18 +337,28 @@ class DecodeContextParallel:
         workspace_manager=None,
         max_seq_len: int | None = None,
         plan=None,
+        num_kv_splits: int | None = None,
+        step_plans: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`mla_decode` through a decode impl built for world_size * N_local heads (the layer's path).
 
         Shapes as in `mla_decode`; `workspace_manager`, `max_seq_len` (a host
         bound of the global seq_lens, passed on as this rank's share) and
         `plan` (for backends with a planning stage: planned with
-        `local_seq_lens`) pass to `impl.forward_mqa`. Returns (out, lse) of
-        this rank's heads.
+        `local_seq_lens`) pass to `impl.forward_mqa`, and so do `num_kv_splits`
+        and `step_plans` (a step's `metadata.backend_plans`, TRITON) where
+        given: this rank's lengths and block table are then made once per step
+        and the impl keeps its bound kernels there, so that every later layer
+        only launches besides the collectives. Returns (out, lse) of this
+        rank's heads.
         """
         self._check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens)
         local_bound = None if max_seq_len is None else self.local_num_tokens(max_seq_len, rank=0)
         extra = {} if plan is None else {"plan": plan}
+        if num_kv_splits is not None:
+            extra["num_kv_splits"] = num_kv_splits
+        if step_plans is not None:
+            extra["step_plans"] = step_plans
 
         def decode(local_q_nope, local_q_pe, table, local_lens):
             # The data checks of ops.mla_decode, against this rank's share of each sequence.
@@ -360,9 +370,30 @@ class DecodeContextParallel:
                 k_scale=k_scale, workspace_manager=workspace_manager, max_seq_len=local_bound, **extra,
             )
 
-        return self._run(q_nope, q_pe, kv_cache, block_table, seq_lens, decode)
+        return self._run(q_nope, q_pe, kv_cache, block_table, seq_lens, decode, step_plans)
 
-    def _run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, decode):
+    def _local_inputs(self, block_table, seq_lens, q_len: int, step_plans: dict | None):
+        """(block table, this rank's lengths) of the decode rows, once per step where `step_plans` keeps them."""
+        key = ("dcp local decode inputs", id(block_table), id(seq_lens), q_len, self.world_size, self.rank,
+               self.interleave)
+        found = None if step_plans is None else step_plans.get(key)
+        if found is not None and found[0] is block_table and found[1] is seq_lens:
+            return found[2], found[3]
+        if q_len > 1:
+            # Token j sees global positions < seq_len - Q + 1 + j. The shard of
+            # that prefix is not the shard of the whole sequence shortened by a
+            # fixed count, so every (request, token) is a row with its own length.
+            visible = seq_lens.long().unsqueeze(1) - q_len + 1 + torch.arange(q_len, device=seq_lens.device)
+            local_lens = self.local_seq_lens(visible.reshape(-1))
+            table = block_table.repeat_interleave(q_len, dim=0)
+        else:
+            local_lens = self.local_seq_lens(seq_lens)
+            table = block_table
+        if step_plans is not None:  # the inputs kept too: their ids stay theirs while the step lives
+            step_plans[key] = (block_table, seq_lens, table, local_lens)
+        return table, local_lens
+
+    def _run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, decode, step_plans=None):
         multi_token = q_nope.dim() == 4
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if multi_token else 1
@@ -394,16 +425,7 @@ class DecodeContextParallel:
         gathered = torch.empty((self.world_size, rows, num_local_heads, width), dtype=q_nope.dtype, device=device)
         _all_gather_flat(gathered, local_query.unsqueeze(0), group=self.group)
         query = gathered.permute(1, 0, 2, 3).reshape(rows, self.world_size * num_local_heads, width)
-        if multi_token:
-            # Token j sees global positions < seq_len - Q + 1 + j. The shard of
-            # that prefix is not the shard of the whole sequence shortened by a
-            # fixed count, so every (request, token) is a row with its own length.
-            visible = seq_lens.long().unsqueeze(1) - q_len + 1 + torch.arange(q_len, device=device)
-            local_lens = self.local_seq_lens(visible.reshape(-1))
-            table = block_table.repeat_interleave(q_len, dim=0)
-        else:
-            local_lens = self.local_seq_lens(seq_lens)
-            table = block_table
+        table, local_lens = self._local_inputs(block_table, seq_lens, q_len, step_plans)
         partial_out, partial_lse = decode(query[..., :kv_lora_rank], query[..., kv_lora_rank:], table, local_lens)
         out, lse = self.combine(partial_out.reshape(rows, -1, kv_lora_rank), partial_lse.reshape(rows, -1))
         return out.view(*out_shape, kv_lora_rank), lse.view(out_shape)

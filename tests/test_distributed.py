@@ -385,6 +385,25 @@ def scenario_layer_plans_for_local_lengths(ctx):
     assert PlanningDecodeImpl.plans >= 3
 
 
+def scenario_step_keeps_local_decode_inputs(ctx):
+    """A step's decode rows get this rank's block table and lengths once (`step_plans`, every layer after
+    the first reuses them); other inputs, or no step, compute them anew; multi-token rows as without a step."""
+    dcp = DecodeContextParallel(interleave=2)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    lens = torch.tensor([5, 0, 13], dtype=torch.int32)
+    step = {}
+    first = dcp._local_inputs(table, lens, 1, step)
+    again = dcp._local_inputs(table, lens, 1, step)
+    assert first[0] is again[0] and first[1] is again[1]
+    assert first[0] is table and torch.equal(first[1], dcp.local_seq_lens(lens))
+    other = lens.clone()
+    assert dcp._local_inputs(table, other, 1, step)[1] is not first[1]
+    multi = dcp._local_inputs(table, lens, 2, step)
+    plain = dcp._local_inputs(table, lens, 2, None)
+    assert multi[0].shape == (6, 4) and torch.equal(multi[0], plain[0]) and torch.equal(multi[1], plain[1])
+    assert dcp._local_inputs(table, lens, 2, step)[1] is multi[1]
+
+
 def scenario_bad_inputs(ctx):
     with pytest.raises(ValueError, match="interleave=0; accepted: a positive int"):
         DecodeContextParallel(interleave=0)
@@ -441,6 +460,7 @@ CPU_SCENARIOS = {
     "combine_ignores_ranks_without_tokens": scenario_combine_ignores_ranks_without_tokens,
     "context_chunk_gather": scenario_context_chunk_gather,
     "layer_matches_single_device_layer": scenario_layer_matches_single_device_layer,
+    "step_keeps_local_decode_inputs": scenario_step_keeps_local_decode_inputs,
     "layer_plans_for_local_lengths": scenario_layer_plans_for_local_lengths,
     "bad_inputs": scenario_bad_inputs,
 }
