@@ -31,9 +31,23 @@ HEAD_DIM_QK = 192
 HEAD_DIM_V = 128
 
 
+class WgmmaConfig:
+    """'wgmma[n<block_n>s<stages>]': the sm_90 kernel of `mla_multi.kernels.prefill_wgmma`."""
+
+    def __init__(self, block_n: int, stages: int) -> None:
+        self.block_n, self.stages = block_n, stages
+        self.name = f"wgmma_n{block_n}s{stages}"
+
+
 def parse_config(text: str):
-    """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only)."""
+    """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only); 'wgmma[n128s2]' -> the sm_90 kernel."""
     from mla_multi.kernels.launch_config import PrefillLaunchConfig
+
+    wgmma = re.fullmatch(r"wgmma(?:n(\d+)s(\d+))?", text)
+    if wgmma is not None:
+        from mla_multi.kernels.prefill_wgmma import BLOCK_N, STAGES
+
+        return WgmmaConfig(int(wgmma.group(1) or BLOCK_N), int(wgmma.group(2) or STAGES))
 
     match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?(ws)?", text)
     if match is None:
@@ -151,6 +165,11 @@ def bench_case(
         name = "triton" if config is None else f"triton[{config.name}]"
 
         def run(config=config):
+            if isinstance(config, WgmmaConfig):
+                from mla_multi.kernels.prefill_wgmma import varlen_attention_wgmma
+
+                return varlen_attention_wgmma(q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse,
+                                              block_n=config.block_n, stages=config.stages)
             return varlen_attention(
                 q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse, config=config
             )

@@ -638,6 +638,13 @@ def varlen_attention(
     if batch == 0 or num_heads == 0:
         return out, (lse if return_lse else None)
     if config is None:
+        if not merge and _sm90_kernel(q, k, v, k_pe):
+            from mla_multi.kernels.prefill_wgmma import varlen_attention_wgmma
+
+            return varlen_attention_wgmma(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal=causal, out=out,
+                lse=lse, return_lse=return_lse, error_flag=error_flag, k_pe=k_pe,
+            )
         config = _config_for(q, head_dim_v, causal)
 
     constexprs = kernel_constexprs(
@@ -680,6 +687,18 @@ def varlen_attention(
 
 
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _sm90_kernel(q, k, v, k_pe) -> bool:
+    """Whether the default launch takes `prefill_wgmma`'s kernel (sm_90, MLA head dims, 16-byte rows, at
+    least a tile; not for the in-kernel merge): 1.14-1.27x this kernel's speed on an H100 (bench/RESULTS.md)."""
+    from mla_multi.kernels import interpreter_active, prefill_wgmma
+
+    if q.device.type != "cuda" or interpreter_active():
+        return False
+    from mla_multi.platforms import current_platform
+
+    return prefill_wgmma.takes(q, k, v, k_pe, current_platform())
 
 
 def split_key_reason(platform) -> str:
@@ -773,4 +792,6 @@ def compile_specs(platform) -> list:
                                          *(n for n in strides if n not in ("stride_lse_h", "stride_kpe_h"))),
                     )
                 )
-    return specs
+    from mla_multi.kernels import prefill_wgmma
+
+    return specs + prefill_wgmma.compile_specs(platform)  # the sm_90 kernel (none elsewhere)

@@ -1,0 +1,398 @@
+"""Varlen prefill attention for sm_90 in the FlashAttention-3 structure (Gluon).
+
+One program per (query tile of 128 rows, head, sequence), warp-specialised:
+
+* a loader warp brings the query tile once and every K / V tile by TMA into a
+  ring of ``STAGES`` shared-memory stages, each stage's ``ready`` barrier
+  completed by the copies' bytes and its ``empty`` barrier by both consumers;
+* two consumer warpgroups, one per 64-row half of the query tile, each with its
+  own scores, softmax and output: ``S = Q K^T`` by warpgroup MMA from shared
+  memory (the 128 non-rotary and 64 rotary columns as two products into one
+  accumulator), the online softmax in base 2, and ``O += P V`` with P from
+  registers.  The halves run apart, so one's softmax overlaps the other's
+  products;
+* causal attention (aligned bottom-right, as `prefill.varlen_attention`) stops
+  at the last key tile the tile's last row sees; masks are applied only on the
+  tiles that cross the diagonal or the end of the keys.
+
+K's rotary columns may come apart (MLA: one rotary key shared by every head,
+``k_pe [total_k, 64]``), or inside K (``[total_k, heads, 192]``): both are one
+more TMA descriptor over the columns.  The contract is
+`prefill.varlen_attention`'s (LSE in natural log, an empty key range gives 0 and
+-inf, boundaries checked on the device: a bad sequence gets NaN rows and sets
+the ``CU_SEQLENS`` bit of the error flag), without its in-kernel merge.
+
+`wgmma_prefill_reason` says where it runs; `varlen_attention_wgmma` launches it.
+It is a launchable configuration (``mla-multi bench prefill --configs wgmma``),
+not the default: bench/RESULTS.md has its measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_multi import errors
+from mla_multi.kernels.mla_decode_wgmma import gluon, gluon_available
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from mla_multi.kernels.mla_decode_wgmma import _TensorDescriptor, _stage_layout, _tma_load
+
+__all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
+
+BLOCK_M = 128  # query rows a program: two warpgroups of 64
+BLOCK_N = 128  # keys a tile
+STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB
+NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
+_LOG2_E = 1.4426950408889634
+# registers a thread: the loader warp is launched as a whole warpgroup, so 12 warps share an SM's 64K
+# registers at launch (168 each); setmaxnreg then gives the consumers 240 and the loader 24
+_MAXNREG = 168
+
+
+def wgmma_prefill_reason(platform, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> str:
+    """Why the sm_90 prefill kernel cannot serve (dtype, head dims) on `platform` ("" where it can)."""
+    available, why = gluon_available()
+    if not available:
+        return why
+    if not (platform.is_cuda() and platform.device_capability is not None and platform.device_capability[0] == 9):
+        return f"{platform.name} ({platform.arch}): the kernel is written for sm_90 (Hopper warpgroup MMA and TMA)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype}; the sm_90 prefill kernel takes bfloat16 and float16"
+    if (head_dim_qk, head_dim_v) != (NOPE_DIM + ROPE_DIM, HEAD_DIM_V):
+        return (f"head dims {head_dim_qk} / {head_dim_v}; the sm_90 prefill kernel takes MLA's "
+                f"{NOPE_DIM + ROPE_DIM} / {HEAD_DIM_V}")
+    return ""
+
+
+if gluon is not None:
+    _CU_SEQLENS_ERROR = gl.constexpr(errors.CU_SEQLENS)
+    _CONSUMER_REGS = gl.constexpr(240)
+    _LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _sequence(Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's query tile, head and sequence: (q_start, q_end, lq, k_start, lk, m0, head, batch,
+        bad, num_tiles). Causal tiles run in reverse order (the longest rows first). A bad sequence (boundaries
+        not non-decreasing inside the tensors, a length over its bound) gets no tile."""
+        pid_m = gl.program_id(0)
+        head = gl.program_id(1)
+        batch = gl.program_id(2)
+        if CAUSAL:
+            pid_m = num_m_blocks - 1 - pid_m
+        q_start = gl.load(Cu_q + batch)
+        q_end = gl.load(Cu_q + batch + 1)
+        k_start = gl.load(Cu_k + batch)
+        k_end = gl.load(Cu_k + batch + 1)
+        # as the Triton kernel: the first sequence starts at 0, each range lies ordered inside its tensor
+        bad = ((batch == 0) & ((q_start != 0) | (k_start != 0))) | (q_start < 0) | (q_end < q_start) | (q_end > total_q)
+        bad = bad | (k_start < 0) | (k_end < k_start) | (k_end > total_k)
+        bad = bad | (q_end - q_start > max_seqlen_q) | (k_end - k_start > max_seqlen_k)
+        lq = gl.where(bad, 0, q_end - q_start)
+        lk = gl.where(bad, 0, k_end - k_start)
+        m0 = pid_m * BLOCK_M
+        n_keys = lk
+        if CAUSAL:
+            last_row = gl.minimum(m0 + BLOCK_M, lq) - 1
+            n_keys = gl.maximum(gl.minimum(lk, last_row + lk - lq + 1), 0)
+        n_keys = gl.where(m0 < lq, n_keys, 0)
+        num_tiles = (n_keys + BLOCK_N - 1) // BLOCK_N
+        return q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles
+
+    @gluon.jit
+    def _load_partition(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
+                        max_seqlen_q, max_seqlen_k, num_m_blocks, q_head_stride, kn_head_stride, kp_head_stride,
+                        kp_offset, v_head_stride, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+        """The loader warp: the query tile once, then every K / V tile into the ring."""
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty = bufs
+        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
+            Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, BLOCK_M, BLOCK_N, CAUSAL
+        )
+        if num_tiles > 0:
+            Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
+            mbarrier.expect(q_bar, Q_BYTES)
+            _tma_load(Q_desc, [q_start + m0, head * q_head_stride], q_bar, q_smem)
+            _tma_load(QP_desc, [q_start + m0, head * q_head_stride + q_smem.shape[1]], q_bar, qp_smem)
+        kv_head = head // group
+        KV_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2] + v_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, KV_BYTES)
+            row = k_start + tile * BLOCK_N
+            _tma_load(KN_desc, [row, kv_head * kn_head_stride], bar, kn_smem.index(slot))
+            _tma_load(KP_desc, [row, kv_head * kp_head_stride + kp_offset], bar, kp_smem.index(slot))
+            _tma_load(V_desc, [row, kv_head * v_head_stride], bar, v_smem.index(slot))
+
+    @gluon.jit
+    def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
+                 max_seqlen_q, max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 STORE_LSE: gl.constexpr):
+        """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile."""
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty = bufs
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        HEAD_V: gl.constexpr = v_smem.shape[2]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HEAD_V, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
+            Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, BLOCK_M, BLOCK_N, CAUSAL
+        )
+        first_row = m0 + HALF * HALF_M
+        rows = first_row + gl.arange(0, HALF_M, layout=rows_s)
+        # the last key each row sees, plus one (bottom-right causal alignment)
+        if CAUSAL:
+            row_keys = gl.minimum(rows + lk - lq + 1, lk)
+        else:
+            row_keys = gl.zeros([HALF_M], gl.int32, layout=rows_s) + lk
+        diagonal_from = first_row + lk - lq  # tiles whose last key lies past this need the causal mask
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=rows_s)
+        acc = gl.zeros([HALF_M, HEAD_V], gl.float32, layout=o_layout)
+        if num_tiles > 0:
+            mbarrier.wait(q_bar, 0)
+        q_half = q_smem.slice(HALF * HALF_M, HALF_M, dim=0)
+        qp_half = qp_smem.slice(HALF * HALF_M, HALF_M, dim=0)
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
+            s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+            s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = s * qk_scale
+            key0 = tile * BLOCK_N
+            needs_mask = key0 + BLOCK_N > lk
+            if CAUSAL:
+                needs_mask = needs_mask | (key0 + BLOCK_N - 1 > diagonal_from)
+            if needs_mask:
+                keys = key0 + gl.arange(0, BLOCK_N, layout=cols_s)
+                s = gl.where(keys[None, :] < row_keys[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(slot), count=1)
+            m_i = m_new
+
+        o_cols = gl.arange(0, HEAD_V, layout=cols_o)
+        if bad:
+            # as the Triton kernel: NaN in every row of the sequence's range that lies inside the tensor (this
+            # program's tiles of it: pid, pid + the grid, ...), the error flag once
+            gl.atomic_or(Error_flag, _CU_SEQLENS_ERROR, mask=(HALF == 0) & (gl.program_id(0) == 0)
+                         & (gl.program_id(1) == 0))
+            row_lo = gl.minimum(gl.maximum(q_start, 0), total_q)
+            row_hi = gl.maximum(gl.minimum(q_end, total_q), row_lo)
+            nan_tile = gl.full([HALF_M, HEAD_V], float("nan"), dtype, layout=o_layout)
+            for tile_row0 in range(row_lo + gl.program_id(0) * BLOCK_M + HALF * HALF_M, row_hi,
+                                   num_m_blocks * BLOCK_M):
+                bad_rows = tile_row0 + gl.arange(0, HALF_M, layout=rows_o)
+                o_ptrs = Out + bad_rows.to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
+                gl.store(o_ptrs, nan_tile, mask=(bad_rows < row_hi)[:, None])
+                if STORE_LSE:
+                    gl.store(Lse + head * stride_lse_h + bad_rows, gl.convert_layout(
+                        gl.full([HALF_M], float("nan"), gl.float32, layout=rows_o), rows_o), mask=bad_rows < row_hi)
+        else:
+            # rows with no key: output 0, LSE -inf
+            empty_row = l_i == 0.0
+            inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
+            lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+            out = acc * gl.convert_layout(inv_l, rows_o)[:, None]
+            o_rows = first_row + gl.arange(0, HALF_M, layout=rows_o)
+            o_ptrs = Out + (q_start + o_rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
+            gl.store(o_ptrs, out.to(dtype), mask=(o_rows < lq)[:, None])
+            if STORE_LSE:
+                gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
+
+    @gluon.jit
+    def _prefill_wgmma_kernel(
+        Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Out, Lse, Cu_q, Cu_k, Error_flag,
+        qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks,
+        q_head_stride, kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group,
+        stride_o_t, stride_o_h, stride_lse_h,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        STORE_LSE: gl.constexpr,
+    ):
+        dtype: gl.constexpr = Q_desc.dtype
+        NOPE: gl.constexpr = Q_desc.block_type.shape[1]
+        ROPE: gl.constexpr = QP_desc.block_type.shape[1]
+        HEAD_V: gl.constexpr = V_desc.block_type.shape[1]
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, NOPE], Q_desc.layout)
+        qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], QP_desc.layout)
+        kn_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, NOPE], KN_desc.layout)
+        kp_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], KP_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_V], V_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+        fence_async_shared()
+        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty)
+        gl.warp_specialize(
+            [
+                (_consume, (0, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
+                            max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
+                            STAGES, CAUSAL, STORE_LSE)),
+                (_consume, (1, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
+                            max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
+                            STAGES, CAUSAL, STORE_LSE)),
+                (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
+                                   max_seqlen_q, max_seqlen_k, num_m_blocks, q_head_stride, kn_head_stride,
+                                   kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M, BLOCK_N, STAGES,
+                                   CAUSAL)),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _LOADER_REGS],
+        )
+
+
+def _descriptor(tensor: torch.Tensor, block: list[int]):
+    """A TMA descriptor over `tensor` [rows, heads, dim] (or [rows, dim]) viewed as [rows, columns]: the row
+    stride of dim 0, every head's columns side by side; blocks of `block` = [rows, columns]."""
+    width = (tensor.shape[1] - 1) * tensor.stride(1) + tensor.shape[2] if tensor.dim() == 3 else tensor.shape[1]
+    return _TensorDescriptor(tensor, [tensor.shape[0], width], [tensor.stride(0), 1], block,
+                             _stage_layout(block[1], tensor.element_size() * 8))
+
+
+def takes(q, k, v, k_pe, platform) -> bool:
+    """Whether `prefill.varlen_attention` hands these tensors to this kernel: `wgmma_prefill_reason` holds,
+    every tensor's rows start on 16 bytes (TMA), and there are at least a tile of queries and of keys."""
+    if q.device.type != "cuda" or wgmma_prefill_reason(platform, q.dtype, q.shape[2], v.shape[2]):
+        return False
+    if q.shape[0] < BLOCK_M or k.shape[0] < BLOCK_N:
+        return False
+    if k.shape[2] != (NOPE_DIM if k_pe is not None else NOPE_DIM + ROPE_DIM):
+        return False
+    if k_pe is not None and k_pe.dim() == 3 and k_pe.shape[1] > 1:  # a rotary key per head: not run on a GPU yet
+        return False
+    for tensor in (q, k, v, k_pe):
+        if tensor is not None and (tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16
+                                   or tensor.stride(-1) != 1):
+            return False
+    return True
+
+
+def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                           *, causal: bool, out=None, lse=None, return_lse: bool = True, error_flag=None, k_pe=None,
+                           block_n: int = BLOCK_N, stages: int = STAGES):
+    """`prefill.varlen_attention` on the sm_90 kernel (no merge): q [T, N, 192], k [S, Nk, 192] or, with
+    k_pe [S, 64] (or [S, 1, 64]), [S, Nk, 128]; v [S, Nk, 128]; the inputs checked as there.  Every
+    tensor's rows must start on 16 bytes (TMA); `wgmma_prefill_reason` says where the kernel runs."""
+    from mla_multi.kernels.prefill import _check_inputs
+
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("k_pe", k_pe)):
+        if tensor is not None and (tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16):
+            raise ValueError(f"{name} rows do not start on 16 bytes (address {tensor.data_ptr()}, row stride "
+                             f"{tensor.stride(0)}); accepted by the TMA kernel: 16-byte aligned rows")
+    if error_flag is None:
+        error_flag = errors.error_flag(q.device)
+    num_tokens, num_heads, _ = q.shape
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, HEAD_DIM_V), dtype=q.dtype, device=q.device)
+    if return_lse and lse is None:
+        lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens_q.numel() - 1
+    if batch == 0 or num_heads == 0 or num_tokens == 0:
+        return out, (lse if return_lse else None)
+    q_desc = _descriptor(q, [BLOCK_M, NOPE_DIM])
+    qp_desc = _descriptor(q, [BLOCK_M, ROPE_DIM])
+    kn_desc = _descriptor(k, [block_n, NOPE_DIM])
+    if k_pe is None:  # the rotary columns inside each head's key
+        kp_desc = _descriptor(k, [block_n, ROPE_DIM])
+        kp_head_stride, kp_offset = k.stride(1), NOPE_DIM
+    elif k_pe.dim() == 3 and k_pe.shape[1] > 1:  # a rotary key per key head
+        kp_desc = _descriptor(k_pe, [block_n, ROPE_DIM])
+        kp_head_stride, kp_offset = k_pe.stride(1), 0
+    else:  # one rotary key for every head
+        kp_desc = _descriptor(k_pe if k_pe.dim() == 2 else k_pe[:, 0], [block_n, ROPE_DIM])
+        kp_head_stride, kp_offset = 0, 0
+    v_desc = _descriptor(v, [block_n, HEAD_DIM_V])
+    num_m_blocks = max(1, -(-max_seqlen_q // BLOCK_M))
+    lse_arg = lse if return_lse else out
+    _prefill_wgmma_kernel[(num_m_blocks, num_heads, batch)](
+        q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
+        float(scale) * _LOG2_E, num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks,
+        q.stride(1), k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1],
+        out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=bool(return_lse),
+        num_warps=4, maxnreg=_MAXNREG,
+    )
+    return out, (lse if return_lse else None)
+
+
+# ---------------------------------------------------------------------------
+# ahead-of-time compilation (mla_multi.compile_check)
+# ---------------------------------------------------------------------------
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _descriptor_type(dtype: str, rows: int, cols: int) -> str:
+    return f"tensordesc<{dtype}[{rows},{cols}],{_stage_layout(cols, 16)!r}>"
+
+
+def compile_specs(platform) -> list:
+    """The sm_90 prefill kernel for bfloat16 and float16, causal or not, with and without the LSE (none on
+    platforms where `wgmma_prefill_reason` gives a reason)."""
+    from mla_multi.kernels.launch_config import CompileSpec
+
+    specs = []
+    for dtype in (torch.bfloat16, torch.float16):
+        if wgmma_prefill_reason(platform, dtype, NOPE_DIM + ROPE_DIM, HEAD_DIM_V):
+            continue
+        name = _DTYPE_NAMES[dtype]
+        for causal in (True, False):
+            for store_lse in (True, False):
+                signature = {
+                    "Q_desc": _descriptor_type(name, BLOCK_M, NOPE_DIM),
+                    "QP_desc": _descriptor_type(name, BLOCK_M, ROPE_DIM),
+                    "KN_desc": _descriptor_type(name, BLOCK_N, NOPE_DIM),
+                    "KP_desc": _descriptor_type(name, BLOCK_N, ROPE_DIM),
+                    "V_desc": _descriptor_type(name, BLOCK_N, HEAD_DIM_V),
+                    "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
+                    "qk_scale": "fp32",
+                }
+                for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks q_head_stride kn_head_stride "
+                            "kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h stride_lse_h").split():
+                    signature[arg] = "i32"
+                constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
+                              "STORE_LSE": store_lse}
+                for key in constexprs:
+                    signature[key] = "constexpr"
+                mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse")
+                specs.append(CompileSpec(
+                    name=f"prefill_wgmma[m{BLOCK_M}n{BLOCK_N}s{STAGES},{name},{mode}]",
+                    fn=_prefill_wgmma_kernel,
+                    signature=signature,
+                    constexprs=constexprs,
+                    options={"num_warps": 4, "maxnreg": _MAXNREG},
+                    divisible_by_16=("Out", "Lse", "Cu_q", "Cu_k", "stride_o_t", "stride_o_h", "stride_lse_h"),
+                ))
+    return specs

@@ -1,0 +1,119 @@
+"""The sm_90 prefill kernel (`mla_multi.kernels.prefill_wgmma`, FlashAttention-3's structure in Gluon):
+where it runs (CPU, impersonated devices), its compile specs, and on an H100 / H200 its results against
+float64 (varlen with empty and one-token sequences, causal and not, with context, the rotary key inside
+K or apart, NaN-poisoned outputs) and bad boundaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_prefill import _GPU_LENGTHS, _compare, _cu, _reference
+
+from mla_multi.kernels import prefill_wgmma
+from mla_multi.platforms import SPECS
+
+
+@pytest.mark.parametrize("device,reason", [("H100", ""), ("H200", ""), ("A100", "sm_90"), ("B200", "sm_90"),
+                                           ("MI300X", "sm_90"), ("MI355X", "sm_90")])
+def test_reason_names_the_devices_it_serves(device, reason):
+    available, why = prefill_wgmma.gluon_available()
+    platform = SPECS[device]
+    text = prefill_wgmma.wgmma_prefill_reason(platform, torch.bfloat16, 192, 128)
+    if not available:
+        assert text == why
+    elif reason:
+        assert reason in text
+    else:
+        assert text == ""
+        assert "dtype" in prefill_wgmma.wgmma_prefill_reason(platform, torch.float32, 192, 128)
+        assert "head dims" in prefill_wgmma.wgmma_prefill_reason(platform, torch.bfloat16, 128, 128)
+        assert len(prefill_wgmma.compile_specs(platform)) == 8
+    if device not in ("H100", "H200"):
+        assert prefill_wgmma.compile_specs(platform) == []
+
+
+def _gpu_sm90() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
+@pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
+def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split):
+    device = "cuda"
+    torch.manual_seed(num_heads * 7 + causal + prefix + split)
+    qlens = _GPU_LENGTHS
+    klens = [n + prefix if n > 0 else prefix for n in qlens]
+    total_q, total_k = sum(qlens), sum(klens)
+    dtype = torch.bfloat16
+    # q/k/v sliced out of wider tensors, as the MLA forward produces them
+    q = torch.randn(total_q, num_heads, 256, device=device, dtype=dtype)[:, :, :192]
+    kv = torch.randn(total_k, num_heads, 192 + 128, device=device, dtype=dtype)
+    k, v = kv[:, :, :192], kv[:, :, 192:]
+    extra = {}
+    if split:  # one rotary key for every head, passed apart (rows of a latent cache)
+        k_pe = torch.randn(total_k, 576, device=device, dtype=dtype)[:, 512:]
+        kv[:, :, 128:192] = k_pe[:, None, :]
+        extra = {"k_pe": k_pe}
+    cu_q, cu_k = _cu(qlens, device), _cu(klens, device)
+    scale = 192**-0.5
+    out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
+    lse = torch.full((num_heads, total_q), float("nan"), device=device, dtype=torch.float32)
+    prefill_wgmma.varlen_attention_wgmma(
+        q, k[:, :, :128] if split else k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out,
+        lse=lse, **extra,
+    )
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)
+    result = _compare(out, lse, ref_out, ref_lse)
+    assert not result["out_nan"] and not result["lse_nan"], result
+    assert result["out_err"] <= 1e-2, result
+    assert result["lse_err"] <= 2e-2, result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cu_q,max_q", [
+    ([0, 150, 400], 250), ([5, 150, 400], 250), ([0, 150, 140], 250), ([0, 150, 460], 310), ([0, -3, 400], 403),
+    ([0, 150, 400], 200),
+], ids=["valid", "not-from-zero", "decreasing", "past-tokens", "negative", "max-seqlen-too-small"])
+def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q):
+    """Bad boundaries: the same NaN rows (output and LSE), the same error bit and the same good rows as the
+    Triton kernel's; nothing written outside the tensors (poisoned margins stay)."""
+    from mla_multi.kernels.launch_config import prefill_config
+    from mla_multi.kernels.prefill import varlen_attention
+    from mla_multi.platforms import current_platform
+
+    device, tokens, heads = "cuda", 400, 16
+    torch.manual_seed(3)
+    q = torch.randn(tokens, heads, 192, device=device, dtype=torch.bfloat16)
+    k = torch.randn(tokens, heads, 192, device=device, dtype=torch.bfloat16)
+    v = torch.randn(tokens, heads, 128, device=device, dtype=torch.bfloat16)
+    cu = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    results = []
+    for kernel in ("triton", "wgmma"):
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        out = torch.full((tokens + 8, heads, 128), 7.0, device=device, dtype=torch.bfloat16)
+        lse = torch.full((heads, tokens + 8), 7.0, device=device, dtype=torch.float32)
+        args = (q, k, v, cu, cu, max_q, max_q, 0.07)
+        if kernel == "triton":
+            config = prefill_config(current_platform(), 192, 128, torch.bfloat16, True)
+            varlen_attention(*args, causal=True, out=out[:tokens], lse=lse[:, :tokens], error_flag=flag, config=config)
+        else:
+            prefill_wgmma.varlen_attention_wgmma(*args, causal=True, out=out[:tokens], lse=lse[:, :tokens],
+                                                 error_flag=flag)
+        torch.cuda.synchronize()
+        assert (out[tokens:] == 7.0).all() and (lse[:, tokens:] == 7.0).all()  # the margins
+        results.append((int(flag.item()), out[:tokens].float(), lse[:, :tokens]))
+    (flag_t, out_t, lse_t), (flag_w, out_w, lse_w) = results
+    assert flag_t == flag_w
+    assert torch.equal(out_t.isnan(), out_w.isnan()) and torch.equal(lse_t.isnan(), lse_w.isnan())
+    written = (out_t != 7.0) & ~out_t.isnan()
+    assert torch.equal(written, (out_w != 7.0) & ~out_w.isnan())
+    if written.any():
+        error = ((out_w[written] - out_t[written]).norm() / out_t[written].norm()).item()
+        assert error < 1e-2, error
