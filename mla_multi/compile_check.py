@@ -87,6 +87,9 @@ TARGETS: dict[str, Target] = {
 }
 
 
+_SM_REGISTERS = 65536  # 32-bit registers of one NVIDIA SM (sm_80 / sm_90 / sm_100)
+
+
 @dataclasses.dataclass
 class CompileResult:
     """One compiled kernel instance; registers/spills are None where the target has no such count."""
@@ -105,6 +108,7 @@ class CompileResult:
     shared_limit: int | None = None
     mma_repeat: int | None = None
     wgmma_serialized: str = ""
+    launch_threads: int | None = None  # NVIDIA: threads a launch starts (every partition's warps)
     error: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -274,6 +278,10 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
                 result.wgmma_serialized = wgmma_serialization(_ptxas_log(compiled.asm["ptx"], 90))
         for key, value in counts.items():
             setattr(result, key, value)
+        if target.backend == "cuda":
+            # every warp of the launch (a warp-specialised kernel's workers included) holds the register
+            # count at launch: past the SM's 64K registers the launch fails (Triton: "out of resource: threads")
+            result.launch_threads = int(compiled.metadata.num_warps) * target.warp_size
         result.ok = True
     except Exception as error:  # a compile error is a result, reported with the rest
         result.error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
@@ -283,6 +291,11 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
             result.problems.append(f"{result.spills} spilled {result.spill_unit}")
         if result.wgmma_serialized:
             result.problems.append(f"ptxas serialises its wgmma instructions ({result.wgmma_serialized})")
+        if result.launch_threads and result.registers and result.launch_threads * result.registers > _SM_REGISTERS:
+            result.problems.append(
+                f"{result.launch_threads} threads x {result.registers} registers at launch exceed the SM's "
+                f"{_SM_REGISTERS}"
+            )
         if result.shared_bytes is not None and result.shared_bytes > limit:
             result.problems.append(f"shared memory {result.shared_bytes} B over the {limit} B limit")
     else:

@@ -195,3 +195,21 @@ def test_amd_decode_tables_compute_qk_once_from_17_rows(target):
             dataclasses.replace(spec, constexprs={**spec.constexprs, "TOKENS_AS_M": False}), target
         )
         assert rows_as_m.ok and rows_as_m.mma_repeat > 1, rows_as_m
+
+
+def test_a_launch_over_the_sm_register_file_is_a_problem():
+    """The sm_90 prefill kernel's loader warp is launched as a warpgroup: 12 warps. At 168 registers they fit
+    the SM's 64K; at 224 (what 9 warps would allow) the launch fails on the GPU, and the check says so."""
+    import dataclasses
+
+    from mla_multi.kernels import prefill_wgmma
+    from mla_multi.platforms import SPECS
+
+    if prefill_wgmma.wgmma_prefill_reason(SPECS["H100"], prefill_wgmma.torch.bfloat16, 192, 128):
+        pytest.skip("this Triton has no Gluon for sm_90")
+    spec = prefill_wgmma.compile_specs(SPECS["H100"])[0]
+    fits = compile_check.compile_spec(spec, "sm_90")
+    assert fits.passed and fits.launch_threads == 384 and fits.launch_threads * fits.registers <= 65536, fits
+    over = compile_check.compile_spec(dataclasses.replace(spec, options={**spec.options, "maxnreg": 224}), "sm_90")
+    assert over.ok and not over.passed, over
+    assert any("exceed the SM's 65536" in problem for problem in over.problems), over.problems
