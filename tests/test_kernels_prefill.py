@@ -244,43 +244,63 @@ def test_split_head_dim_qk():
 _GPU_LENGTHS = [1, 17, 128, 300, 1000, 2049, 8192, 0, 77]
 
 
+def gpu_case(num_heads: int, prefix: int, split: bool, seed: int):
+    """A bf16 varlen case on the GPU (`_GPU_LENGTHS`, each with `prefix` more keys: the chunked-prefill shape):
+    q / k / v sliced out of wider tensors as the MLA forward produces them; `split`: one rotary key for every
+    head, also passed apart (rows of a latent cache). Returns q, k, v, {"k_pe": ...} or {}, cu_q, cu_k, the
+    lengths, and NaN-poisoned out and LSE."""
+    device, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(seed)
+    qlens = _GPU_LENGTHS
+    klens = [n + prefix if n > 0 else prefix for n in qlens]
+    total_q, total_k = sum(qlens), sum(klens)
+    q = torch.randn(total_q, num_heads, 256, device=device, dtype=dtype)[:, :, :192]
+    kv = torch.randn(total_k, num_heads, 192 + 128, device=device, dtype=dtype)
+    k, v = kv[:, :, :192], kv[:, :, 192:]
+    extra = {}
+    if split:
+        k_pe = torch.randn(total_k, 576, device=device, dtype=dtype)[:, 512:]
+        kv[:, :, 128:192] = k_pe[:, None, :]
+        extra = {"k_pe": k_pe}
+    out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
+    lse = torch.full((num_heads, total_q), float("nan"), device=device, dtype=torch.float32)
+    return q, k, v, extra, _cu(qlens, device), _cu(klens, device), qlens, klens, out, lse
+
+
+def assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal):
+    """Output and LSE against float64: relative output error <= 1e-2, LSE within 2e-2, no NaN, rows without
+    keys 0 and -inf."""
+    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)
+    result = _compare(out, lse, ref_out, ref_lse)
+    assert not result["out_nan"] and not result["lse_nan"], result
+    assert result["out_err"] <= 1e-2, result
+    assert result["lse_err"] <= 2e-2, result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
-@pytest.mark.parametrize("tile", [None, "tma", "split"], ids=["default", "tma", "split-key"])
+@pytest.mark.parametrize("tile", [None, "triton", "tma", "split"], ids=["default", "triton-kernel", "tma", "split-key"])
 def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
     from mla_multi.kernels.launch_config import PrefillLaunchConfig, prefill_config
     from mla_multi.kernels.prefill import varlen_attention
     from mla_multi.platforms import current_platform
 
     config = None
+    if tile == "triton":  # the Triton kernel's own default configuration (sm_90's default launch is prefill_wgmma's)
+        config = prefill_config(current_platform(), 192, 128, torch.bfloat16, causal)
     if tile == "tma":
         if torch.cuda.get_device_capability()[0] < 9 or torch.version.hip is not None:
             pytest.skip("tma: needs NVIDIA sm_90+")
         default = prefill_config(current_platform(), 192, 128, torch.bfloat16, causal)
         config = PrefillLaunchConfig(default.block_m, default.block_n, default.num_warps, default.num_stages, True)
 
-    device = "cuda"
-    torch.manual_seed(num_heads * 7 + causal + prefix)
-    qlens = _GPU_LENGTHS
-    klens = [n + prefix if n > 0 else prefix for n in qlens]  # lk >= lq: chunked-prefill shape
-    total_q, total_k = sum(qlens), sum(klens)
-    dtype = torch.bfloat16
-    # q/k/v sliced out of wider tensors, as the MLA forward produces them.
-    q = torch.randn(total_q, num_heads, 256, device=device, dtype=dtype)[:, :, :192]
-    kv = torch.randn(total_k, num_heads, 192 + 128, device=device, dtype=dtype)
-    k, v = kv[:, :, :192], kv[:, :, 192:]
-    split = {}
-    if tile == "split":  # one rotary key for every head, passed apart
-        k_pe = torch.randn(total_k, 576, device=device, dtype=dtype)[:, 512:]  # rows of a latent cache
-        kv[:, :, 128:192] = k_pe[:, None, :]
-        split = {"k_pe": k_pe}
-    cu_q, cu_k = _cu(qlens, device), _cu(klens, device)
+    q, k, v, split, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, prefix, tile == "split",
+                                                                   num_heads * 7 + causal + prefix)
     scale = 192**-0.5
-    out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
-    lse = torch.full((num_heads, total_q), float("nan"), device=device, dtype=torch.float32)
     if config is not None and config.use_tma:  # the descriptor path must really be taken
         from mla_multi.kernels.prefill import _tma_descriptors, kernel_constexprs
 
@@ -291,12 +311,7 @@ def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
         lse=lse, config=config, **split,
     )
     torch.cuda.synchronize()
-    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)
-    result = _compare(out, lse, ref_out, ref_lse)
-    assert not result["out_nan"] and not result["lse_nan"], result
-    assert result["out_err"] <= 1e-2, result
-    assert result["lse_err"] <= 2e-2, result
-    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+    assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_prefill import _GPU_LENGTHS, _compare, _cu, _reference
+from test_kernels_prefill import assert_matches_float64, gpu_case
 
 from mla_multi.kernels import prefill_wgmma
 from mla_multi.platforms import SPECS
@@ -43,36 +43,15 @@ def _gpu_sm90() -> bool:
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
 @pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
 def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split):
-    device = "cuda"
-    torch.manual_seed(num_heads * 7 + causal + prefix + split)
-    qlens = _GPU_LENGTHS
-    klens = [n + prefix if n > 0 else prefix for n in qlens]
-    total_q, total_k = sum(qlens), sum(klens)
-    dtype = torch.bfloat16
-    # q/k/v sliced out of wider tensors, as the MLA forward produces them
-    q = torch.randn(total_q, num_heads, 256, device=device, dtype=dtype)[:, :, :192]
-    kv = torch.randn(total_k, num_heads, 192 + 128, device=device, dtype=dtype)
-    k, v = kv[:, :, :192], kv[:, :, 192:]
-    extra = {}
-    if split:  # one rotary key for every head, passed apart (rows of a latent cache)
-        k_pe = torch.randn(total_k, 576, device=device, dtype=dtype)[:, 512:]
-        kv[:, :, 128:192] = k_pe[:, None, :]
-        extra = {"k_pe": k_pe}
-    cu_q, cu_k = _cu(qlens, device), _cu(klens, device)
+    q, k, v, extra, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, prefix, split,
+                                                                   num_heads * 7 + causal + prefix + split)
     scale = 192**-0.5
-    out = torch.full((total_q, num_heads, 128), float("nan"), device=device, dtype=dtype)
-    lse = torch.full((num_heads, total_q), float("nan"), device=device, dtype=torch.float32)
     prefill_wgmma.varlen_attention_wgmma(
         q, k[:, :, :128] if split else k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out,
         lse=lse, **extra,
     )
     torch.cuda.synchronize()
-    ref_out, ref_lse = _reference(q, k, v, cu_q, cu_k, scale, causal, head_chunk=4)
-    result = _compare(out, lse, ref_out, ref_lse)
-    assert not result["out_nan"] and not result["lse_nan"], result
-    assert result["out_err"] <= 1e-2, result
-    assert result["lse_err"] <= 2e-2, result
-    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+    assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal)
 
 
 @pytest.mark.gpu
