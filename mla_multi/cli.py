@@ -69,6 +69,21 @@ def _triton_decode_kernels(platform) -> dict:
     return {"kernels": kernels, "warpgroup_kernels": wgmma_decode_reason(platform, torch.bfloat16) or "available"}
 
 
+def _triton_prefill_kernel(platform) -> dict:
+    """Which kernel TRITON's default prefill launch uses on `platform` (DeepSeek dims, the platform's dtype),
+    and why not the sm_90 Gluon kernel, if not."""
+    import mla_multi as mm
+    from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
+
+    reason = wgmma_prefill_reason(platform, mm.default_dtype(platform), 192, 128)
+    if reason:
+        return {"kernel": "the Triton kernel (mla_multi.kernels.prefill)", "sm90_kernel": reason}
+    return {"kernel": ("the sm_90 Gluon kernel in FlashAttention-3's structure (mla_multi.kernels.prefill_wgmma); "
+                       "the Triton kernel for chunks merged in the kernel, tensors whose rows do not start on "
+                       "16 bytes and fewer than 128 rows"),
+            "sm90_kernel": "available"}
+
+
 def collect_info(as_spec: str | None = None) -> dict:
     """Everything `mla-multi info` prints, as a JSON-friendly dict."""
     import torch
@@ -122,6 +137,7 @@ def collect_info(as_spec: str | None = None) -> dict:
         info["phases"] = phases
         info["workspace"] = _guarded(lambda: _workspace_plans(dtype))
     info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
+    info["triton_prefill"] = _guarded(lambda: _triton_prefill_kernel(target))
     return info
 
 
@@ -173,6 +189,10 @@ def _print_info(info: dict) -> None:
         print(f"\nTRITON decode kernels (DeepSeek dims): warpgroup kernels {decode['warpgroup_kernels']}")
         for case, kernel in decode["kernels"].items():
             print(f"  {case:<28} {kernel}")
+    prefill = info.get("triton_prefill")
+    if isinstance(prefill, dict):
+        print(f"TRITON prefill kernel (DeepSeek dims): {prefill['kernel']}"
+              + ("" if prefill["sm90_kernel"] == "available" else f"; not the sm_90 kernel: {prefill['sm90_kernel']}"))
 
 
 def cmd_info(args) -> int:

@@ -100,3 +100,17 @@ def test_info_names_the_triton_decode_kernels_and_why_not_the_warpgroup_ones():
         assert "Triton kernel" in h200["kernels"]["bfloat16, 16 heads"]
     else:
         assert "Gluon" in h200["warpgroup_kernels"]
+
+
+def test_info_names_the_triton_prefill_kernel_and_why_not_the_sm90_one():
+    from mla_multi.cli import collect_info
+    from mla_multi.kernels.mla_decode_wgmma import gluon_available
+
+    for spec in ("A100", "MI300X", "B200"):
+        found = collect_info(spec)["triton_prefill"]
+        assert "Triton kernel" in found["kernel"] and "sm_90" in found["sm90_kernel"], (spec, found)
+    h100 = collect_info("H100")["triton_prefill"]
+    if gluon_available()[0]:
+        assert h100["sm90_kernel"] == "available" and "prefill_wgmma" in h100["kernel"], h100
+    else:
+        assert "Gluon" in h100["sm90_kernel"], h100
