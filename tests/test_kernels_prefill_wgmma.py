@@ -27,7 +27,7 @@ def test_reason_names_the_devices_it_serves(device, reason):
         assert text == ""
         assert "dtype" in prefill_wgmma.wgmma_prefill_reason(platform, torch.float32, 192, 128)
         assert "head dims" in prefill_wgmma.wgmma_prefill_reason(platform, torch.bfloat16, 128, 128)
-        assert len(prefill_wgmma.compile_specs(platform)) == 8
+        assert len(prefill_wgmma.compile_specs(platform)) == 10
     if device not in ("H100", "H200"):
         assert prefill_wgmma.compile_specs(platform) == []
 
@@ -96,3 +96,48 @@ def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q):
     if written.any():
         error = ((out_w[written] - out_t[written]).norm() / out_t[written].norm()).item()
         assert error < 1e-2, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
+def test_wgmma_prefill_merges_a_chunk_into_the_output(split):
+    """merge=True (the chunked prefill's context chunks): a non-causal result over keys B merged in place into
+    (out, lse) over keys A equals attention over A and B together (float64); a sequence with no key on
+    either side keeps 0 and -inf; one with keys on one side only keeps that side."""
+    from test_kernels_prefill import _compare, _cu, _reference
+
+    from mla_multi.kernels.prefill import varlen_attention
+
+    device, dtype, heads = "cuda", torch.bfloat16, 16
+    torch.manual_seed(11 + split)
+    qlens, a_lens, b_lens = [300, 0, 129, 1000, 64], [200, 50, 0, 700, 0], [333, 0, 20, 128, 0]
+    q = torch.randn(sum(qlens), heads, 192, device=device, dtype=dtype)
+    k_a = torch.randn(sum(a_lens), heads, 192, device=device, dtype=dtype)
+    v_a = torch.randn(sum(a_lens), heads, 128, device=device, dtype=dtype)
+    k_b = torch.randn(sum(b_lens), heads, 192, device=device, dtype=dtype)
+    v_b = torch.randn(sum(b_lens), heads, 128, device=device, dtype=dtype)
+    extra = {}
+    if split:  # one rotary key for every head, passed apart
+        k_pe = torch.randn(sum(b_lens), 64, device=device, dtype=dtype)
+        k_b[:, :, 128:] = k_pe[:, None, :]
+        extra = {"k_pe": k_pe}
+    cu_q, cu_a, cu_b = _cu(qlens, device), _cu(a_lens, device), _cu(b_lens, device)
+    scale = 192**-0.5
+    out, lse = varlen_attention(q, k_a, v_a, cu_q, cu_a, max(qlens), max(a_lens), scale, causal=False)
+    prefill_wgmma.varlen_attention_wgmma(
+        q, k_b[:, :, :128] if split else k_b, v_b, cu_q, cu_b, max(qlens), max(b_lens), scale, causal=False,
+        out=out, lse=lse, merge=True, **extra,
+    )
+    torch.cuda.synchronize()
+    starts_a, starts_b = cu_a.tolist(), cu_b.tolist()
+    k_all = torch.cat([torch.cat([k_a[starts_a[i]:starts_a[i + 1]], k_b[starts_b[i]:starts_b[i + 1]]])
+                       for i in range(len(qlens))])
+    v_all = torch.cat([torch.cat([v_a[starts_a[i]:starts_a[i + 1]], v_b[starts_b[i]:starts_b[i + 1]]])
+                       for i in range(len(qlens))])
+    all_lens = [a + b for a, b in zip(a_lens, b_lens)]
+    ref_out, ref_lse = _reference(q, k_all, v_all, cu_q, _cu(all_lens, device), scale, False, head_chunk=4)
+    result = _compare(out, lse, ref_out, ref_lse)
+    assert not result["out_nan"] and not result["lse_nan"], result
+    assert result["out_err"] <= 1e-2 and result["lse_err"] <= 2e-2, result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"], result

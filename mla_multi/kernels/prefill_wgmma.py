@@ -20,7 +20,9 @@ K's rotary columns may come apart (MLA: one rotary key shared by every head,
 more TMA descriptor over the columns.  The contract is
 `prefill.varlen_attention`'s (LSE in natural log, an empty key range gives 0 and
 -inf, boundaries checked on the device: a bad sequence gets NaN rows and sets
-the ``CU_SEQLENS`` bit of the error flag), without its in-kernel merge.
+the ``CU_SEQLENS`` bit of the error flag), and its in-kernel merge (``merge=True``:
+the result merged into the one already in ``out`` / ``lse``; not yet run on a GPU,
+so `prefill.varlen_attention` keeps the Triton kernel for it).
 
 `wgmma_prefill_reason` says where it runs; `varlen_attention_wgmma` launches it.
 It is a launchable configuration (``mla-multi bench prefill --configs wgmma``),
@@ -138,8 +140,9 @@ if gluon is not None:
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
                  max_seqlen_q, max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 STORE_LSE: gl.constexpr):
-        """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile."""
+                 STORE_LSE: gl.constexpr, MERGE: gl.constexpr):
+        """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile. MERGE: the result is
+        merged into the one already in Out / Lse (over other keys) by their LSEs, in place."""
         q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty = bufs
         HALF_M: gl.constexpr = BLOCK_M // 2
         HEAD_V: gl.constexpr = v_smem.shape[2]
@@ -213,8 +216,8 @@ if gluon is not None:
                 o_ptrs = Out + bad_rows.to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
                 gl.store(o_ptrs, nan_tile, mask=(bad_rows < row_hi)[:, None])
                 if STORE_LSE:
-                    gl.store(Lse + head * stride_lse_h + bad_rows, gl.convert_layout(
-                        gl.full([HALF_M], float("nan"), gl.float32, layout=rows_o), rows_o), mask=bad_rows < row_hi)
+                    gl.store(Lse + head * stride_lse_h + bad_rows,
+                             gl.full([HALF_M], float("nan"), gl.float32, layout=rows_o), mask=bad_rows < row_hi)
         else:
             # rows with no key: output 0, LSE -inf
             empty_row = l_i == 0.0
@@ -222,10 +225,31 @@ if gluon is not None:
             lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
             out = acc * gl.convert_layout(inv_l, rows_o)[:, None]
             o_rows = first_row + gl.arange(0, HALF_M, layout=rows_o)
+            row_in = o_rows < lq
             o_ptrs = Out + (q_start + o_rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
-            gl.store(o_ptrs, out.to(dtype), mask=(o_rows < lq)[:, None])
-            if STORE_LSE:
-                gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
+            if MERGE:
+                # as the Triton kernel's merge (and `merge_attn_states`): an LSE of +inf is an empty side; both
+                # empty give 0 and -inf; a side of weight 0 contributes nothing, whatever it holds
+                lse_o = gl.convert_layout(lse, rows_o)
+                lse_ptrs = Lse + head * stride_lse_h + q_start + o_rows
+                lse_prev = gl.load(lse_ptrs, mask=row_in, other=float("-inf"))
+                lse_prev = gl.where(lse_prev == float("inf"), float("-inf"), lse_prev)
+                lse_max = gl.maximum(lse_prev, lse_o)
+                both_empty = lse_max == float("-inf")
+                lse_max = gl.where(both_empty, 0.0, lse_max)
+                w_prev = gl.exp(lse_prev - lse_max)
+                w_new = gl.exp(lse_o - lse_max)
+                total = gl.where(both_empty, 1.0, w_prev + w_new)
+                o_prev = gl.load(o_ptrs, mask=row_in[:, None], other=0.0).to(gl.float32)
+                out = gl.where((w_new > 0.0)[:, None], out * (w_new / total)[:, None], 0.0) + gl.where(
+                    (w_prev > 0.0)[:, None], o_prev * (w_prev / total)[:, None], 0.0
+                )
+                gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
+                gl.store(lse_ptrs, gl.where(both_empty, float("-inf"), gl.log(total) + lse_max), mask=row_in)
+            else:
+                gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
+                if STORE_LSE:
+                    gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
 
     @gluon.jit
     def _prefill_wgmma_kernel(
@@ -234,7 +258,7 @@ if gluon is not None:
         q_head_stride, kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group,
         stride_o_t, stride_o_h, stride_lse_h,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        STORE_LSE: gl.constexpr,
+        STORE_LSE: gl.constexpr, MERGE: gl.constexpr = False,
     ):
         dtype: gl.constexpr = Q_desc.dtype
         NOPE: gl.constexpr = Q_desc.block_type.shape[1]
@@ -258,10 +282,10 @@ if gluon is not None:
             [
                 (_consume, (0, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
                             max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
-                            STAGES, CAUSAL, STORE_LSE)),
+                            STAGES, CAUSAL, STORE_LSE, MERGE)),
                 (_consume, (1, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
                             max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
-                            STAGES, CAUSAL, STORE_LSE)),
+                            STAGES, CAUSAL, STORE_LSE, MERGE)),
                 (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
                                    max_seqlen_q, max_seqlen_k, num_m_blocks, q_head_stride, kn_head_stride,
                                    kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M, BLOCK_N, STAGES,
@@ -300,13 +324,15 @@ def takes(q, k, v, k_pe, platform) -> bool:
 
 def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                            *, causal: bool, out=None, lse=None, return_lse: bool = True, error_flag=None, k_pe=None,
-                           block_n: int = BLOCK_N, stages: int = STAGES):
-    """`prefill.varlen_attention` on the sm_90 kernel (no merge): q [T, N, 192], k [S, Nk, 192] or, with
+                           merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES):
+    """`prefill.varlen_attention` on the sm_90 kernel: q [T, N, 192], k [S, Nk, 192] or, with
     k_pe [S, 64] (or [S, 1, 64]), [S, Nk, 128]; v [S, Nk, 128]; the inputs checked as there.  Every
     tensor's rows must start on 16 bytes (TMA); `wgmma_prefill_reason` says where the kernel runs."""
     from mla_multi.kernels.prefill import _check_inputs
 
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
+    if merge and (out is None or lse is None or not return_lse):
+        raise ValueError("merge=True needs out and lse holding the result to merge into, and return_lse=True")
     for name, tensor in (("q", q), ("k", k), ("v", v), ("k_pe", k_pe)):
         if tensor is not None and (tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16):
             raise ValueError(f"{name} rows do not start on 16 bytes (address {tensor.data_ptr()}, row stride "
@@ -342,6 +368,7 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         q.stride(1), k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1],
         out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=bool(return_lse),
+        MERGE=bool(merge),
         num_warps=4, maxnreg=_MAXNREG,
     )
     return out, (lse if return_lse else None)
@@ -359,8 +386,8 @@ def _descriptor_type(dtype: str, rows: int, cols: int) -> str:
 
 
 def compile_specs(platform) -> list:
-    """The sm_90 prefill kernel for bfloat16 and float16, causal or not, with and without the LSE (none on
-    platforms where `wgmma_prefill_reason` gives a reason)."""
+    """The sm_90 prefill kernel for bfloat16 and float16, causal or not, with and without the LSE, and merging
+    a non-causal result into the output (none on platforms where `wgmma_prefill_reason` gives a reason)."""
     from mla_multi.kernels.launch_config import CompileSpec
 
     specs = []
@@ -368,31 +395,32 @@ def compile_specs(platform) -> list:
         if wgmma_prefill_reason(platform, dtype, NOPE_DIM + ROPE_DIM, HEAD_DIM_V):
             continue
         name = _DTYPE_NAMES[dtype]
-        for causal in (True, False):
-            for store_lse in (True, False):
-                signature = {
-                    "Q_desc": _descriptor_type(name, BLOCK_M, NOPE_DIM),
-                    "QP_desc": _descriptor_type(name, BLOCK_M, ROPE_DIM),
-                    "KN_desc": _descriptor_type(name, BLOCK_N, NOPE_DIM),
-                    "KP_desc": _descriptor_type(name, BLOCK_N, ROPE_DIM),
-                    "V_desc": _descriptor_type(name, BLOCK_N, HEAD_DIM_V),
-                    "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
-                    "qk_scale": "fp32",
-                }
-                for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks q_head_stride kn_head_stride "
-                            "kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h stride_lse_h").split():
-                    signature[arg] = "i32"
-                constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
-                              "STORE_LSE": store_lse}
-                for key in constexprs:
-                    signature[key] = "constexpr"
-                mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse")
-                specs.append(CompileSpec(
-                    name=f"prefill_wgmma[m{BLOCK_M}n{BLOCK_N}s{STAGES},{name},{mode}]",
-                    fn=_prefill_wgmma_kernel,
-                    signature=signature,
-                    constexprs=constexprs,
-                    options={"num_warps": 4, "maxnreg": _MAXNREG},
-                    divisible_by_16=("Out", "Lse", "Cu_q", "Cu_k", "stride_o_t", "stride_o_h", "stride_lse_h"),
-                ))
+        # (causal, LSE, merge): every mode a launch can ask for; context chunks are merged, non-causal
+        for causal, store_lse, merge in ((True, True, False), (True, False, False), (False, True, False),
+                                         (False, False, False), (False, True, True)):
+            signature = {
+                "Q_desc": _descriptor_type(name, BLOCK_M, NOPE_DIM),
+                "QP_desc": _descriptor_type(name, BLOCK_M, ROPE_DIM),
+                "KN_desc": _descriptor_type(name, BLOCK_N, NOPE_DIM),
+                "KP_desc": _descriptor_type(name, BLOCK_N, ROPE_DIM),
+                "V_desc": _descriptor_type(name, BLOCK_N, HEAD_DIM_V),
+                "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
+                "qk_scale": "fp32",
+            }
+            for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks q_head_stride kn_head_stride "
+                        "kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h stride_lse_h").split():
+                signature[arg] = "i32"
+            constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
+                          "STORE_LSE": store_lse, "MERGE": merge}
+            for key in constexprs:
+                signature[key] = "constexpr"
+            mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",merge" if merge else "")
+            specs.append(CompileSpec(
+                name=f"prefill_wgmma[m{BLOCK_M}n{BLOCK_N}s{STAGES},{name},{mode}]",
+                fn=_prefill_wgmma_kernel,
+                signature=signature,
+                constexprs=constexprs,
+                options={"num_warps": 4, "maxnreg": _MAXNREG},
+                divisible_by_16=("Out", "Lse", "Cu_q", "Cu_k", "stride_o_t", "stride_o_h", "stride_lse_h"),
+            ))
     return specs
