@@ -141,3 +141,16 @@ def test_wgmma_prefill_merges_a_chunk_into_the_output(split):
     assert not result["out_nan"] and not result["lse_nan"], result
     assert result["out_err"] <= 1e-2 and result["lse_err"] <= 2e-2, result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
+
+
+def test_takes_only_rows_of_heads_on_16_byte_boundaries():
+    """The layouts `takes` (the default launch's choice) accepts: each token's heads side by side in its row;
+    CPU tensors stand in for the GPU's here, and are themselves never launched."""
+    from mla_multi.kernels.prefill_wgmma import _rows_of_heads
+
+    q = torch.empty(300, 16, 256)[:, :, :192]
+    assert _rows_of_heads(q) and _rows_of_heads(torch.empty(300, 64))
+    assert not _rows_of_heads(torch.empty(16, 300, 192).transpose(0, 1))  # heads outermost: rows overlap
+    assert not _rows_of_heads(torch.empty(300, 192, 16).transpose(1, 2)[:, :, :192][:, :, :100].contiguous()
+                              .as_strided((300, 16, 100), (1600, 50, 1)))  # heads overlap
+    assert not prefill_wgmma.takes(q, q, q[:, :, :128], None, SPECS["H100"])  # a CPU tensor is not launched

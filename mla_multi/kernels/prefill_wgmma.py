@@ -317,9 +317,18 @@ def takes(q, k, v, k_pe, platform) -> bool:
         return False
     for tensor in (q, k, v, k_pe):
         if tensor is not None and (tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16
-                                   or tensor.stride(-1) != 1):
+                                   or tensor.stride(-1) != 1 or not _rows_of_heads(tensor)):
             return False
     return True
+
+
+def _rows_of_heads(tensor: torch.Tensor) -> bool:
+    """Whether each token's heads lie side by side inside its row ([rows, heads, dim] with the heads' stride at
+    least dim and the row stride at least all of them), as the descriptors view the tensor."""
+    if tensor.dim() == 2:
+        return tensor.stride(0) >= tensor.shape[1]
+    heads, dim = tensor.shape[1], tensor.shape[2]
+    return (heads == 1 or tensor.stride(1) >= dim) and tensor.stride(0) >= (heads - 1) * tensor.stride(1) + dim
 
 
 def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
