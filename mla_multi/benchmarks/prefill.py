@@ -3,8 +3,10 @@
 MLA prefill shapes (qk head dim 192, v head dim 128, bf16, causal), measured in one
 run with ``triton.testing.do_bench`` (median):
 
-* ``triton``: ``mla_multi.kernels.prefill.varlen_attention`` on packed tokens
-  (``[B*S, N, D]`` with ``cu_seqlens``), output and LSE;
+* ``triton``: ``mla_multi.kernels.prefill.varlen_attention``'s default launch on packed
+  tokens (``[B*S, N, D]`` with ``cu_seqlens``), output and LSE: on sm_90 the Gluon kernel
+  of ``prefill_wgmma``, elsewhere the Triton kernel; ``--configs m128n64w8s3`` names the
+  Triton kernel's configuration, ``--configs wgmma[n<block_n>s<stages>]`` the Gluon one;
 * ``cudnn``: ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on
   the batched ``[B, N, S, D]`` view of the same tensors (192/128 natively when cuDNN
   takes it, else V padded to 192);
