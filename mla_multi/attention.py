@@ -20,7 +20,7 @@ from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES, dtype_name, resolve_kv_cache_dtype
 from mla_multi.dims import MLADims
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
-from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills
+from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills, to_device
 from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
 from mla_multi.workspace import WorkspaceManager, current_workspace_manager
@@ -303,7 +303,7 @@ class MLAAttention:
             if len(rows) == num_decodes:
                 found = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
             else:
-                index = rows.to(metadata.block_table.device)
+                index = to_device(rows, metadata.block_table.device)
                 found = metadata.block_table[index], metadata.seq_lens[index]
             metadata.backend_plans[key] = found
         return found
@@ -319,7 +319,7 @@ class MLAAttention:
             rows = self._decode_rows(metadata, num_decodes)
             block_table = metadata.block_table[:num_decodes]
             if len(rows) != num_decodes:
-                block_table = block_table[rows.to(block_table.device)]
+                block_table = block_table[to_device(rows, block_table.device)]
             seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes][rows]
             if self.dcp is not None:
                 # Under DCP the backend decodes this rank's share of each sequence.
@@ -428,7 +428,8 @@ class MLAAttention:
         found = metadata.backend_plans.get("token_requests")
         if found is None:
             query_lens = metadata.query_lens_cpu.long()
-            found = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens).to(metadata.block_table.device)
+            found = to_device(torch.repeat_interleave(torch.arange(len(query_lens)), query_lens),
+                              metadata.block_table.device)
             metadata.backend_plans["token_requests"] = found
         return found
 

@@ -17,6 +17,21 @@ from collections.abc import Sequence
 import torch
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without waiting for the device. A copy from pageable memory first
+    synchronises with the stream, so the host would wait for all queued work (the step running while the
+    next is planned); through pinned memory the copy is queued behind that work instead (PyTorch's pinned
+    allocator keeps the staging block until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    try:
+        pinned = host.pin_memory()
+    except RuntimeError:  # no page-locked memory to be had: the pageable copy, which waits
+        return host.to(device)
+    return pinned.to(device, non_blocking=True)
+
+
 def _as_int_list(values, name: str) -> list[int]:
     if torch.is_tensor(values):
         if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
@@ -120,9 +135,10 @@ class CommonAttentionMetadata:
         positions = torch.arange(total) + (computed - query_start_loc_cpu[:-1]).long()[req_of_token]
         flat_index = req_of_token * block_table.shape[1] + positions // block_size
         packed = torch.cat([query_start_loc_cpu, flat_index.to(torch.int32),
-                            (positions % block_size).to(torch.int32)]).to(device)
+                            (positions % block_size).to(torch.int32)])
+        packed = to_device(packed, device)
         query_start_loc = packed[: num_reqs + 1]
-        seq_lens = seq_lens_cpu.to(device)
+        seq_lens = to_device(seq_lens_cpu, device)
         if total:
             blocks = block_table.reshape(-1).index_select(0, packed[num_reqs + 1 : num_reqs + 1 + total])
             slot_mapping = blocks.long() * block_size + packed[num_reqs + 1 + total :]
@@ -217,7 +233,7 @@ def _chunked_context(
     the device in one copy together with `head`."""
     num_with_context = sum(1 for c in context_lens if c > 0)
     if num_with_context == 0:
-        return None, torch.tensor(head, dtype=torch.int32).to(device)
+        return None, to_device(torch.tensor(head, dtype=torch.int32), device)
     max_context_chunk = (workspace_tokens // num_with_context) // block_size * block_size
     if max_context_chunk <= 0:
         raise ValueError(
@@ -237,7 +253,7 @@ def _chunked_context(
         raise AssertionError(f"context chunk of {max(seq_tot)} tokens exceeds the workspace of {workspace_tokens}")
     tables = list(head) + [v for rows in (starts, seq_lens, cu) for row in rows for v in row]
     host = torch.tensor(tables, dtype=torch.int32)
-    packed = host.to(device)  # one host-to-device copy (from pageable memory each costs the host ~10 us)
+    packed = to_device(host, device)  # one host-to-device copy
     size, shape, cu_shape = num_chunks * len(context_lens), (num_chunks, len(context_lens)), (num_chunks, len(context_lens) + 1)
     offset = len(head)
     chunked = ChunkedContextMetadata(

@@ -167,6 +167,33 @@ def test_planned_layer_decode_step_launches_five_kernels_and_copies_nothing(batc
     torch.testing.assert_close(out, expected, rtol=0, atol=0)  # every row written by the up-projection
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed", "sparse"])
+def test_planning_a_step_does_not_wait_for_queued_gpu_work(kind):
+    """The next step is planned while the GPU still runs the last one: building the metadata and `plan` make
+    only queued copies (pinned host memory), so they return while a long kernel queued before them still
+    runs (a copy from pageable memory would first wait for it)."""
+    heads = 16
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    weight = (torch.randn(heads * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)
+    extra = {"sparse_topk": 64} if kind == "sparse" else {}
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=BLOCK, max_model_len=4096,
+                            max_num_seqs=16, workspace_tokens=1024, decode_backend=None if extra else "TRITON",
+                            prefill_backend=None if extra else "TRITON", **extra)
+    query_lens = [1] * 6 + ([100, 37] if kind != "decode" else [1, 1])
+    seq_lens = [2048] * 6 + [700, 1500]
+    table = torch.arange(8 * 64, device="cuda", dtype=torch.int32).view(8, 64)
+    layer.plan(mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK))  # warm
+    torch.cuda.synchronize()
+    done = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead
+    done.record()
+    md = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK)
+    layer.plan(md)
+    assert not done.query(), "planning waited for the GPU work queued before it"
+    torch.cuda.synchronize()
+    assert md.seq_lens.tolist() == seq_lens and md.query_start_loc.tolist()[-1] == sum(query_lens)
+
+
 def test_captured_decode_step_replays_new_lengths_with_the_locked_shared_workspace():
     dims = mm.MLADims.deepseek_v3(num_heads=16)
     weight = (torch.randn(16 * 256, 512, device="cuda") / 512**0.5).to(torch.bfloat16)
