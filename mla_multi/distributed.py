@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES
+from mla_multi.metadata import to_device
 
 __all__ = ["DecodeContextParallel", "correct_partial_outputs_reference"]
 
@@ -505,9 +506,9 @@ class DecodeContextParallel:
         cu = torch.zeros(own.numel() + 1, dtype=torch.int32)
         cu[1:] = own.cumsum(0)
         rows = ops.gather_cache(
-            kv_cache, block_table, local_starts[self.rank].to(device=device, dtype=torch.int32),
-            own.to(device=device, dtype=torch.int32), scale=scale, out_dtype=out_dtype,
-            cu_seq_lens=cu.to(device), num_tokens=int(totals[self.rank]),
+            kv_cache, block_table, to_device(local_starts[self.rank].to(torch.int32), device),
+            to_device(own.to(torch.int32), device), scale=scale, out_dtype=out_dtype,
+            cu_seq_lens=to_device(cu, device), num_tokens=int(totals[self.rank]),
         )
         if max_rows == 0:
             return rows
@@ -527,7 +528,7 @@ class DecodeContextParallel:
         )
         earlier = torch.cumsum(counts, dim=1) - counts  # [world, B]
         index = owner * max_rows + earlier[owner, request] + local - local_starts[owner, request]
-        return gathered.index_select(0, index.to(device))
+        return gathered.index_select(0, to_device(index, device))
 
     def _local_counts(self, lengths: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
         """`local_num_tokens` of int64 host tensors, broadcast over lengths and ranks."""

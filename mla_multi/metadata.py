@@ -25,11 +25,16 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
+    return pinned(host).to(device, non_blocking=True)
+
+
+def pinned(host: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of `host` for a queued copy to the GPU (`host` itself where none can be had: the copy
+    then waits, as a pageable one does)."""
     try:
-        pinned = host.pin_memory()
-    except RuntimeError:  # no page-locked memory to be had: the pageable copy, which waits
-        return host.to(device)
-    return pinned.to(device, non_blocking=True)
+        return host.pin_memory()
+    except RuntimeError:
+        return host
 
 
 def _as_int_list(values, name: str) -> list[int]:

@@ -54,6 +54,7 @@ from mla_multi.backends.base import (
     PrefillSelectorConfig,
     dtype_name,
 )
+from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
 logger = logging.getLogger("mla_multi")
@@ -452,7 +453,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         # indices: no device-to-host copy of the block table.
         rows = torch.repeat_interleave(torch.arange(batch), pages)
         columns = torch.arange(num_pages) - kv_indptr[:-1].long()[rows]
-        kv_indices = block_table[rows.to(device, non_blocking=True), columns.to(device, non_blocking=True)]
+        kv_indices = block_table[to_device(rows, device), to_device(columns, device)]
         if kv_indices.dtype != torch.int32:
             kv_indices = kv_indices.to(torch.int32)
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * query_len
@@ -479,9 +480,9 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         )
         empty = seq_lens_cpu == 0
         if empty_buffer is not None:
-            empty_rows = empty_buffer.copy_(empty, non_blocking=True)
+            empty_rows = empty_buffer.copy_(pinned(empty), non_blocking=True)
         else:
-            empty_rows = empty.to(device, non_blocking=True) if bool(empty.any()) else None
+            empty_rows = to_device(empty, device) if bool(empty.any()) else None
         scale = None
         if k_scale is not None:
             scale = float(k_scale.item() if torch.is_tensor(k_scale) else k_scale)

@@ -54,6 +54,7 @@ from mla_multi.backends.base import (
     SparseSelectorConfig,
     dtype_name,
 )
+from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
 DISTRIBUTION = "sgl-flash-mla"
@@ -205,7 +206,7 @@ class FlashMLADecodeImpl(MLADecodeImpl):
         batch = lengths.numel()
         if batch == 0:
             raise ValueError("FLASHMLA decode cannot plan an empty batch; accepted: at least one request")
-        metadata, splits = self._schedule(lengths.to(device, non_blocking=True), query_len)
+        metadata, splits = self._schedule(to_device(lengths, device), query_len)
         empty = lengths == 0
         empty_rows = None
         if cuda_graph:
@@ -218,10 +219,10 @@ class FlashMLADecodeImpl(MLADecodeImpl):
                     _graph_buffers[key] = buffers
             buffers[0].copy_(metadata)
             buffers[1].copy_(splits)
-            buffers[2].copy_(empty, non_blocking=True)
+            buffers[2].copy_(pinned(empty), non_blocking=True)
             metadata, splits, empty_rows = buffers
         elif bool(empty.any()):
-            empty_rows = empty.to(device, non_blocking=True)
+            empty_rows = to_device(empty, device)
         return FlashMLADecodePlan(batch, query_len, metadata, splits, empty_rows, cuda_graph)
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
