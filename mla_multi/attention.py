@@ -452,7 +452,7 @@ class MLAAttention:
 
     def _forward_sparse(self, q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices) -> torch.Tensor:
         d = self.dims
-        n, p, v = d.num_heads, d.qk_nope_head_dim, d.v_head_dim
+        p = d.qk_nope_head_dim
         output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         tokens = metadata.num_actual_tokens
         if topk_indices is None:
