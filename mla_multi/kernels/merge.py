@@ -29,6 +29,23 @@ _MERGE_NUM_WARPS = 4
 
 
 @triton.jit
+def merge_scales(lse_a, lse_b):
+    """The module docstring's merge of two sides' LSEs: (scale of side a, scale of side b, merged LSE). An LSE of
+    +inf counts as -inf (an empty side); a scale is 0 exactly where its side is empty; both empty: scales 0
+    and LSE -inf. Callers select rather than multiply by a zero scale (0 * NaN = NaN). Shared by the merge
+    kernel and the prefill kernels' in-kernel merge."""
+    lse_a = tl.where(lse_a == float("inf"), float("-inf"), lse_a)
+    lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
+    lse_max = tl.maximum(lse_a, lse_b)
+    both_empty = lse_max == float("-inf")
+    lse_max = tl.where(both_empty, 0.0, lse_max)
+    w_a = tl.exp(lse_a - lse_max)
+    w_b = tl.exp(lse_b - lse_max)
+    total = tl.where(both_empty, 1.0, w_a + w_b)
+    return w_a / total, w_b / total, tl.where(both_empty, float("-inf"), tl.log(total) + lse_max)
+
+
+@triton.jit
 def _merge_attn_states_kernel(
     Out,
     OutLse,
@@ -59,18 +76,7 @@ def _merge_attn_states_kernel(
 
     p_lse = tl.load(PrefixLse + offs_h * stride_pl_h + token, mask=head_in, other=float("-inf"))
     s_lse = tl.load(SuffixLse + offs_h * stride_sl_h + token, mask=head_in, other=float("-inf"))
-    # +inf marks an empty side in some producers; treat it as -inf.
-    p_lse = tl.where(p_lse == float("inf"), float("-inf"), p_lse)
-    s_lse = tl.where(s_lse == float("inf"), float("-inf"), s_lse)
-    max_lse = tl.maximum(p_lse, s_lse)
-    both_empty = max_lse == float("-inf")
-    max_safe = tl.where(both_empty, 0.0, max_lse)
-    p_se = tl.exp(p_lse - max_safe)
-    s_se = tl.exp(s_lse - max_safe)
-    out_se = p_se + s_se
-    out_se_safe = tl.where(both_empty, 1.0, out_se)
-    p_scale = p_se / out_se_safe
-    s_scale = s_se / out_se_safe
+    p_scale, s_scale, out_lse = merge_scales(p_lse, s_lse)
 
     p_out = tl.load(
         PrefixOut + token * stride_po_t + offs_h[:, None] * stride_po_h + offs_d[None, :], mask=tile_in, other=0.0
@@ -88,7 +94,6 @@ def _merge_attn_states_kernel(
         mask=tile_in,
     )
     if STORE_LSE:
-        out_lse = tl.where(both_empty, float("-inf"), tl.log(out_se_safe) + max_safe)
         tl.store(OutLse + offs_h * stride_ol_h + token, out_lse, mask=head_in)
 
 

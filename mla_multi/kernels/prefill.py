@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels.merge import merge_scales
 
 __all__ = ["varlen_attention", "compile_specs", "kernel_constexprs"]
 
@@ -388,19 +389,11 @@ def _varlen_attention_kernel(
     if MERGE:
         # merged into the result already in Out / Lse, as `merge_attn_states` merges (an LSE of +inf is an
         # empty side; both empty: 0 and -inf; a side of weight 0 contributes nothing, whatever it holds)
-        lse_prev = tl.load(lse_ptrs, mask=row_in, other=float("-inf"))
-        lse_prev = tl.where(lse_prev == float("inf"), float("-inf"), lse_prev)
-        lse_max = tl.maximum(lse_prev, lse)
-        both_empty = lse_max == float("-inf")
-        lse_max = tl.where(both_empty, 0.0, lse_max)
-        w_prev = tl.exp(lse_prev - lse_max)
-        w_new = tl.exp(lse - lse_max)
-        total = tl.where(both_empty, 1.0, w_prev + w_new)
+        scale_prev, scale_new, lse = merge_scales(tl.load(lse_ptrs, mask=row_in, other=float("-inf")), lse)
         o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-        out = tl.where((w_new > 0.0)[:, None], out * (w_new / total)[:, None], 0.0) + tl.where(
-            (w_prev > 0.0)[:, None], o_prev * (w_prev / total)[:, None], 0.0
+        out = tl.where((scale_new > 0.0)[:, None], out * scale_new[:, None], 0.0) + tl.where(
+            (scale_prev > 0.0)[:, None], o_prev * scale_prev[:, None], 0.0
         )
-        lse = tl.where(both_empty, float("-inf"), tl.log(total) + lse_max)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     if STORE_LSE:
         tl.store(lse_ptrs, lse, mask=row_in)

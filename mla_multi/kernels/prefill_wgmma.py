@@ -45,6 +45,7 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    from mla_multi.kernels.merge import merge_scales
     from mla_multi.kernels.mla_decode_wgmma import _TensorDescriptor, _stage_layout, _tma_load
 
 __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
@@ -228,24 +229,16 @@ if gluon is not None:
             row_in = o_rows < lq
             o_ptrs = Out + (q_start + o_rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
             if MERGE:
-                # as the Triton kernel's merge (and `merge_attn_states`): an LSE of +inf is an empty side; both
-                # empty give 0 and -inf; a side of weight 0 contributes nothing, whatever it holds
-                lse_o = gl.convert_layout(lse, rows_o)
+                # `merge.merge_scales`, as the Triton kernel's merge and `merge_attn_states`
                 lse_ptrs = Lse + head * stride_lse_h + q_start + o_rows
-                lse_prev = gl.load(lse_ptrs, mask=row_in, other=float("-inf"))
-                lse_prev = gl.where(lse_prev == float("inf"), float("-inf"), lse_prev)
-                lse_max = gl.maximum(lse_prev, lse_o)
-                both_empty = lse_max == float("-inf")
-                lse_max = gl.where(both_empty, 0.0, lse_max)
-                w_prev = gl.exp(lse_prev - lse_max)
-                w_new = gl.exp(lse_o - lse_max)
-                total = gl.where(both_empty, 1.0, w_prev + w_new)
+                scale_prev, scale_new, lse_o = merge_scales(gl.load(lse_ptrs, mask=row_in, other=float("-inf")),
+                                                            gl.convert_layout(lse, rows_o))
                 o_prev = gl.load(o_ptrs, mask=row_in[:, None], other=0.0).to(gl.float32)
-                out = gl.where((w_new > 0.0)[:, None], out * (w_new / total)[:, None], 0.0) + gl.where(
-                    (w_prev > 0.0)[:, None], o_prev * (w_prev / total)[:, None], 0.0
+                out = gl.where((scale_new > 0.0)[:, None], out * scale_new[:, None], 0.0) + gl.where(
+                    (scale_prev > 0.0)[:, None], o_prev * scale_prev[:, None], 0.0
                 )
                 gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
-                gl.store(lse_ptrs, gl.where(both_empty, float("-inf"), gl.log(total) + lse_max), mask=row_in)
+                gl.store(lse_ptrs, lse_o, mask=row_in)
             else:
                 gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
                 if STORE_LSE:
