@@ -512,16 +512,17 @@ class MLAAttention:
         found = metadata.backend_plans[key] = (block_table, seq_lens, keywords)
         return found
 
-    def _decode_step_key(self, num_decodes: int) -> tuple:
-        key = self.__dict__.get("_decode_step_key_base")
-        if key is None:
-            plan_key = self.decode_impl.plan_key() if self.decode_backend.requires_plan else None
-            key = self._decode_step_key_base = (
-                "decode step", self.decode_backend.name, plan_key, self.dtype, self.kv_cache_dtype,
+    @functools.cached_property
+    def _decode_step_key_base(self) -> tuple:
+        """What makes layers' decodes share a step's lookup (`_decode_step`): the same backend, plan key,
+        dtypes, heads, reservation and DCP group shape."""
+        plan_key = self.decode_impl.plan_key() if self.decode_backend.requires_plan else None
+        return ("decode step", self.decode_backend.name, plan_key, self.dtype, self.kv_cache_dtype,
                 getattr(self.decode_impl, "num_heads", None), getattr(self.decode_impl, "max_partial_rows", None),
-                None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave),
-            )
-        return key + (num_decodes,)
+                None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave))
+
+    def _decode_step_key(self, num_decodes: int) -> tuple:
+        return self._decode_step_key_base + (num_decodes,)
 
     def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),

@@ -31,6 +31,8 @@ not the default: bench/RESULTS.md has its measurements.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mla_multi import errors
@@ -60,6 +62,7 @@ _LOG2_E = 1.4426950408889634
 _MAXNREG = 168
 
 
+@functools.lru_cache(maxsize=64)
 def wgmma_prefill_reason(platform, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> str:
     """Why the sm_90 prefill kernel cannot serve (dtype, head dims) on `platform` ("" where it can)."""
     available, why = gluon_available()
