@@ -42,13 +42,16 @@ def _gpu_sm90() -> bool:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
 @pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
-def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split):
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
+def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split, persistent):
+    """Both launches: one program per SM walking the items in rounds (at 128 heads many rounds, the K / V ring
+    and the query tile's barriers running on across items), and one program per item."""
     q, k, v, extra, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, prefix, split,
                                                                    num_heads * 7 + causal + prefix + split)
     scale = 192**-0.5
     prefill_wgmma.varlen_attention_wgmma(
         q, k[:, :, :128] if split else k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out,
-        lse=lse, **extra,
+        lse=lse, persistent=persistent, **extra,
     )
     torch.cuda.synchronize()
     assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal)
@@ -60,7 +63,8 @@ def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split):
     ([0, 150, 400], 250), ([5, 150, 400], 250), ([0, 150, 140], 250), ([0, 150, 460], 310), ([0, -3, 400], 403),
     ([0, 150, 400], 200),
 ], ids=["valid", "not-from-zero", "decreasing", "past-tokens", "negative", "max-seqlen-too-small"])
-def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q):
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
+def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q, persistent):
     """Bad boundaries: the same NaN rows (output and LSE), the same error bit and the same good rows as the
     Triton kernel's; nothing written outside the tensors (poisoned margins stay)."""
     from mla_multi.kernels.launch_config import prefill_config
@@ -84,7 +88,7 @@ def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q):
             varlen_attention(*args, causal=True, out=out[:tokens], lse=lse[:, :tokens], error_flag=flag, config=config)
         else:
             prefill_wgmma.varlen_attention_wgmma(*args, causal=True, out=out[:tokens], lse=lse[:, :tokens],
-                                                 error_flag=flag)
+                                                 error_flag=flag, persistent=persistent)
         torch.cuda.synchronize()
         assert (out[tokens:] == 7.0).all() and (lse[:, tokens:] == 7.0).all()  # the margins
         results.append((int(flag.item()), out[:tokens].float(), lse[:, :tokens]))
@@ -101,7 +105,8 @@ def test_wgmma_prefill_bad_boundaries_match_the_triton_kernel(cu_q, max_q):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
-def test_wgmma_prefill_merges_a_chunk_into_the_output(split):
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
+def test_wgmma_prefill_merges_a_chunk_into_the_output(split, persistent):
     """merge=True (the chunked prefill's context chunks): a non-causal result over keys B merged in place into
     (out, lse) over keys A equals attention over A and B together (float64); a sequence with no key on
     either side keeps 0 and -inf; one with keys on one side only keeps that side."""
@@ -127,7 +132,7 @@ def test_wgmma_prefill_merges_a_chunk_into_the_output(split):
     out, lse = varlen_attention(q, k_a, v_a, cu_q, cu_a, max(qlens), max(a_lens), scale, causal=False)
     prefill_wgmma.varlen_attention_wgmma(
         q, k_b[:, :, :128] if split else k_b, v_b, cu_q, cu_b, max(qlens), max(b_lens), scale, causal=False,
-        out=out, lse=lse, merge=True, **extra,
+        out=out, lse=lse, merge=True, persistent=persistent, **extra,
     )
     torch.cuda.synchronize()
     starts_a, starts_b = cu_a.tolist(), cu_b.tolist()

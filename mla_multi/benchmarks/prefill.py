@@ -1,12 +1,14 @@
 """Prefill attention benchmark: the Triton varlen kernel against PyTorch's own kernels.
 
 MLA prefill shapes (qk head dim 192, v head dim 128, bf16, causal), measured in one
-run with ``triton.testing.do_bench`` (median):
+run, each call replayed from a CUDA graph (``triton.testing.do_bench`` of the replay,
+median, L2 flushed before each; the TFLOP/s) and called eagerly (the same, host path
+included: the second table):
 
 * ``triton``: ``mla_multi.kernels.prefill.varlen_attention``'s default launch on packed
   tokens (``[B*S, N, D]`` with ``cu_seqlens``), output and LSE: on sm_90 the Gluon kernel
   of ``prefill_wgmma``, elsewhere the Triton kernel; ``--configs m128n64w8s3`` names the
-  Triton kernel's configuration, ``--configs wgmma[n<block_n>s<stages>]`` the Gluon one;
+  Triton kernel's configuration, ``--configs wgmma[n<block_n>s<stages>][p|g]`` the Gluon one (p: persistent, g: a program per item);
 * ``cudnn``: ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on
   the batched ``[B, N, S, D]`` view of the same tensors (192/128 natively when cuDNN
   takes it, else V padded to 192);
@@ -34,22 +36,24 @@ HEAD_DIM_V = 128
 
 
 class WgmmaConfig:
-    """'wgmma[n<block_n>s<stages>]': the sm_90 kernel of `mla_multi.kernels.prefill_wgmma`."""
+    """'wgmma[n<block_n>s<stages>][p|g]': the sm_90 kernel of `mla_multi.kernels.prefill_wgmma`; p launched
+    persistent, g one program per work item, neither: its default for the shape."""
 
-    def __init__(self, block_n: int, stages: int) -> None:
-        self.block_n, self.stages = block_n, stages
-        self.name = f"wgmma_n{block_n}s{stages}"
+    def __init__(self, block_n: int, stages: int, persistent: bool | None = None) -> None:
+        self.block_n, self.stages, self.persistent = block_n, stages, persistent
+        self.name = f"wgmma_n{block_n}s{stages}" + {None: "", True: "p", False: "g"}[persistent]
 
 
 def parse_config(text: str):
-    """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only); 'wgmma[n128s2]' -> the sm_90 kernel."""
+    """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only); 'wgmma[n128s2][p|g]' -> the sm_90 kernel."""
     from mla_multi.kernels.launch_config import PrefillLaunchConfig
 
-    wgmma = re.fullmatch(r"wgmma(?:n(\d+)s(\d+))?", text)
+    wgmma = re.fullmatch(r"wgmma(?:n(\d+)s(\d+))?([pg])?", text)
     if wgmma is not None:
         from mla_multi.kernels.prefill_wgmma import BLOCK_N, STAGES
 
-        return WgmmaConfig(int(wgmma.group(1) or BLOCK_N), int(wgmma.group(2) or STAGES))
+        persistent = None if wgmma.group(3) is None else wgmma.group(3) == "p"
+        return WgmmaConfig(int(wgmma.group(1) or BLOCK_N), int(wgmma.group(2) or STAGES), persistent)
 
     match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?(ws)?", text)
     if match is None:
@@ -72,12 +76,26 @@ def _bench(fn) -> float:
 
 
 def _time_into(row: dict, name: str, run, reason: str, flops: float) -> None:
-    """Time `run` into row["ms"][name] / row["tflops"][name], or note why it is missing."""
+    """Time `run` into row["ms"][name] / row["tflops"][name] (replayed from a CUDA graph) and
+    row["eager_ms"][name] (called eagerly), or note why it is missing; a call that cannot be captured is
+    timed eagerly in both, with a note."""
     if run is None:
         row["notes"].append(f"{name} unavailable: {reason}")
         return
-    ms = _bench(run)
+    from mla_multi.testing import capture_graph
+
+    eager = _bench(run)
+    try:
+        graph = capture_graph(run)
+        torch.cuda.synchronize()
+        ms = _bench(graph.replay)
+        del graph
+    except Exception as error:
+        row["notes"].append(f"{name} not captured ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
+                            "eager time")
+        ms = eager
     row["ms"][name] = ms
+    row.setdefault("eager_ms", {})[name] = eager
     row["tflops"][name] = flops / ms / 1e9
 
 
@@ -171,7 +189,8 @@ def bench_case(
                 from mla_multi.kernels.prefill_wgmma import varlen_attention_wgmma
 
                 return varlen_attention_wgmma(q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse,
-                                              block_n=config.block_n, stages=config.stages)
+                                              block_n=config.block_n, stages=config.stages,
+                                              persistent=config.persistent)
             return varlen_attention(
                 q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse, config=config
             )
@@ -189,9 +208,7 @@ def bench_case(
             row.setdefault("rel_err_vs_torch", {})[name] = err
             if not err < 2e-2:
                 row["notes"].append(f"{name}: rel err {err:.3g} vs PyTorch output")
-        ms = _bench(run)
-        row["ms"][name] = ms
-        row["tflops"][name] = flops / ms / 1e9
+        _time_into(row, name, run, "", flops)
     results.append(row)
     del q, k, v, v_pad, q4, k4, v4, reference
     torch.cuda.empty_cache()
@@ -261,7 +278,16 @@ def format_table(results: list) -> str:
         "| N | B x S | TRITON TFLOP/s (config) | FLASHINFER | cuDNN | flash (V pad) | TRITON/FLASHINFER | TRITON/cuDNN | "
         "TRITON/flash |\n|---|---|---|---|---|---|---|---|---|"
     )
-    return header + "\n" + "\n".join(lines)
+    eager = ["Eager calls (host path included), µs:", "",
+             "| N | B x S | TRITON (default) | FLASHINFER | cuDNN | TRITON/FLASHINFER time | TRITON/cuDNN time |",
+             "|---|---|--:|--:|--:|--:|--:|"]
+    for row in results:
+        times = {name: ms * 1e3 for name, ms in row.get("eager_ms", {}).items()}
+        ours, fi, cudnn = (times.get(name, float("nan")) for name in ("triton", "flashinfer", "cudnn"))
+        shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
+        eager.append(f"| {row['num_heads']:>3} | {shape} | {ours:8.1f} | {fi:8.1f} | {cudnn:8.1f} | {ours / fi:5.2f} | "
+                     f"{ours / cudnn:5.2f} |")
+    return header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(eager)
 
 
 def main(argv=None) -> int:

@@ -636,12 +636,12 @@ def varlen_attention(
     if batch == 0 or num_heads == 0:
         return out, (lse if return_lse else None)
     if config is None:
-        if not merge and _sm90_kernel(q, k, v, k_pe):
+        if _sm90_kernel(q, k, v, k_pe):
             from mla_multi.kernels.prefill_wgmma import varlen_attention_wgmma
 
             return varlen_attention_wgmma(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal=causal, out=out,
-                lse=lse, return_lse=return_lse, error_flag=error_flag, k_pe=k_pe,
+                lse=lse, return_lse=return_lse, error_flag=error_flag, k_pe=k_pe, merge=merge,
             )
         config = _config_for(q, head_dim_v, causal)
 
@@ -689,7 +689,7 @@ _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.floa
 
 def _sm90_kernel(q, k, v, k_pe) -> bool:
     """Whether the default launch takes `prefill_wgmma`'s kernel (sm_90, MLA head dims, 16-byte rows, at
-    least a tile; not for the in-kernel merge): 1.14-1.27x this kernel's speed on an H100 (bench/RESULTS.md)."""
+    least a tile; the in-kernel merge too): 1.14-1.27x this kernel's speed on an H100 (bench/RESULTS.md)."""
     from mla_multi.kernels import interpreter_active, prefill_wgmma
 
     if q.device.type != "cuda" or interpreter_active():

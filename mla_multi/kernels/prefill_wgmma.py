@@ -1,19 +1,29 @@
 """Varlen prefill attention for sm_90 in the FlashAttention-3 structure (Gluon).
 
-One program per (query tile of 128 rows, head, sequence), warp-specialised:
+Work items are (query tile of 128 rows, head, sequence); each program, warp-specialised:
 
-* a loader warp brings the query tile once and every K / V tile by TMA into a
-  ring of ``STAGES`` shared-memory stages, each stage's ``ready`` barrier
-  completed by the copies' bytes and its ``empty`` barrier by both consumers;
+* a loader warp brings each item's query tile (once the last one's scores are
+  done with its buffer) and every K / V tile by TMA into two rings of
+  ``STAGES`` shared-memory stages, K and V apart: each stage's ``ready``
+  barrier completed by the copies' bytes, its ``empty`` barrier by both
+  consumers (K once the scores are in, V once the product is);
 * two consumer warpgroups, one per 64-row half of the query tile, each with its
   own scores, softmax and output: ``S = Q K^T`` by warpgroup MMA from shared
   memory (the 128 non-rotary and 64 rotary columns as two products into one
   accumulator), the online softmax in base 2, and ``O += P V`` with P from
-  registers.  The halves run apart, so one's softmax overlaps the other's
-  products;
+  registers.  Inside a warpgroup, tile j's scores are issued before tile j-1's
+  ``P V`` and tile j's softmax runs while that product is in flight (FA3's
+  intra-warpgroup overlap); the two halves run apart, so one's softmax also
+  overlaps the other's products;
 * causal attention (aligned bottom-right, as `prefill.varlen_attention`) stops
   at the last key tile the tile's last row sees; masks are applied only on the
   tiles that cross the diagonal or the end of the keys.
+
+Launched persistent (one program per SM walking the items in rounds, the rings
+running on across items, so the next item's tiles load while this one ends) for
+short sequences, where an item's prologue and epilogue weigh most, and one
+program per item, scheduled by the hardware, for long ones
+(``PERSISTENT_MAX_SEQLEN_Q``; bench/RESULTS.md has both).
 
 K's rotary columns may come apart (MLA: one rotary key shared by every head,
 ``k_pe [total_k, 64]``), or inside K (``[total_k, heads, 192]``): both are one
@@ -21,12 +31,12 @@ more TMA descriptor over the columns.  The contract is
 `prefill.varlen_attention`'s (LSE in natural log, an empty key range gives 0 and
 -inf, boundaries checked on the device: a bad sequence gets NaN rows and sets
 the ``CU_SEQLENS`` bit of the error flag), and its in-kernel merge (``merge=True``:
-the result merged into the one already in ``out`` / ``lse``; not yet run on a GPU,
-so `prefill.varlen_attention` keeps the Triton kernel for it).
+the result merged into the one already in ``out`` / ``lse``, as the chunked
+prefill's context chunks are).
 
-`wgmma_prefill_reason` says where it runs; `varlen_attention_wgmma` launches it.
-It is a launchable configuration (``mla-multi bench prefill --configs wgmma``),
-not the default: bench/RESULTS.md has its measurements.
+`wgmma_prefill_reason` says where it runs, `takes` when
+`prefill.varlen_attention`'s default launch hands it the tensors (on sm_90),
+`varlen_attention_wgmma` launches it; bench/RESULTS.md has its measurements.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
 STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB
+PERSISTENT_MAX_SEQLEN_Q = 2048  # the longest query sequence launched persistent by default (bench/RESULTS.md)
 NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
 _LOG2_E = 1.4426950408889634
 # registers a thread: the loader warp is launched as a whole warpgroup, so 12 warps share an SM's 64K
@@ -84,14 +95,24 @@ if gluon is not None:
     _LOADER_REGS = gl.constexpr(24)
 
     @gluon.jit
-    def _sequence(Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """This program's query tile, head and sequence: (q_start, q_end, lq, k_start, lk, m0, head, batch,
-        bad, num_tiles). Causal tiles run in reverse order (the longest rows first). A bad sequence (boundaries
-        not non-decreasing inside the tensors, a length over its bound) gets no tile."""
-        pid_m = gl.program_id(0)
-        head = gl.program_id(1)
-        batch = gl.program_id(2)
+    def _item(round, num_programs):
+        """The work item a program takes in `round`: programs walk the items in rounds of the grid's size, in
+        alternate directions (a program that takes a long causal tile in one round takes a short one next)."""
+        pid = gl.program_id(0)
+        return round * num_programs + gl.where(round % 2 == 0, pid, num_programs - 1 - pid)
+
+    @gluon.jit
+    def _sequence(item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads,
+                  num_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Work item `item`'s query tile, head and sequence (the query tiles of one head of one sequence side by
+        side): (q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles). Causal tiles run in reverse
+        order (the longest rows first). A bad sequence (boundaries not non-decreasing inside the tensors, a
+        length over its bound) and an item past the last get no tile."""
+        valid = item < num_items
+        item = gl.where(valid, item, 0)
+        pid_m = item % num_m_blocks
+        head = (item // num_m_blocks) % num_heads
+        batch = item // num_m_blocks // num_heads
         if CAUSAL:
             pid_m = num_m_blocks - 1 - pid_m
         q_start = gl.load(Cu_q + batch)
@@ -101,8 +122,8 @@ if gluon is not None:
         # as the Triton kernel: the first sequence starts at 0, each range lies ordered inside its tensor
         bad = ((batch == 0) & ((q_start != 0) | (k_start != 0))) | (q_start < 0) | (q_end < q_start) | (q_end > total_q)
         bad = bad | (k_start < 0) | (k_end < k_start) | (k_end > total_k)
-        bad = bad | (q_end - q_start > max_seqlen_q) | (k_end - k_start > max_seqlen_k)
-        lq = gl.where(bad, 0, q_end - q_start)
+        bad = (bad | (q_end - q_start > max_seqlen_q) | (k_end - k_start > max_seqlen_k)) & valid
+        lq = gl.where(bad, 0, gl.where(valid, q_end - q_start, 0))
         lk = gl.where(bad, 0, k_end - k_start)
         m0 = pid_m * BLOCK_M
         n_keys = lk
@@ -115,39 +136,72 @@ if gluon is not None:
 
     @gluon.jit
     def _load_partition(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
-                        max_seqlen_q, max_seqlen_k, num_m_blocks, q_head_stride, kn_head_stride, kp_head_stride,
-                        kp_offset, v_head_stride, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
-        """The loader warp: the query tile once, then every K / V tile into the ring."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty = bufs
-        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-            Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, BLOCK_M, BLOCK_N, CAUSAL
-        )
-        if num_tiles > 0:
-            Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
-            mbarrier.expect(q_bar, Q_BYTES)
-            _tma_load(Q_desc, [q_start + m0, head * q_head_stride], q_bar, q_smem)
-            _tma_load(QP_desc, [q_start + m0, head * q_head_stride + q_smem.shape[1]], q_bar, qp_smem)
-        kv_head = head // group
-        KV_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2] + v_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
-        for tile in range(num_tiles):
-            slot = tile % STAGES
-            mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, KV_BYTES)
-            row = k_start + tile * BLOCK_N
-            _tma_load(KN_desc, [row, kv_head * kn_head_stride], bar, kn_smem.index(slot))
-            _tma_load(KP_desc, [row, kv_head * kp_head_stride + kp_offset], bar, kp_smem.index(slot))
-            _tma_load(V_desc, [row, kv_head * v_head_stride], bar, v_smem.index(slot))
+                        max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
+                        kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """The loader warp: for each of the program's work items, the query tile once its buffer is free, then
+        every K / V tile into the ring (which runs on across items: the next item's first tiles arrive while
+        the consumers finish this one)."""
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs
+        Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
+        K_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
+        V_BYTES: gl.constexpr = BLOCK_N * v_smem.shape[2] * v_smem.dtype.primitive_bitwidth // 8
+        num_programs = gl.num_programs(0)
+        kv_count = 0  # K / V tiles loaded so far: their ring slot and phase
+        q_count = 0  # query tiles loaded so far
+        for round in range(gl.cdiv(num_items, num_programs)):
+            q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
+                _item(round, num_programs), Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                num_m_blocks, num_heads, num_items, BLOCK_M, BLOCK_N, CAUSAL
+            )
+            if num_tiles > 0:
+                mbarrier.wait(q_empty, (q_count & 1) ^ 1)
+                mbarrier.expect(q_bar, Q_BYTES)
+                _tma_load(Q_desc, [q_start + m0, head * q_head_stride], q_bar, q_smem)
+                _tma_load(QP_desc, [q_start + m0, head * q_head_stride + q_smem.shape[1]], q_bar, qp_smem)
+                q_count += 1
+            kv_head = head // group
+            for tile in range(num_tiles):
+                slot = kv_count % STAGES
+                phase = ((kv_count // STAGES) & 1) ^ 1
+                row = k_start + tile * BLOCK_N
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), K_BYTES)
+                _tma_load(KN_desc, [row, kv_head * kn_head_stride], k_ready.index(slot), kn_smem.index(slot))
+                _tma_load(KP_desc, [row, kv_head * kp_head_stride + kp_offset], k_ready.index(slot),
+                          kp_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase)
+                mbarrier.expect(v_ready.index(slot), V_BYTES)
+                _tma_load(V_desc, [row, kv_head * v_head_stride], v_ready.index(slot), v_smem.index(slot))
+                kv_count += 1
+
+    @gluon.jit
+    def _softmax_tile(s, tile, m_i, l_i, lk, diagonal_from, row_keys, qk_scale, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, cols_s: gl.constexpr):
+        """One key tile's online softmax in base 2: the masked, scaled scores' probabilities p, the new running
+        maximum and sum, and alpha, the factor that rescales what was accumulated before."""
+        s = s * qk_scale
+        key0 = tile * BLOCK_N
+        needs_mask = key0 + BLOCK_N > lk
+        if CAUSAL:
+            needs_mask = needs_mask | (key0 + BLOCK_N - 1 > diagonal_from)
+        if needs_mask:
+            keys = key0 + gl.arange(0, BLOCK_N, layout=cols_s)
+            s = gl.where(keys[None, :] < row_keys[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
-                 max_seqlen_q, max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h,
+                 max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  STORE_LSE: gl.constexpr, MERGE: gl.constexpr):
         """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile. MERGE: the result is
         merged into the one already in Out / Lse (over other keys) by their LSEs, in place."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty = bufs
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs
         HALF_M: gl.constexpr = BLOCK_M // 2
         HEAD_V: gl.constexpr = v_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
@@ -160,97 +214,116 @@ if gluon is not None:
         cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-            Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, BLOCK_M, BLOCK_N, CAUSAL
-        )
-        first_row = m0 + HALF * HALF_M
-        rows = first_row + gl.arange(0, HALF_M, layout=rows_s)
-        # the last key each row sees, plus one (bottom-right causal alignment)
-        if CAUSAL:
-            row_keys = gl.minimum(rows + lk - lq + 1, lk)
-        else:
-            row_keys = gl.zeros([HALF_M], gl.int32, layout=rows_s) + lk
-        diagonal_from = first_row + lk - lq  # tiles whose last key lies past this need the causal mask
-        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([HALF_M], gl.float32, layout=rows_s)
-        acc = gl.zeros([HALF_M, HEAD_V], gl.float32, layout=o_layout)
-        if num_tiles > 0:
-            mbarrier.wait(q_bar, 0)
         q_half = q_smem.slice(HALF * HALF_M, HALF_M, dim=0)
         qp_half = qp_smem.slice(HALF * HALF_M, HALF_M, dim=0)
-        for tile in range(num_tiles):
-            slot = tile % STAGES
-            mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-            s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-            s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s = s * qk_scale
-            key0 = tile * BLOCK_N
-            needs_mask = key0 + BLOCK_N > lk
+        num_programs = gl.num_programs(0)
+        kv_count = 0  # K / V tiles consumed before this item (the loader's order)
+        q_count = 0
+        for round in range(gl.cdiv(num_items, num_programs)):
+            q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
+                _item(round, num_programs), Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                num_m_blocks, num_heads, num_items, BLOCK_M, BLOCK_N, CAUSAL
+            )
+            first_row = m0 + HALF * HALF_M
+            rows = first_row + gl.arange(0, HALF_M, layout=rows_s)
+            # the last key each row sees, plus one (bottom-right causal alignment)
             if CAUSAL:
-                needs_mask = needs_mask | (key0 + BLOCK_N - 1 > diagonal_from)
-            if needs_mask:
-                keys = key0 + gl.arange(0, BLOCK_N, layout=cols_s)
-                s = gl.where(keys[None, :] < row_keys[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(slot), count=1)
-            m_i = m_new
-
-        o_cols = gl.arange(0, HEAD_V, layout=cols_o)
-        if bad:
-            # as the Triton kernel: NaN in every row of the sequence's range that lies inside the tensor (this
-            # program's tiles of it: pid, pid + the grid, ...), the error flag once
-            gl.atomic_or(Error_flag, _CU_SEQLENS_ERROR, mask=(HALF == 0) & (gl.program_id(0) == 0)
-                         & (gl.program_id(1) == 0))
-            row_lo = gl.minimum(gl.maximum(q_start, 0), total_q)
-            row_hi = gl.maximum(gl.minimum(q_end, total_q), row_lo)
-            nan_tile = gl.full([HALF_M, HEAD_V], float("nan"), dtype, layout=o_layout)
-            for tile_row0 in range(row_lo + gl.program_id(0) * BLOCK_M + HALF * HALF_M, row_hi,
-                                   num_m_blocks * BLOCK_M):
-                bad_rows = tile_row0 + gl.arange(0, HALF_M, layout=rows_o)
-                o_ptrs = Out + bad_rows.to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
-                gl.store(o_ptrs, nan_tile, mask=(bad_rows < row_hi)[:, None])
-                if STORE_LSE:
-                    gl.store(Lse + head * stride_lse_h + bad_rows,
-                             gl.full([HALF_M], float("nan"), gl.float32, layout=rows_o), mask=bad_rows < row_hi)
-        else:
-            # rows with no key: output 0, LSE -inf
-            empty_row = l_i == 0.0
-            inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
-            lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-            out = acc * gl.convert_layout(inv_l, rows_o)[:, None]
-            o_rows = first_row + gl.arange(0, HALF_M, layout=rows_o)
-            row_in = o_rows < lq
-            o_ptrs = Out + (q_start + o_rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
-            if MERGE:
-                # `merge.merge_scales`, as the Triton kernel's merge and `merge_attn_states`
-                lse_ptrs = Lse + head * stride_lse_h + q_start + o_rows
-                scale_prev, scale_new, lse_o = merge_scales(gl.load(lse_ptrs, mask=row_in, other=float("-inf")),
-                                                            gl.convert_layout(lse, rows_o))
-                o_prev = gl.load(o_ptrs, mask=row_in[:, None], other=0.0).to(gl.float32)
-                out = gl.where((scale_new > 0.0)[:, None], out * scale_new[:, None], 0.0) + gl.where(
-                    (scale_prev > 0.0)[:, None], o_prev * scale_prev[:, None], 0.0
-                )
-                gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
-                gl.store(lse_ptrs, lse_o, mask=row_in)
+                row_keys = gl.minimum(rows + lk - lq + 1, lk)
             else:
-                gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
-                if STORE_LSE:
-                    gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
+                row_keys = gl.zeros([HALF_M], gl.int32, layout=rows_s) + lk
+            diagonal_from = first_row + lk - lq  # tiles whose last key lies past this need the causal mask
+            m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=rows_s)
+            l_i = gl.zeros([HALF_M], gl.float32, layout=rows_s)
+            acc = gl.zeros([HALF_M, HEAD_V], gl.float32, layout=o_layout)
+            # FlashAttention-3's intra-warpgroup overlap: tile j's scores are issued before tile j-1's P V, and
+            # tile j's softmax runs while that product is in flight
+            p16 = gl.zeros([HALF_M, BLOCK_N], dtype, layout=p_layout)
+            if num_tiles > 0:
+                mbarrier.wait(q_bar, q_count & 1)
+                slot = kv_count % STAGES
+                mbarrier.wait(k_ready.index(slot), (kv_count // STAGES) & 1)
+                s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+                s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, m_i, alpha, l_i = _softmax_tile(s, 0, m_i, l_i, lk, diagonal_from, row_keys, qk_scale,
+                                                   BLOCK_N, CAUSAL, cols_s)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            for tile in range(1, num_tiles):
+                count = kv_count + tile
+                slot = count % STAGES
+                prev = (count - 1) % STAGES
+                mbarrier.wait(k_ready.index(slot), (count // STAGES) & 1)
+                s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+                s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((count - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, m_i, alpha, l_i = _softmax_tile(s, tile, m_i, l_i, lk, diagonal_from, row_keys, qk_scale,
+                                                   BLOCK_N, CAUSAL, cols_s)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            if num_tiles > 0:
+                mbarrier.arrive(q_empty, count=1)  # every score of this item is in: the next query tile may load
+                count = kv_count + num_tiles - 1
+                last = count % STAGES
+                mbarrier.wait(v_ready.index(last), (count // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(last), count=1)
+                q_count += 1
+            kv_count += num_tiles
+
+            o_cols = gl.arange(0, HEAD_V, layout=cols_o)
+            if bad:
+                # as the Triton kernel: NaN in every row of the sequence's range that lies inside the tensor (this
+                # item's tiles of it: m0, m0 + the query tiles, ...), the error flag once
+                gl.atomic_or(Error_flag, _CU_SEQLENS_ERROR, mask=(HALF == 0) & (m0 == 0) & (head == 0))
+                row_lo = gl.minimum(gl.maximum(q_start, 0), total_q)
+                row_hi = gl.maximum(gl.minimum(q_end, total_q), row_lo)
+                nan_tile = gl.full([HALF_M, HEAD_V], float("nan"), dtype, layout=o_layout)
+                for tile_row0 in range(row_lo + m0 + HALF * HALF_M, row_hi,
+                                       num_m_blocks * BLOCK_M):
+                    bad_rows = tile_row0 + gl.arange(0, HALF_M, layout=rows_o)
+                    o_ptrs = Out + bad_rows.to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
+                    gl.store(o_ptrs, nan_tile, mask=(bad_rows < row_hi)[:, None])
+                    if STORE_LSE:
+                        gl.store(Lse + head * stride_lse_h + bad_rows,
+                                 gl.full([HALF_M], float("nan"), gl.float32, layout=rows_o), mask=bad_rows < row_hi)
+            else:
+                # rows with no key: output 0, LSE -inf
+                empty_row = l_i == 0.0
+                inv_l = gl.where(empty_row, 0.0, 1.0 / l_i)
+                lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+                out = acc * gl.convert_layout(inv_l, rows_o)[:, None]
+                o_rows = first_row + gl.arange(0, HALF_M, layout=rows_o)
+                row_in = o_rows < lq
+                o_ptrs = Out + (q_start + o_rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + o_cols[None, :]
+                if MERGE:
+                    # `merge.merge_scales`, as the Triton kernel's merge and `merge_attn_states`
+                    lse_ptrs = Lse + head * stride_lse_h + q_start + o_rows
+                    scale_prev, scale_new, lse_o = merge_scales(gl.load(lse_ptrs, mask=row_in, other=float("-inf")),
+                                                                gl.convert_layout(lse, rows_o))
+                    o_prev = gl.load(o_ptrs, mask=row_in[:, None], other=0.0).to(gl.float32)
+                    out = gl.where((scale_new > 0.0)[:, None], out * scale_new[:, None], 0.0) + gl.where(
+                        (scale_prev > 0.0)[:, None], o_prev * scale_prev[:, None], 0.0
+                    )
+                    gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
+                    gl.store(lse_ptrs, lse_o, mask=row_in)
+                else:
+                    gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
+                    if STORE_LSE:
+                        gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
 
     @gluon.jit
     def _prefill_wgmma_kernel(
         Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Out, Lse, Cu_q, Cu_k, Error_flag,
-        qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks,
+        qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch,
         q_head_stride, kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group,
         stride_o_t, stride_o_h, stride_lse_h,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -266,24 +339,34 @@ if gluon is not None:
         kp_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], KP_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_V], V_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumer warpgroups are done with the query tile
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
-        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, ready, empty)
+        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty)
+        num_items = num_m_blocks * num_heads * batch
         gl.warp_specialize(
             [
                 (_consume, (0, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
-                            max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
+                            max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
+                            BLOCK_M, BLOCK_N,
                             STAGES, CAUSAL, STORE_LSE, MERGE)),
                 (_consume, (1, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
-                            max_seqlen_k, num_m_blocks, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N,
+                            max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
+                            BLOCK_M, BLOCK_N,
                             STAGES, CAUSAL, STORE_LSE, MERGE)),
                 (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
-                                   max_seqlen_q, max_seqlen_k, num_m_blocks, q_head_stride, kn_head_stride,
+                                   max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
+                                   kn_head_stride,
                                    kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M, BLOCK_N, STAGES,
                                    CAUSAL)),
             ],
@@ -327,12 +410,23 @@ def _rows_of_heads(tensor: torch.Tensor) -> bool:
     return (heads == 1 or tensor.stride(1) >= dim) and tensor.stride(0) >= (heads - 1) * tensor.stride(1) + dim
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                            *, causal: bool, out=None, lse=None, return_lse: bool = True, error_flag=None, k_pe=None,
-                           merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES):
+                           merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES,
+                           persistent: bool | None = None):
     """`prefill.varlen_attention` on the sm_90 kernel: q [T, N, 192], k [S, Nk, 192] or, with
     k_pe [S, 64] (or [S, 1, 64]), [S, Nk, 128]; v [S, Nk, 128]; the inputs checked as there.  Every
-    tensor's rows must start on 16 bytes (TMA); `wgmma_prefill_reason` says where the kernel runs."""
+    tensor's rows must start on 16 bytes (TMA); `wgmma_prefill_reason` says where the kernel runs.
+
+    persistent: one program per SM walking the work items (query tile, head, sequence), the next item's
+    tiles loading while this one finishes; False: one program per item, scheduled by the hardware;
+    None: persistent where the sequences are short (`PERSISTENT_MAX_SEQLEN_Q`), where an item's prologue
+    and epilogue weigh most."""
     from mla_multi.kernels.prefill import _check_inputs
 
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
@@ -366,10 +460,14 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         kp_head_stride, kp_offset = 0, 0
     v_desc = _descriptor(v, [block_n, HEAD_DIM_V])
     num_m_blocks = max(1, -(-max_seqlen_q // BLOCK_M))
+    num_items = num_m_blocks * num_heads * batch
+    if persistent is None:
+        persistent = max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q
+    grid = min(num_items, _sm_count(q.device)) if persistent else num_items
     lse_arg = lse if return_lse else out
-    _prefill_wgmma_kernel[(num_m_blocks, num_heads, batch)](
+    _prefill_wgmma_kernel[(grid,)](
         q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
-        float(scale) * _LOG2_E, num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks,
+        float(scale) * _LOG2_E, num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch,
         q.stride(1), k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1],
         out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=bool(return_lse),
@@ -412,8 +510,9 @@ def compile_specs(platform) -> list:
                 "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
                 "qk_scale": "fp32",
             }
-            for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks q_head_stride kn_head_stride "
-                        "kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h stride_lse_h").split():
+            for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks num_heads batch q_head_stride "
+                        "kn_head_stride kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h "
+                        "stride_lse_h").split():
                 signature[arg] = "i32"
             constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
                           "STORE_LSE": store_lse, "MERGE": merge}
