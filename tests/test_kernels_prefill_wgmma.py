@@ -159,3 +159,37 @@ def test_takes_only_rows_of_heads_on_16_byte_boundaries():
     assert not _rows_of_heads(torch.empty(300, 192, 16).transpose(1, 2)[:, :, :192][:, :, :100].contiguous()
                               .as_strided((300, 16, 100), (1600, 50, 1)))  # heads overlap
     assert not prefill_wgmma.takes(q, q, q[:, :, :128], None, SPECS["H100"])  # a CPU tensor is not launched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+def test_default_launch_binds_once_and_follows_new_lengths(monkeypatch):
+    """`prefill.varlen_attention`'s default launch on sm_90: the first call of a specialisation binds the
+    kernel; later calls with the same layouts launch it directly (Triton's dispatch is not entered: it raises
+    here), with new sequence lengths (a new grid and new integer arguments) and new output buffers; every
+    call matches float64."""
+    from test_kernels_prefill import _cu
+
+    from mla_multi.kernels.prefill import varlen_attention
+
+    prefill_wgmma._LAUNCHES.clear()
+    device, dtype, heads, scale = "cuda", torch.bfloat16, 16, 192**-0.5
+    torch.manual_seed(5)
+    q = torch.randn(1024, heads, 192, device=device, dtype=dtype)
+    k = torch.randn(1024, heads, 192, device=device, dtype=dtype)
+    v = torch.randn(1024, heads, 128, device=device, dtype=dtype)
+    cases = ([1024], [512, 512], [700, 1, 0, 323], [128] * 8)
+    for round in range(2):
+        if round == 1:
+            def dispatch(*args, **kwargs):
+                raise AssertionError("Triton's dispatch entered after the kernel was bound")
+            monkeypatch.setattr(prefill_wgmma._prefill_wgmma_kernel, "run", dispatch)
+        for lengths in cases:
+            cu = _cu(lengths, device)
+            out = torch.full((1024, heads, 128), float("nan"), device=device, dtype=dtype)
+            lse = torch.full((heads, 1024), float("nan"), device=device, dtype=torch.float32)
+            varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), scale, causal=True, out=out, lse=lse,
+                             return_lse=True)
+            torch.cuda.synchronize()
+            assert_matches_float64(out, lse, q, k, v, cu, cu, scale, True)
+    assert prefill_wgmma._LAUNCHES and all(bound._run is not None for bound in prefill_wgmma._LAUNCHES.values())

@@ -89,6 +89,9 @@ def alignment_key(*tensors: torch.Tensor | None) -> int:
 class BoundLaunch:
     """One kernel, one grid and fixed constexprs, launched with new runtime arguments.
 
+    The grid does not take part in the specialisation: an owner whose grid
+    changes from call to call sets `grid` (three ints) before the call.
+
     `positional` runtime arguments fill the kernel's first parameters in
     order; `keyword_names` are further runtime parameters passed by name
     (e.g. TMA descriptors). The first `__call__` compiles (or finds) the

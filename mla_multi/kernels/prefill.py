@@ -636,13 +636,12 @@ def varlen_attention(
     if batch == 0 or num_heads == 0:
         return out, (lse if return_lse else None)
     if config is None:
-        if _sm90_kernel(q, k, v, k_pe):
-            from mla_multi.kernels.prefill_wgmma import varlen_attention_wgmma
+        if _sm90_kernel(q, k, v, k_pe):  # checked above; `takes` holds, so there are tokens
+            from mla_multi.kernels.prefill_wgmma import launch
 
-            return varlen_attention_wgmma(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal=causal, out=out,
-                lse=lse, return_lse=return_lse, error_flag=error_flag, k_pe=k_pe, merge=merge,
-            )
+            launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, out,
+                   lse if return_lse else None, error_flag, k_pe, merge)
+            return out, (lse if return_lse else None)
         config = _config_for(q, head_dim_v, causal)
 
     constexprs = kernel_constexprs(

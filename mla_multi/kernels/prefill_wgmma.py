@@ -46,6 +46,7 @@ import functools
 import torch
 
 from mla_multi import errors
+from mla_multi.kernels.launch import BoundLaunch, alignment_key
 from mla_multi.kernels.mla_decode_wgmma import gluon, gluon_available
 
 if gluon is not None:
@@ -58,7 +59,7 @@ if gluon is not None:
     )
 
     from mla_multi.kernels.merge import merge_scales
-    from mla_multi.kernels.mla_decode_wgmma import _TensorDescriptor, _stage_layout, _tma_load
+    from mla_multi.kernels.mla_decode_wgmma import _CacheBase, _TensorDescriptor, _stage_layout, _tma_load
 
 __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
 
@@ -375,12 +376,25 @@ if gluon is not None:
         )
 
 
+# (address, shape, strides, dtype, block) -> a descriptor over a `_CacheBase` (the address alone, the tensor not
+# kept alive): the workspace's buffers come back at the same addresses layer after layer and step after step
+_DESCRIPTORS: dict = {}
+_DESCRIPTORS_MAX = 256
+
+
 def _descriptor(tensor: torch.Tensor, block: list[int]):
     """A TMA descriptor over `tensor` [rows, heads, dim] (or [rows, dim]) viewed as [rows, columns]: the row
     stride of dim 0, every head's columns side by side; blocks of `block` = [rows, columns]."""
-    width = (tensor.shape[1] - 1) * tensor.stride(1) + tensor.shape[2] if tensor.dim() == 3 else tensor.shape[1]
-    return _TensorDescriptor(tensor, [tensor.shape[0], width], [tensor.stride(0), 1], block,
-                             _stage_layout(block[1], tensor.element_size() * 8))
+    key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, *block)
+    found = _DESCRIPTORS.get(key)
+    if found is None:
+        width = (tensor.shape[1] - 1) * tensor.stride(1) + tensor.shape[2] if tensor.dim() == 3 else tensor.shape[1]
+        found = _TensorDescriptor(_CacheBase(tensor), [tensor.shape[0], width], [tensor.stride(0), 1], block,
+                                  _stage_layout(block[1], tensor.element_size() * 8))
+        if len(_DESCRIPTORS) >= _DESCRIPTORS_MAX:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = found
+    return found
 
 
 def takes(q, k, v, k_pe, platform) -> bool:
@@ -443,9 +457,32 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         out = torch.empty((num_tokens, num_heads, HEAD_DIM_V), dtype=q.dtype, device=q.device)
     if return_lse and lse is None:
         lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
-    batch = cu_seqlens_q.numel() - 1
-    if batch == 0 or num_heads == 0 or num_tokens == 0:
+    if cu_seqlens_q.numel() == 1 or num_heads == 0 or num_tokens == 0:
         return out, (lse if return_lse else None)
+    launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, out, lse if return_lse else None,
+           error_flag, k_pe, merge, block_n, stages, persistent)
+    return out, (lse if return_lse else None)
+
+
+# (dtypes, block, stages, modes, pointer alignments, integer specialisations, device) -> its BoundLaunch: the
+# kernel bound once and launched directly after (`mla_multi.kernels.launch`); the grid is set per call
+_LAUNCHES: dict = {}
+_LAUNCHES_MAX = 64
+
+
+def _int_key(values) -> tuple:
+    """What Triton specialises an integer argument on (equal to 1, a multiple of 16, 32 or 64 bits)."""
+    return tuple((value == 1, value % 16 == 0, -(2**31) <= value < 2**31) for value in values)
+
+
+def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+           out, lse, error_flag, k_pe=None, merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES,
+           persistent: bool | None = None) -> None:
+    """The kernel on checked tensors (`varlen_attention_wgmma`'s, or `prefill.varlen_attention`'s with `takes`
+    holding), with at least one sequence, head and token; lse None: not stored. The descriptors and the bound
+    launch are looked up, not rebuilt, when the addresses and layouts come again."""
+    num_tokens, num_heads, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
     q_desc = _descriptor(q, [BLOCK_M, NOPE_DIM])
     qp_desc = _descriptor(q, [BLOCK_M, ROPE_DIM])
     kn_desc = _descriptor(k, [block_n, NOPE_DIM])
@@ -464,17 +501,26 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if persistent is None:
         persistent = max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q
     grid = min(num_items, _sm_count(q.device)) if persistent else num_items
-    lse_arg = lse if return_lse else out
-    _prefill_wgmma_kernel[(grid,)](
-        q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
-        float(scale) * _LOG2_E, num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch,
-        q.stride(1), k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1],
-        out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=bool(return_lse),
-        MERGE=bool(merge),
-        num_warps=4, maxnreg=_MAXNREG,
-    )
-    return out, (lse if return_lse else None)
+    store_lse = lse is not None
+    lse_arg = lse if store_lse else out
+    ints = (num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch, q.stride(1),
+            k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1], out.stride(0), out.stride(1),
+            lse.stride(0) if store_lse else 0)
+    key = (q.dtype, out.dtype, block_n, stages, bool(causal), store_lse, bool(merge),
+           alignment_key(out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag), _int_key(ints), q.device)
+    bound = _LAUNCHES.get(key)
+    if bound is None:
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:
+            _LAUNCHES.clear()
+        bound = _LAUNCHES[key] = BoundLaunch(
+            _prefill_wgmma_kernel, (grid,),
+            dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=store_lse,
+                 MERGE=bool(merge), num_warps=4, maxnreg=_MAXNREG),
+            q.device,
+        )
+    bound.grid = (grid, 1, 1)
+    bound(q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
+          float(scale) * _LOG2_E, *ints)
 
 
 # ---------------------------------------------------------------------------
