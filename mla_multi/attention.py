@@ -25,6 +25,10 @@ from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
 from mla_multi.workspace import WorkspaceManager, current_workspace_manager
 
+# the longest new prefill of a step without context that goes to the context prefill backend where
+# `MLAAttention._short_prefills` holds
+SHORT_PREFILL_TOKENS = 4096
+
 
 def default_workspace_tokens(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
     """vLLM's chunked-prefill workspace size: enough for 8 full contexts, capped at 128K tokens."""
@@ -160,6 +164,7 @@ class MLAAttention:
             self.context_prefill_backend, self.context_prefill_impl = self._context_prefill(
                 dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
             )
+            self.short_prefills_on_context_backend = self._short_prefills(dims)
             # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
             # prefill run one after the other, so they share the buffer
             self.workspace.reserve(
@@ -213,11 +218,28 @@ class MLAAttention:
             return chosen
         return backend, impl
 
+    def _short_prefills(self, dims: MLADims) -> bool:
+        """Whether steps without context whose prefills are all short (`SHORT_PREFILL_TOKENS`) also go to the
+        context backend: where that is TRITON on sm_90's prefill kernel. Through the layer on an H200, N =
+        128 (bench/RESULTS.md, "Prefill on sm_90: the overlap inside each warpgroup, ..."): 16 prefills x 512,
+        FLASHINFER 1.21x TRITON's time (its path repeats the rotary key per head); 1 x 8192, FLASHINFER's
+        faster kernel wins (0.95x TRITON's time)."""
+        if self.context_prefill_impl is self.prefill_impl or self.context_prefill_backend.name != "TRITON":
+            return False
+        if self.device.type != "cuda":
+            return False
+        from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
+
+        return not wgmma_prefill_reason(self.platform, self.dtype, dims.qk_head_dim, dims.v_head_dim)
+
     def _step_prefill(self, metadata: CommonAttentionMetadata):
         """(backend, impl) of this step's prefills: `context_prefill_*` where any prefill has cached
-        context, else the chosen prefill backend."""
+        context, or where every prefill is short and `short_prefills_on_context_backend` holds; else the
+        chosen prefill backend."""
         if self.context_prefill_impl is self.prefill_impl:
             return self.prefill_backend, self.prefill_impl
+        if self.short_prefills_on_context_backend and metadata.max_query_len <= SHORT_PREFILL_TOKENS:
+            return self.context_prefill_backend, self.context_prefill_impl
         has_context = metadata.backend_plans.get("prefill_has_context")
         if has_context is None:
             num_decodes = self._split(metadata)[0]
@@ -247,6 +269,8 @@ class MLAAttention:
         names = {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
         if self.context_prefill_backend is not self.prefill_backend:
             names["prefill_context"] = self.context_prefill_backend.name  # steps whose prefills have context
+            if self.short_prefills_on_context_backend:  # and steps whose prefills are all short
+                names["prefill_short"] = self.context_prefill_backend.name
         return names
 
     # ------------------------------------------------------------------ planning

@@ -330,6 +330,15 @@ def test_steps_with_context_take_the_split_key_prefill_where_the_chosen_one_repe
     cached = mm.CommonAttentionMetadata.from_lengths([1, 9, 5], [30, 9, 40], table, 16)  # the last one has 35
     assert type(layer._step_prefill(fresh)[1]) is not SplitKeyImpl
     assert type(layer._step_prefill(cached)[1]) is SplitKeyImpl
+    # on sm_90, where TRITON runs the Gluon prefill kernel, steps whose prefills are all short go there too
+    assert not layer.short_prefills_on_context_backend  # a CPU layer
+    layer.short_prefills_on_context_backend = True
+    monkeypatch.setattr(attention, "SHORT_PREFILL_TOKENS", 8)
+    short = mm.CommonAttentionMetadata.from_lengths([1, 8, 5], [30, 8, 5], table, 16)
+    assert type(layer._step_prefill(short)[1]) is SplitKeyImpl
+    assert type(layer._step_prefill(fresh)[1]) is not SplitKeyImpl  # a prefill of 9 tokens
+    assert layer.backends()["prefill_short"] == "TRITON"
+    layer.short_prefills_on_context_backend = False
     for forced in ({"prefill_backend": "REFERENCE"}, {}):
         if not forced:
             monkeypatch.setenv("MLA_MULTI_PREFILL_BACKEND", "REFERENCE")

@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                 captured = row["captured_us"]
                 gap = "-" if captured is None else f"{row['eager_us'] - captured:.1f}"
                 names = row["backends"]
-                prefill_name = names["prefill"] + (f" (context: {names['prefill_context']})"
-                                                   if "prefill_context" in names else "")
+                prefill_name = names["prefill"]
+                if "prefill_context" in names:
+                    which = "context and short" if "prefill_short" in names else "context"
+                    prefill_name += f" ({which}: {names['prefill_context']})"
                 print(f"| {text} | {names['decode']} / {prefill_name} | {row['metadata_us']:.0f} | "
                       f"{row['plan_us']:.0f} | "
                       f"{row['eager_us']:.1f} | {row['back_to_back_us']:.1f} | {'-' if captured is None else f'{captured:.1f}'} | {gap} |",
