@@ -11,6 +11,8 @@ the block size, and the context is cut into chunks of that many tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import itertools
 from collections.abc import Sequence
 
@@ -26,6 +28,19 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return pinned(host).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _device_slots() -> bool:
+    """Whether GPU metadata computes its slots with the Triton kernel (`cache_ops.slot_mapping`): Triton is
+    importable and not interpreting."""
+    try:
+        from mla_multi.kernels import interpreter_active
+
+        importlib.import_module("mla_multi.kernels.cache_ops")
+    except Exception:  # no usable Triton: the slots are gathered with PyTorch
+        return False
+    return not interpreter_active()
 
 
 def pinned(host: torch.Tensor) -> torch.Tensor:
@@ -131,24 +146,33 @@ class CommonAttentionMetadata:
         query_start_loc_cpu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
         seq_lens_cpu = torch.tensor(seq_lens_list, dtype=torch.int32)
         computed = seq_lens_cpu - query_lens_cpu.to(torch.int32)
-        # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size, gathered
-        # where the block table lives (no copy of it to the host, no synchronisation); the start locations
-        # and each token's (table entry, offset) reach the device in one copy (the lengths in their own
-        # storage: a view at an offset that changes with the batch would recompile a compiled caller)
         total = int(query_start_loc_cpu[-1])
-        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), query_lens_cpu)
-        positions = torch.arange(total) + (computed - query_start_loc_cpu[:-1]).long()[req_of_token]
-        flat_index = req_of_token * block_table.shape[1] + positions // block_size
-        packed = torch.cat([query_start_loc_cpu, flat_index.to(torch.int32),
-                            (positions % block_size).to(torch.int32)])
-        packed = to_device(packed, device)
-        query_start_loc = packed[: num_reqs + 1]
-        seq_lens = to_device(seq_lens_cpu, device)
-        if total:
-            blocks = block_table.reshape(-1).index_select(0, packed[num_reqs + 1 : num_reqs + 1 + total])
-            slot_mapping = blocks.long() * block_size + packed[num_reqs + 1 + total :]
+        if device.type == "cuda" and _device_slots():
+            # every token's slot computed on the device (one launch) from the lengths, which reach it in two
+            # queued copies (each in its own storage: a view at an offset that changes with the batch would
+            # recompile a compiled caller): no per-token work on the host
+            from mla_multi.kernels.cache_ops import slot_mapping as device_slot_mapping
+
+            query_start_loc = to_device(query_start_loc_cpu, device)
+            seq_lens = to_device(seq_lens_cpu, device)
+            slot_mapping = device_slot_mapping(query_start_loc, seq_lens, block_table, block_size, total)
         else:
-            slot_mapping = torch.zeros(0, dtype=torch.int64, device=device)
+            # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size,
+            # gathered where the block table lives; the start locations and each token's (table entry,
+            # offset) reach the device in one copy
+            req_of_token = torch.repeat_interleave(torch.arange(num_reqs), query_lens_cpu)
+            positions = torch.arange(total) + (computed - query_start_loc_cpu[:-1]).long()[req_of_token]
+            flat_index = req_of_token * block_table.shape[1] + positions // block_size
+            packed = torch.cat([query_start_loc_cpu, flat_index.to(torch.int32),
+                                (positions % block_size).to(torch.int32)])
+            packed = to_device(packed, device)
+            query_start_loc = packed[: num_reqs + 1]
+            seq_lens = to_device(seq_lens_cpu, device)
+            if total:
+                blocks = block_table.reshape(-1).index_select(0, packed[num_reqs + 1 : num_reqs + 1 + total])
+                slot_mapping = blocks.long() * block_size + packed[num_reqs + 1 + total :]
+            else:
+                slot_mapping = torch.zeros(0, dtype=torch.int64, device=device)
         return cls(
             query_start_loc=query_start_loc,
             query_start_loc_cpu=query_start_loc_cpu,

@@ -42,18 +42,33 @@ def random_batch(rng: random.Random, num_reqs: int, threshold: int = 1):
 # --------------------------------------------------------------------------- from_lengths
 
 
+_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _GPU])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("seed", range(4))
-def test_from_lengths_against_per_token_computation(block_size, seed):
+def test_from_lengths_against_per_token_computation(block_size, seed, device):
+    """On a GPU the slots come from `cache_ops.slot_mapping` (one program a request, 256 tokens a pass; a
+    prefill of up to 700 tokens and a block table that is a view with a wider row stride), on the CPU from
+    PyTorch: both against a per-token loop."""
     rng = random.Random(seed * 100 + block_size)
     query_lens, seq_lens = random_batch(rng, rng.randint(1, 9))
+    if seed % 2:
+        query_lens.append(700)
+        seq_lens.append(700 + rng.randint(0, 100))
     table = random_block_table(rng, seq_lens, block_size)
+    if device == "cuda":
+        wide = torch.full((table.shape[0], table.shape[1] + 3), -7, dtype=torch.int32, device=device)
+        wide[:, : table.shape[1]] = table.to(device)
+        table = wide[:, : table.shape[1]]
     metadata = CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, block_size)
 
     expected_slots, expected_starts = [], [0]
     for row, (q, s) in enumerate(zip(query_lens, seq_lens)):
         for position in range(s - q, s):
-            block = int(table[row, position // block_size])
+            block = int(table[row, position // block_size].item())
             expected_slots.append(block * block_size + position % block_size)
         expected_starts.append(expected_starts[-1] + q)
     assert metadata.slot_mapping.dtype == torch.int64

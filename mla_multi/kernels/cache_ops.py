@@ -6,6 +6,10 @@
   the device's error flag, `mla_multi.errors`).  An FP8 cache is written as
   ``x / scale`` rounded to nearest-even and saturated to the format's largest
   finite value (448 for e4m3fn, 240 for e4m3fnuz), so no value becomes NaN.
+* `slot_mapping` computes each new token's slot on the device from the
+  requests' query start locations, sequence lengths and block-table rows
+  (`CommonAttentionMetadata.from_lengths` on a GPU: no per-token work on the
+  host).
 * `gather_cache` copies each request's cached tokens ``seq_starts[i] ..
   seq_starts[i] + seq_lens[i]`` into one contiguous ``[sum(seq_lens), Lkv + R]``
   tensor, dequantising an FP8 cache by ``scale``.  An output row whose
@@ -25,11 +29,11 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
-from mla_multi.kernels.launch import BoundLaunch, layout_key
+from mla_multi.kernels.launch import BoundLaunch, alignment_key, layout_key
 from mla_multi.kernels.launch_config import CompileSpec, cache_ops_config
 from mla_multi.kernels.mla_decode import _fp8_bits_to_float
 
-__all__ = ["concat_and_cache_mla", "gather_cache", "compile_specs", "FP8_MAX"]
+__all__ = ["concat_and_cache_mla", "gather_cache", "slot_mapping", "compile_specs", "FP8_MAX"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -418,11 +422,66 @@ def gather_cache(
     return out
 
 
+@triton.jit
+def _slot_mapping_kernel(Query_start_loc, Seq_lens, Block_table, Slots, stride_table, block_size,
+                         BLOCK: tl.constexpr):
+    """One program a request: its new tokens sit at the last query_len positions of its sequence; each one's
+    slot is block_table[req, pos // block_size] * block_size + pos % block_size (the host checked that every
+    position lies inside the request's block-table row)."""
+    req = tl.program_id(0)
+    q_start = tl.load(Query_start_loc + req)
+    q_end = tl.load(Query_start_loc + req + 1)
+    first = tl.load(Seq_lens + req) - (q_end - q_start)
+    row = Block_table + req.to(tl.int64) * stride_table
+    for t0 in range(q_start, q_end, BLOCK):
+        tokens = t0 + tl.arange(0, BLOCK)
+        inside = tokens < q_end
+        positions = first + (tokens - q_start)
+        block = tl.load(row + positions // block_size, mask=inside, other=0)
+        tl.store(Slots + tokens, block.to(tl.int64) * block_size + positions % block_size, mask=inside)
+
+
+_SLOT_BLOCK = 256
+# bound launches of the slot kernel by (device, the block table's row stride and the block size as Triton
+# specialises them, the tensors' alignment): one launch a step, without Triton's dispatch
+_SLOT_LAUNCHES: dict = {}
+
+
+def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                 num_tokens: int) -> torch.Tensor:
+    """int64 [num_tokens]: the slot of every new token of the batch, computed on the device of `block_table`
+    (query_start_loc [B + 1] and seq_lens [B] int32 there too, already checked against the table)."""
+    slots = torch.empty(num_tokens, dtype=torch.int64, device=block_table.device)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return slots
+    stride = block_table.stride(0)
+    key = (block_table.device, stride == 1, stride % 16 == 0, block_size == 1, block_size % 16 == 0,
+           alignment_key(query_start_loc, seq_lens, block_table, slots))
+    launch = _SLOT_LAUNCHES.get(key)
+    if launch is None:
+        if len(_SLOT_LAUNCHES) >= 64:
+            _SLOT_LAUNCHES.clear()
+        launch = _SLOT_LAUNCHES[key] = BoundLaunch(_slot_mapping_kernel, (num_reqs,),
+                                                   dict(BLOCK=_SLOT_BLOCK, num_warps=4), block_table.device)
+    launch.grid = (num_reqs, 1, 1)
+    launch(query_start_loc, seq_lens, block_table, slots, stride, block_size)
+    return slots
+
+
 def compile_specs(platform) -> list[CompileSpec]:
     """The cache kernels for `platform`: bf16 and FP8 (e4m3fn bytes) caches, DeepSeek rows."""
     config = cache_ops_config(platform)
     options = config.launch_options()
-    specs = []
+    specs = [CompileSpec(
+        name="slot_mapping",
+        fn=_slot_mapping_kernel,
+        signature={"Query_start_loc": "*i32", "Seq_lens": "*i32", "Block_table": "*i32", "Slots": "*i64",
+                   "stride_table": "i32", "block_size": "i32", "BLOCK": "constexpr"},
+        constexprs={"BLOCK": _SLOT_BLOCK},
+        options={"num_warps": 4},
+        divisible_by_16=("Query_start_loc", "Seq_lens", "Block_table", "Slots", "block_size"),
+    )]
     for fp8 in (False, True):
         cache_type = "*u8" if fp8 else "*bf16"
         specs.append(
