@@ -1,5 +1,5 @@
 """Eager and graph-replayed time of the decode op and of a layer's decode step, beside FlashMLA and FlashInfer
-(its wrapper.run, planned outside) where they are installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
+(its wrapper.run, planned outside, and the op's FLASHINFER backend) where they are installed; the shared workspace of 61 layers; a layer's forward under the sync debug mode.
 
     PYTHONPATH=. python3 bench/host_bench.py [--op-only | --mixed-only]
 
@@ -109,8 +109,19 @@ for n, b, s in () if MIXED_ONLY else ((16, 1, 8192), (128, 1, 8192), (16, 8, 819
             return fi_plan.wrapper.run(query=(qn, qp), kv_cache=caches[state["i"]], return_lse=True,
                                        return_lse_base_on_e=True)[0]
 
+        def ours_flashinfer():
+            state["i"] = (state["i"] + 1) % len(caches)
+            return mm.ops.mla_decode(qn, qp, caches[state["i"]], bt, sl, scale, backend="FLASHINFER")
+
         try:
-            line += f"  FlashInfer eager {eager_time(flashinfer_run):7.1f}"
+            raw = eager_time(flashinfer_run)
+            line += f"  FlashInfer eager {raw:7.1f}"
+            try:
+                line += f" / {graph_time(flashinfer_run):7.1f}"
+            except Exception as error:  # noqa: BLE001
+                line += f" (not captured: {type(error).__name__})"
+            ours_fi = eager_time(ours_flashinfer)
+            line += f"; backend FLASHINFER eager {ours_fi:7.1f} ({ours_fi / raw:4.2f}x)"
         except Exception as error:  # noqa: BLE001
             line += f"  FlashInfer failed: {type(error).__name__}: {str(error)[:100]}"
     print(line, flush=True)

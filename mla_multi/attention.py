@@ -301,6 +301,7 @@ class MLAAttention:
             step = metadata.backend_plans.get(self._decode_step_key(num_decodes))
             if step is not None and step[2].get("plan") is not plan:  # replanned: made again from the new plan
                 del metadata.backend_plans[self._decode_step_key(num_decodes)]
+            self._decode_step(metadata, num_decodes)  # the split count too: every forward only launches
         if num_prefills > 0:
             self._prefill_metadata(metadata)
 

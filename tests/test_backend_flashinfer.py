@@ -337,6 +337,44 @@ def test_decode_gpu_bf16(heads, block_size):
 
 @pytest.mark.gpu
 @requires_flashinfer
+def test_decode_op_keeps_its_plan_while_the_lengths_are_unchanged(monkeypatch):
+    """`mm.ops.mla_decode(backend="FLASHINFER")` plans FlashInfer (reading the lengths on the host) on its
+    first call, reuses the plan while the same seq_lens / block_table tensors come back unmodified, and plans
+    again after an in-place update or for a new tensor; every result matches float64."""
+    from mla_multi.backends.flashinfer import FlashInferDecodeImpl
+
+    seq_lens = [5, 300, 2048, 17]
+    tensors = _decode_case(len(seq_lens), 16, 64, seq_lens, BF16, seed=3)
+    plans = []
+    real = FlashInferDecodeImpl.plan
+
+    def counting(self, *args, **kwargs):
+        plans.append(args[0].tolist())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FlashInferDecodeImpl, "plan", counting)
+    scale = 192**-0.5
+
+    def call():
+        out, lse = mm.ops.mla_decode(tensors["q_nope"], tensors["q_pe"], tensors["kv_cache"], tensors["block_table"],
+                                     tensors["seq_lens"], scale, backend="FLASHINFER", return_lse=True)
+        result = _decode_errors(tensors, out, lse, scale)
+        assert not result["nan"] and result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, result
+
+    call()
+    call()
+    assert len(plans) == 1
+    tensors["seq_lens"][1] = 40  # in place: a new version
+    call()
+    assert plans[-1] == [5, 40, 2048, 17]
+    tensors["seq_lens"] = tensors["seq_lens"].clone()  # the same values in a new tensor
+    call()
+    call()
+    assert len(plans) == 3
+
+
+@pytest.mark.gpu
+@requires_flashinfer
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_gpu_fp8(heads):
     seq_lens = [0, 33, 4096, 1000]

@@ -358,6 +358,8 @@ class FlashInferDecodePlan:
 class FlashInferDecodeImpl(MLADecodeImpl):
     """MLA decode through `BatchMLAPagedAttentionWrapper` (plan once per batch, run per layer)."""
 
+    plans_from_host_lengths = True  # its plan reads the lengths on the host
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_blocks: int | None = None
@@ -505,16 +507,16 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         """
         batch = q_nope.shape[0]
         query_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+        if q_nope.dtype != self._query_dtype:
+            raise ValueError(
+                f"q_nope has dtype {dtype_name(q_nope.dtype)}; FLASHINFER with a {dtype_name(self.kv_cache_dtype)} "
+                f"cache takes {dtype_name(self._query_dtype)} queries"
+            )
         if plan is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "FLASHINFER decode needs a plan made before CUDA-graph capture "
                     "(MLAAttention.plan(metadata, cuda_graph=True))"
-                )
-            if q_nope.dtype != self._query_dtype:
-                raise ValueError(
-                    f"q_nope has dtype {dtype_name(q_nope.dtype)}; FLASHINFER with a {dtype_name(self.kv_cache_dtype)} "
-                    f"cache takes {dtype_name(self._query_dtype)} queries"
                 )
             plan = self.plan(seq_lens.cpu(), block_table, query_len, k_scale=k_scale)
         if (plan.batch, plan.query_len) != (batch, query_len):
