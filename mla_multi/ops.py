@@ -17,7 +17,6 @@ can be stepped through without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
@@ -187,25 +186,6 @@ class _DecodePlan:
         self.num_kv_splits = None
         self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
         self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
-        # backends that plan from the lengths (FLASHINFER): the last plan and the tensors it was made from
-        self._backend_plan = None
-        self._planned_from = ()
-
-    def _plan_of_lengths(self, seq_lens, block_table, k_scale, q_len: int):
-        """The backend's plan for these lengths (`plans_from_host_lengths`): the last one while the same
-        seq_lens, block_table and k_scale tensors come back unmodified (the same objects, PyTorch's version
-        counters unchanged: an in-place update, a new tensor or the old one freed makes a new plan, which
-        reads the lengths on the host); None under CUDA-graph capture (the backend then says what to do)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        tensors = [t for t in (seq_lens, block_table, k_scale) if torch.is_tensor(t)]
-        planned = self._planned_from
-        if (self._backend_plan is not None and len(planned) == len(tensors)
-                and all(ref() is t and version == t._version for (ref, version), t in zip(planned, tensors))):
-            return self._backend_plan
-        self._backend_plan = self.impl.plan(seq_lens.cpu(), block_table, q_len, k_scale=k_scale)
-        self._planned_from = tuple((weakref.ref(t), t._version) for t in tensors)
-        return self._backend_plan
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -218,12 +198,8 @@ class _DecodePlan:
         if self.partial_dims is None:
             impl = self.impl
             impl.scale = float(scale)
-            extra = {}
-            if impl.plans_from_host_lengths and q_nope.device.type == "cuda":
-                extra["plan"] = self._plan_of_lengths(seq_lens, block_table, k_scale,
-                                                      q_nope.shape[1] if q_nope.dim() == 4 else 1)
             result, result_lse = impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
-                                                  num_kv_splits=self.num_kv_splits, **extra)
+                                                  num_kv_splits=self.num_kv_splits)
             if out is not None:
                 result = out.copy_(result)
             if lse is not None and result_lse is not None:

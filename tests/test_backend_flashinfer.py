@@ -520,6 +520,44 @@ def test_first_plan_of_a_configuration_is_logged_once_at_info(caplog):
     assert "mla-multi warmup" in records[0].getMessage()
 
 
+def test_functional_decode_plans_once_per_length_tensors(monkeypatch):
+    """forward_mqa without a plan (the decode op) reuses its last plan while the same seq_lens / block_table /
+    k_scale tensors come back unchanged (version counters), and plans again after an in-place update, for a
+    new tensor with the same values, once the old tensor is freed, or for another query length (a fake
+    wrapper stands in for FlashInfer's)."""
+    made = []
+
+    class Wrapper:
+        def run(self, query, kv_cache, return_lse, return_lse_base_on_e):
+            tokens, heads = query[0].shape[:2]
+            return torch.full((tokens, heads, 512), float(len(made))), torch.zeros(tokens, heads)
+
+    def plan(self, seq_lens_cpu, block_table, query_len=1, *, k_scale=None, cuda_graph=False):
+        made.append((seq_lens_cpu.tolist(), query_len))
+        return fi.FlashInferDecodePlan(Wrapper(), seq_lens_cpu.numel(), query_len, seq_lens_cpu, None, None, False)
+
+    monkeypatch.setattr(fi.FlashInferDecodeImpl, "plan", plan)
+    impl = fi.FlashInferDecodeImpl(2, 0.1, 512, 64, torch.bfloat16, 16, torch.device("cpu"))
+    cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+
+    def call(lens, table, q_len=1):
+        shape = (2, q_len, 2) if q_len > 1 else (2, 2)
+        q_nope, q_pe = torch.zeros(*shape, 512, dtype=torch.bfloat16), torch.zeros(*shape, 64, dtype=torch.bfloat16)
+        return impl.forward_mqa(q_nope, q_pe, cache, table, lens)[0].flatten()[0].item()
+
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    assert call(lens, table) == 1 and call(lens, table) == 1 and len(made) == 1
+    lens[0] = 4  # in place
+    assert call(lens, table) == 2 and made[-1] == ([4, 9], 1)
+    assert call(lens.clone(), table) == 3  # the same values, another tensor
+    table.add_(0)  # the block table changed in place
+    assert call(lens, table) == 4
+    assert call(lens, table, q_len=2) == 5 and made[-1] == ([4, 9], 2)
+    del lens
+    assert call(torch.tensor([3, 9], dtype=torch.int32), table) == 6
+
+
 def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
     """forward_varlen reuses its wrapper's plan while the same length tensors come back unchanged, and plans
     again for new tensors, changed contents or another causality (a fake wrapper counts the plans)."""

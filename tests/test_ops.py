@@ -762,36 +762,3 @@ def test_planned_prefill_matches_the_op_and_refuses_other_layouts():
     with pytest.raises(ValueError, match="differ from the planned ones"):
         plan.run(q2[:5], k, v, cu, cu)
 
-
-def test_a_planning_backend_keeps_its_plan_while_the_length_tensors_are_unchanged():
-    """`_DecodePlan._plan_of_lengths` (the decode op with FLASHINFER, whose plan reads the lengths on the host):
-    the last plan while the same seq_lens / block_table / k_scale tensors come back with unchanged version
-    counters; a new plan after an in-place update, for a new tensor with the same values, or once the old
-    tensor is freed and another takes its place."""
-    from mla_multi import ops
-
-    made = []
-
-    class Impl:
-        plans_from_host_lengths = True
-
-        def plan(self, seq_lens_cpu, block_table, query_len, *, k_scale=None):
-            made.append((seq_lens_cpu.tolist(), query_len, k_scale))
-            return len(made)
-
-    plan = ops._DecodePlan(None, Impl(), torch.device("cpu"), False, None)
-    lens = torch.tensor([3, 9], dtype=torch.int32)
-    table = torch.zeros(2, 4, dtype=torch.int32)
-    assert plan._plan_of_lengths(lens, table, None, 1) == 1
-    assert plan._plan_of_lengths(lens, table, None, 1) == 1
-    lens[0] = 4  # in place
-    assert plan._plan_of_lengths(lens, table, None, 1) == 2 and made[-1][0] == [4, 9]
-    assert plan._plan_of_lengths(lens.clone(), table, None, 1) == 3  # the same values, another tensor
-    table.add_(0)  # the block table changed in place
-    assert plan._plan_of_lengths(lens, table, None, 1) == 4
-    scale = torch.tensor([0.5])
-    assert plan._plan_of_lengths(lens, table, scale, 1) == 5  # a k_scale tensor joins the key
-    assert plan._plan_of_lengths(lens, table, scale, 1) == 5
-    del lens
-    fresh = torch.tensor([3, 9], dtype=torch.int32)
-    assert plan._plan_of_lengths(fresh, table, scale, 1) == 6

@@ -305,10 +305,6 @@ class MLAPrefillBackend(_BackendDeclarations, ABC):
 class MLADecodeImpl(ABC):
     """MQA over the paged latent cache (the absorbed decode of MLA)."""
 
-    # whether `forward_mqa` without a plan reads the lengths on the host (a synchronisation) to plan: the
-    # functional op then keeps the last plan while the same, unmodified length tensors come back
-    plans_from_host_lengths: bool = False
-
     def __init__(
         self,
         num_heads: int,

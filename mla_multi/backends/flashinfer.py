@@ -355,10 +355,23 @@ class FlashInferDecodePlan:
     cuda_graph: bool
 
 
+def _seen(tensors) -> tuple:
+    """What a plan made from `tensors` (None entries skipped) remembers of them: the objects, weakly, and
+    their version counters."""
+    return tuple((weakref.ref(t), t._version) for t in tensors if torch.is_tensor(t))
+
+
+def _unchanged(seen: tuple | None, tensors) -> bool:
+    """Whether `tensors` are the same objects, still alive and not modified in place since `_seen` saw them:
+    the plan of a functional call is reused then (lengths written behind PyTorch's back, by a kernel through
+    a raw pointer, are not seen: pass new tensors, or plan through MLAAttention.plan)."""
+    tensors = [t for t in tensors if torch.is_tensor(t)]
+    return (seen is not None and len(seen) == len(tensors)
+            and all(ref() is t and version == t._version for (ref, version), t in zip(seen, tensors)))
+
+
 class FlashInferDecodeImpl(MLADecodeImpl):
     """MLA decode through `BatchMLAPagedAttentionWrapper` (plan once per batch, run per layer)."""
-
-    plans_from_host_lengths = True  # its plan reads the lengths on the host
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -518,7 +531,13 @@ class FlashInferDecodeImpl(MLADecodeImpl):
                     "FLASHINFER decode needs a plan made before CUDA-graph capture "
                     "(MLAAttention.plan(metadata, cuda_graph=True))"
                 )
-            plan = self.plan(seq_lens.cpu(), block_table, query_len, k_scale=k_scale)
+            # a functional call: the last plan while the same length tensors come back unchanged
+            last = getattr(self, "_planned_for", None)
+            if last is not None and last[1] == query_len and _unchanged(last[0], (seq_lens, block_table, k_scale)):
+                plan = last[2]
+            else:
+                plan = self.plan(seq_lens.cpu(), block_table, query_len, k_scale=k_scale)
+                self._planned_for = (_seen((seq_lens, block_table, k_scale)), query_len, plan)
         if (plan.batch, plan.query_len) != (batch, query_len):
             raise ValueError(
                 f"the FLASHINFER plan is for {plan.batch} requests of {plan.query_len} tokens; "
@@ -668,16 +687,12 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
 
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
         (wrapper,) = self._wrappers(1, q.device)
-        # A call with the same length tensors (the same objects, still alive), unchanged since (their
-        # version counters), reuses the plan: a loop of calls over one batch plans once. Lengths written
-        # behind PyTorch's back (by a kernel through a raw pointer) are not seen: pass new tensors, or use
-        # MLAAttention.plan, then.
+        # a loop of calls over one batch plans once (`_unchanged`)
         last = getattr(self, "_planned_for", None)
-        planned = (cu_seqlens_q._version, cu_seqlens_k._version, q.shape[0], k.shape[0], bool(causal), q.dtype,
-                   self.scale)
-        if last is None or last[0]() is not cu_seqlens_q or last[1]() is not cu_seqlens_k or last[2] != planned:
+        planned = (q.shape[0], k.shape[0], bool(causal), q.dtype, self.scale)
+        if last is None or last[1] != planned or not _unchanged(last[0], (cu_seqlens_q, cu_seqlens_k)):
             self._plan_one(wrapper, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), causal, q.dtype)
-            self._planned_for = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), planned)
+            self._planned_for = (_seen((cu_seqlens_q, cu_seqlens_k)), planned)
         return self._run(wrapper, q, k, v.contiguous(), return_softmax_lse)
 
     def _planned(self, prefill_metadata, dtype: torch.dtype) -> FlashInferPrefillPlan | None:
