@@ -180,8 +180,9 @@ if gluon is not None:
     def _softmax_tile(s, tile, m_i, l_i, lk, diagonal_from, row_keys, qk_scale, BLOCK_N: gl.constexpr,
                       CAUSAL: gl.constexpr, cols_s: gl.constexpr):
         """One key tile's online softmax in base 2: the masked, scaled scores' probabilities p, the new running
-        maximum and sum, and alpha, the factor that rescales what was accumulated before."""
-        s = s * qk_scale
+        maximum and sum, and alpha, the factor that rescales what was accumulated before. The maximum is
+        taken over the raw scores and scaled once a row (qk_scale > 0), so that each probability costs one
+        fused multiply-add before its exponential."""
         key0 = tile * BLOCK_N
         needs_mask = key0 + BLOCK_N > lk
         if CAUSAL:
@@ -189,10 +190,10 @@ if gluon is not None:
         if needs_mask:
             keys = key0 + gl.arange(0, BLOCK_N, layout=cols_s)
             s = gl.where(keys[None, :] < row_keys[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
         return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
@@ -481,6 +482,8 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     """The kernel on checked tensors (`varlen_attention_wgmma`'s, or `prefill.varlen_attention`'s with `takes`
     holding), with at least one sequence, head and token; lse None: not stored. The descriptors and the bound
     launch are looked up, not rebuilt, when the addresses and layouts come again."""
+    if not scale > 0:  # the kernel scales each row's maximum once, which needs a positive scale
+        raise ValueError(f"scale={scale!r}; accepted: a positive float")
     num_tokens, num_heads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
     q_desc = _descriptor(q, [BLOCK_M, NOPE_DIM])
