@@ -165,6 +165,8 @@ class MLAAttention:
                 dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
             )
             self.short_prefills_on_context_backend = self._short_prefills(dims)
+            for impl in {id(i): i for i in (self.prefill_impl, self.context_prefill_impl)}.values():
+                impl.reserve_workspace(self.workspace)
             # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
             # prefill run one after the other, so they share the buffer
             self.workspace.reserve(

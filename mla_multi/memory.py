@@ -1,7 +1,7 @@
 """What the shared workspace of a device holds for a model, and why: `memory_plan`.
 
-Computed, not allocated: the decode backend's `reserve_workspace` runs against
-a recording workspace, so the figures are the ones `MLAAttention` reserves on
+Computed, not allocated: the decode and prefill backends' `reserve_workspace`
+run against a recording workspace, so the figures are the ones `MLAAttention` reserves on
 this device (or on an impersonated one, `mla_multi.platforms.override`).
 Every layer of a device shares the buffer, so a model of 61 layers reserves
 what one layer does; decode and prefill run one after the other and share it
@@ -45,16 +45,9 @@ class MemoryPlan:
     entries: list[tuple[str, int, str]]  # (purpose, bytes, how it was sized)
     workspace_bytes: int
     num_layers: int
-    # buffers the backends' libraries keep apart from the shared workspace, one per device (purpose, bytes, why)
-    own_buffers: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
 
     def decode_bytes(self) -> int:
         return sum(b for purpose, b, _ in self.entries if purpose.startswith("decode"))
-
-    def device_bytes(self) -> int:
-        """What the attention of every layer holds on the device beyond weights and cache: the shared
-        workspace and the libraries' own buffers."""
-        return self.workspace_bytes + sum(b for _, b, _ in self.own_buffers)
 
     def __str__(self) -> str:
         mib = 2**20
@@ -68,10 +61,6 @@ class MemoryPlan:
             f"  {self.workspace_bytes / mib:9.1f} MiB  one buffer shared by all {self.num_layers} layers "
             "(the largest reservation: decode and prefill run one after the other)"
         )
-        for purpose, nbytes, why in self.own_buffers:
-            lines.append(f"  {nbytes / mib:9.1f} MiB  plus {purpose}: {why}")
-        if self.own_buffers:
-            lines.append(f"  {self.device_bytes() / mib:9.1f} MiB  in all")
         return "\n".join(lines)
 
 
@@ -116,6 +105,10 @@ def memory_plan(
     )
     recorder = _RecordingWorkspace()
     impl.reserve_workspace(recorder, max_num_seqs, max_model_len, max_query_len, dtype=dtype)
+    prefill.get_prefill_impl_cls()(
+        dims.num_heads, dims.qk_head_dim**-0.5, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim,
+        dims.v_head_dim, torch.device("meta"),
+    ).reserve_workspace(recorder)
     tokens = workspace_tokens or default_workspace_tokens(max_model_len, max_num_seqs, block_size)
     recorder.reserve(
         ((tokens, dims.kv_cache_width), dtype),
@@ -132,5 +125,4 @@ def memory_plan(
         entries=recorder.describe(),
         workspace_bytes=recorder.largest,
         num_layers=num_layers,
-        own_buffers=list({buffer[0]: buffer for buffer in decode.own_buffers() + prefill.own_buffers()}.values()),
     )

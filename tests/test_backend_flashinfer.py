@@ -581,7 +581,8 @@ def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
     package = types.ModuleType("flashinfer")
     package.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
     monkeypatch.setitem(sys.modules, "flashinfer", package)
-    monkeypatch.setattr(fi_backend, "float_workspace", lambda device: torch.empty(0, dtype=torch.uint8))
+    monkeypatch.setattr(fi_backend, "float_workspace",
+                        lambda device, workspace_manager=None: torch.empty(0, dtype=torch.uint8))
     impl = fi_backend.FlashInferPrefillImpl(2, 0.1, 512, 128, 64, 128, torch.device("cpu"))
     q = torch.randn(5, 2, 192)
     v = torch.randn(5, 2, 128)
@@ -599,21 +600,101 @@ def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
     assert len(plans) == 4
 
 
-def test_memory_plan_lists_flashinfer_float_workspace_once(installed):
-    """FlashInfer's float workspace is its own buffer, one per device: the memory plan lists it once when
-    FLASHINFER serves decode, prefill or both, beside (not inside) the shared workspace."""
+def test_memory_plan_reserves_flashinfer_float_workspace_in_the_shared_workspace(installed):
+    """FlashInfer's float workspace is a reservation of the one shared workspace when FLASHINFER serves decode,
+    prefill or both: one entry of 128 MiB, and the buffer holds the largest reservation, not the sum."""
     from mla_multi.memory import memory_plan
 
     dims = mm.MLADims.deepseek_v3(num_heads=16)
     with override("H100"):
-        both = memory_plan(dims, 256, 32768, decode_backend="FLASHINFER", prefill_backend="FLASHINFER")
-        decode_only = memory_plan(dims, 256, 32768, decode_backend="FLASHINFER", prefill_backend="TRITON")
-        neither = memory_plan(dims, 256, 32768, decode_backend="TRITON", prefill_backend="TRITON")
-    assert both.own_buffers == decode_only.own_buffers == [
-        ("FlashInfer float workspace", fi.FLOAT_WORKSPACE_BYTES, both.own_buffers[0][2])]
-    assert neither.own_buffers == []
-    assert both.device_bytes() == both.workspace_bytes + 128 * 2**20
-    assert neither.device_bytes() == neither.workspace_bytes
-    text = str(both)
-    assert "plus FlashInfer float workspace" in text and "in all" in text
-    assert "in all" not in str(neither)
+        plans = {
+            (d, p): memory_plan(dims, 256, 32768, decode_backend=d, prefill_backend=p)
+            for d in ("FLASHINFER", "TRITON") for p in ("FLASHINFER", "TRITON")
+        }
+    for (decode, prefill), plan in plans.items():
+        flashinfer = [entry for entry in plan.entries if entry[0] == fi.FLOAT_WORKSPACE_PURPOSE]
+        assert len(flashinfer) == (decode == "FLASHINFER" or prefill == "FLASHINFER"), (decode, prefill)
+        if flashinfer:
+            assert flashinfer[0][1] == fi.FLOAT_WORKSPACE_BYTES
+        assert plan.workspace_bytes == max(b for _, b, _ in plan.entries)
+        assert str(plan).count("MiB") == len(plan.entries) + 1
+    # TRITON decode reserves more than FlashInfer's 128 MiB here: FlashInfer's prefill adds nothing
+    assert plans["TRITON", "FLASHINFER"].workspace_bytes == plans["TRITON", "TRITON"].workspace_bytes
+
+
+def test_flashinfer_wrappers_take_the_shared_workspace_and_follow_its_buffer(monkeypatch):
+    """The wrappers' float workspace is a view of the first bytes of the shared workspace (reserved there),
+    and a workspace grown to a new buffer gets new wrappers, the old ones dropped (fake FlashInfer classes
+    record what they were built with)."""
+    import sys
+    import types
+
+    from mla_multi.workspace import WorkspaceManager
+
+    built = []
+
+    class Wrapper:
+        def __init__(self, float_workspace_buffer, **kwargs):
+            built.append(float_workspace_buffer)
+
+    package = types.ModuleType("flashinfer")
+    package.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = Wrapper
+    package.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setattr(fi, "_decode_wrappers", {})
+    cpu = torch.device("cpu")
+    manager = WorkspaceManager(cpu)
+    manager.reserve(((1 << 20,), torch.uint8), purpose="decode: something smaller")
+
+    def storage(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    prefill = fi.FlashInferPrefillImpl(2, 0.1, 512, 128, 64, 128, cpu)
+    prefill.reserve_workspace(manager)
+    assert manager.size_bytes == fi.FLOAT_WORKSPACE_BYTES
+    assert dict((p, b) for p, b, _ in manager.describe())[fi.FLOAT_WORKSPACE_PURPOSE] == fi.FLOAT_WORKSPACE_BYTES
+    first = prefill._wrappers(2, cpu)
+    assert len(built) == 2 and all(storage(b) == storage(manager._buffer) and b.numel() == fi.FLOAT_WORKSPACE_BYTES
+                                   for b in built)
+    assert prefill._wrappers(2, cpu) == first and len(built) == 2  # kept while the buffer stays
+
+    decode = fi.FlashInferDecodeImpl(16, 0.1, 512, 64, torch.bfloat16, 64, cpu)
+    decode.reserve_workspace(manager, 8, 4096)
+    wrapper, _, _ = decode._wrapper(cpu, 4, 1, False, 16, 0)
+    assert storage(built[-1]) == storage(manager._buffer)
+    assert decode._wrapper(cpu, 4, 1, False, 16, 0)[0] is wrapper
+
+    manager.reserve(((fi.FLOAT_WORKSPACE_BYTES + (1 << 20),), torch.uint8), purpose="decode: larger")
+    grown = storage(manager._buffer)
+    assert prefill._wrappers(1, cpu)[0] is not first[0] and storage(built[-1]) == grown
+    again, _, _ = decode._wrapper(cpu, 4, 1, False, 16, 0)
+    assert again is not wrapper and storage(built[-1]) == grown
+    # the old buffer's wrappers are gone from the cache: nothing holds the old bytes
+    assert all(key[-1] == grown for key in fi._decode_wrappers)
+
+
+def test_functional_flashinfer_calls_share_the_device_workspace_unless_it_is_locked_smaller(monkeypatch):
+    """Without a layer's workspace, FlashInfer's float workspace is reserved in the device's shared workspace;
+    where that one is locked smaller (layers that never reserved FlashInfer's), it is a buffer of its own."""
+    from mla_multi.workspace import WorkspaceManager, set_workspace_manager
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fi, "_own_float_workspaces", {})
+    shared = WorkspaceManager(cpu)
+    set_workspace_manager(shared, cpu)
+    try:
+        buffer = fi.float_workspace(cpu)
+        assert shared.size_bytes == fi.FLOAT_WORKSPACE_BYTES
+        assert buffer.untyped_storage().data_ptr() == shared._buffer.untyped_storage().data_ptr()
+        small = WorkspaceManager(cpu)
+        small.reserve(((1024,), torch.uint8))
+        small.lock()
+        set_workspace_manager(small, cpu)
+        own = fi.float_workspace(cpu)
+        assert own.numel() == fi.FLOAT_WORKSPACE_BYTES and small.size_bytes == 1024
+        assert fi.float_workspace(cpu) is own  # one per device
+    finally:
+        set_workspace_manager(None, cpu)

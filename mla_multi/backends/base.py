@@ -115,12 +115,6 @@ class _BackendDeclarations:
     requires_plan: ClassVar[bool] = False
 
     @classmethod
-    def own_buffers(cls) -> list[tuple[str, int, str]]:
-        """Device buffers the backend's library keeps apart from the shared workspace, one per device
-        whatever the number of layers: (purpose, bytes, why). `mla_multi.memory.memory_plan` lists them."""
-        return []
-
-    @classmethod
     def is_available(cls) -> bool:
         """Whether the backend's libraries import here."""
         return not cls.availability_reasons()
@@ -225,6 +219,10 @@ class MLAPrefillImpl(ABC):
 
     # Whether `forward_varlen` takes the keys' shared rotary part apart (k [T, N, P] and k_pe [T, R]).
     takes_split_key: bool = False
+
+    def reserve_workspace(self, workspace_manager) -> None:
+        """Size `workspace_manager` (the layer's shared workspace) for what the backend's library keeps there
+        before it is locked (default: nothing)."""
 
     def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool, k_pe=None, out=None):
         """Causal attention of the new tokens among themselves.

@@ -263,10 +263,6 @@ class _FlashInferRequirements:
     supported_dtypes = MLA_QUERY_DTYPES
 
     @classmethod
-    def own_buffers(cls) -> list[tuple[str, int, str]]:
-        return _own_buffers()
-
-    @classmethod
     def availability_reasons(cls) -> list[str]:
         probe = probe_flashinfer()
         return [probe.error] if probe.error else []
@@ -285,32 +281,49 @@ class _FlashInferRequirements:
 
 # --------------------------------------------------------------------------- shared state
 
-_float_workspaces: dict[torch.device, torch.Tensor] = {}
 _decode_wrappers: dict[tuple, tuple] = {}
+_own_float_workspaces: dict[torch.device, torch.Tensor] = {}  # only where a locked shared workspace is too small
 _built: set[tuple] = set()
 _lock = threading.Lock()
 
-
-def _own_buffers() -> list[tuple[str, int, str]]:
-    return [(
-        "FlashInfer float workspace", FLOAT_WORKSPACE_BYTES,
-        "one per device, shared by every FlashInfer wrapper (decode and prefill; its split partials and "
-        "temporaries); the wrappers keep it from their construction, so it is a buffer of its own, not a view "
-        "of the shared workspace",
-    )]
+FLOAT_WORKSPACE_PURPOSE = "FlashInfer: float workspace of its wrappers"
+_FLOAT_WORKSPACE_SPEC = ((FLOAT_WORKSPACE_BYTES,), torch.uint8)
 
 
-def float_workspace(device: torch.device) -> torch.Tensor:
-    """The one 128 MiB float workspace of every FlashInfer wrapper on `device` (they run in stream order)."""
+def reserve_float_workspace(workspace_manager) -> None:
+    """Reserve FlashInfer's float workspace in `workspace_manager` (the device's shared workspace): its kernels'
+    split partials and temporaries live there only while a FlashInfer call runs, and nothing of the package's
+    stays in the shared workspace across such a call, so the two share the bytes."""
+    workspace_manager.reserve(
+        _FLOAT_WORKSPACE_SPEC, purpose=FLOAT_WORKSPACE_PURPOSE,
+        what="FlashInfer's recommended size, shared by every wrapper (decode and prefill) on the device",
+    )
+
+
+def float_workspace(device: torch.device, workspace_manager=None) -> torch.Tensor:
+    """The float workspace of every FlashInfer wrapper on `device`: the first bytes of `workspace_manager`
+    (default: the device's shared workspace), reserved there first. A wrapper keeps the view it was built
+    with, so wrappers are rebuilt when the workspace's buffer is replaced (`_workspace_key`)."""
     from mla_multi.errors import canonical_device
+    from mla_multi.workspace import WorkspaceLockedError, current_workspace_manager
 
-    device = canonical_device(device)
-    with _lock:
-        buffer = _float_workspaces.get(device)
-        if buffer is None:
-            buffer = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            _float_workspaces[device] = buffer
-        return buffer
+    if workspace_manager is None:  # a functional call: the device's shared workspace
+        device = canonical_device(device)
+        try:
+            reserve_float_workspace(current_workspace_manager(device))
+        except WorkspaceLockedError:  # locked smaller by layers that never reserved it: a buffer of its own
+            with _lock:
+                return _own_float_workspaces.setdefault(
+                    device, torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device))
+        workspace_manager = current_workspace_manager(device)
+    reserve_float_workspace(workspace_manager)
+    (buffer,) = workspace_manager.get_simultaneous(_FLOAT_WORKSPACE_SPEC)
+    return buffer
+
+
+def _workspace_key(buffer: torch.Tensor) -> int:
+    """What identifies the workspace buffer a wrapper was built with."""
+    return buffer.untyped_storage().data_ptr()
 
 
 def _timed_first_use(key: tuple, what: str, function, *args, **kwargs):
@@ -376,6 +389,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_blocks: int | None = None
+        self.workspace_manager = None  # the layer's (reserve_workspace); None: the device's shared workspace
 
     def plan_key(self) -> tuple:
         """Layers with equal keys share plans and wrappers."""
@@ -384,8 +398,12 @@ class FlashInferDecodeImpl(MLADecodeImpl):
 
     def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
                           dtype: torch.dtype | None = None) -> None:
-        """Remember the worst case: CUDA-graph plans size their fixed page-index buffer from it."""
+        """Remember the worst case (CUDA-graph plans size their fixed page-index buffer from it) and reserve
+        FlashInfer's float workspace in `workspace_manager`, which the wrappers then use."""
         self.max_blocks = -(-max_model_len // self.block_size)
+        self.workspace_manager = workspace_manager  # None: the device's shared one, when a wrapper is made
+        if workspace_manager is not None:
+            reserve_float_workspace(workspace_manager)
 
     def _wrapper(self, device: torch.device, batch: int, query_len: int, cuda_graph: bool, num_pages: int, slot: int):
         """(wrapper, fixed empty-row buffer or None, page capacity), shared by every layer of this configuration.
@@ -396,14 +414,19 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         """
         import flashinfer.mla
 
-        key = (device, self.plan_key(), (batch, query_len) if cuda_graph else None, slot)
+        buffer = float_workspace(device, self.workspace_manager)
+        workspace = _workspace_key(buffer)
+        key = (device, self.plan_key(), (batch, query_len) if cuda_graph else None, slot, workspace)
         with _lock:
             found = _decode_wrappers.get(key)
+            if found is None:  # a replaced workspace: wrappers of the old one go, and their hold on its bytes
+                for stale in [k for k in _decode_wrappers if k[0] == device and k[-1] != workspace]:
+                    del _decode_wrappers[stale]
         if found is not None and found[2] >= num_pages:
             return found
         if not cuda_graph:
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-                float_workspace_buffer=float_workspace(device), use_cuda_graph=False,
+                float_workspace_buffer=buffer, use_cuda_graph=False,
                 qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto",
             )
             found = (wrapper, None, float("inf"))
@@ -415,7 +438,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
                 )
             capacity = max(num_pages, batch * (self.max_blocks or 0), 1)
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-                float_workspace_buffer=float_workspace(device),
+                float_workspace_buffer=buffer,
                 use_cuda_graph=True,
                 qo_indptr=torch.empty(batch + 1, dtype=torch.int32, device=device),
                 kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device=device),
@@ -627,6 +650,14 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pool: list[Any] = []
+        self._pool_workspace: int | None = None  # the workspace buffer the pool's wrappers were built with
+        self.workspace_manager = None  # the layer's (reserve_workspace); None: the device's shared workspace
+
+    def reserve_workspace(self, workspace_manager) -> None:
+        """Reserve FlashInfer's float workspace in `workspace_manager`, which the wrappers then use."""
+        self.workspace_manager = workspace_manager  # None: the device's shared one, when a wrapper is made
+        if workspace_manager is not None:
+            reserve_float_workspace(workspace_manager)
 
     def plan_key(self) -> tuple:
         return ("FLASHINFER", "prefill", self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
@@ -635,10 +666,13 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
     def _wrappers(self, count: int, device: torch.device) -> list[Any]:
         import flashinfer
 
+        buffer = float_workspace(device, self.workspace_manager)
+        if self._pool_workspace != _workspace_key(buffer):  # a replaced workspace: new wrappers over it
+            self._pool, self._pool_workspace = [], _workspace_key(buffer)
         while len(self._pool) < count:
             self._pool.append(
                 flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                    float_workspace_buffer=float_workspace(device), kv_layout="NHD", backend="auto"
+                    float_workspace_buffer=buffer, kv_layout="NHD", backend="auto"
                 )
             )
         return self._pool[:count]
