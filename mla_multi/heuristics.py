@@ -93,17 +93,17 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def max_num_kv_splits(max_model_len: int, platform) -> int:
+def max_num_kv_splits(max_model_len: int, platform, *, min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Splits to reserve in the ``attn_logits`` workspace for sequences up to `max_model_len`.
 
     The most `num_kv_splits` can return for any batch on `platform`: one split
-    per ``MIN_TOKENS_PER_SPLIT`` tokens, at most enough to give every compute
+    per `min_tokens_per_split` tokens (``MIN_TOKENS_PER_SPLIT``), at most enough to give every compute
     unit two programs from a single request and head block (rounded up to a
     power of two), and at most ``MAX_KV_SPLITS_CAP``.
     """
     if max_model_len < 1:
         raise ValueError(f"max_model_len={max_model_len}; accepted: >= 1")
-    by_length = -(-max_model_len // MIN_TOKENS_PER_SPLIT)
+    by_length = -(-max_model_len // min_tokens_per_split)
     by_device = 1 << max(0, math.ceil(math.log2(max(1, 2 * platform.num_compute_units))))
     return max(1, min(by_length, by_device, MAX_KV_SPLITS_CAP))
 
@@ -166,6 +166,7 @@ def num_kv_splits(
     qk_rope_head_dim: int = 64,
     kv_cache_dtype: torch.dtype = torch.bfloat16,
     max_partial_rows: int | None = None,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
     """The number of KV splits for a decode batch (see the module docstring for the model).
 
@@ -180,6 +181,8 @@ def num_kv_splits(
         kv_lora_rank, qk_rope_head_dim, kv_cache_dtype: cache row shape and type.
         max_partial_rows: the partial rows reserved in the workspace (`max_partial_rows()`);
             ``batch_size * q_len * splits`` never exceeds it when splitting. None: no bound.
+        min_tokens_per_split: the fewest tokens a split holds (the sparse decode's index lists, read
+            without a page table's indirection, go down to one 64-token tile).
 
     Returns:
         An int in 1 .. max_num_kv_splits.
@@ -200,7 +203,7 @@ def num_kv_splits(
     forced = _env_override()
     if forced is not None:
         return max(1, min(int(forced), max_num_kv_splits))
-    if max_seq_len <= MIN_TOKENS_PER_SPLIT:
+    if max_seq_len <= min_tokens_per_split:
         return 1
 
     config, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype)
@@ -209,7 +212,7 @@ def num_kv_splits(
     row_bytes = (kv_lora_rank + qk_rope_head_dim) * max(2, _element_size(kv_cache_dtype))
     partial_bytes_per_split = batch_size * rows * (kv_lora_rank + 1) * 4 * 2
 
-    limit = min(max_num_kv_splits, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
+    limit = min(max_num_kv_splits, -(-max_seq_len // min_tokens_per_split))
     best_splits, best_cost = 1, math.inf
     for splits in range(1, max(1, limit) + 1):
         chunk = _round_up(-(-max_seq_len // splits), config.block_n)

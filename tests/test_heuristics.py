@@ -118,3 +118,20 @@ def test_bad_arguments():
         num_kv_splits(SPECS["H100"], 0, 16, 10, 4)
     with pytest.raises(ValueError, match="max_model_len"):
         max_num_kv_splits(0, SPECS["H100"])
+
+
+def test_min_tokens_per_split_lets_short_lists_split_to_one_tile():
+    """The sparse decode's index lists (2048 tokens, no page table) may split down to 64-token tiles: one
+    token of 128 heads on an H200 then takes 32 splits (64 programs) instead of 16; batches that already fill
+    the device choose as before, and the default minimum stays 128 tokens a split."""
+    h200 = SPECS["H200"]
+    assert heuristics.MIN_TOKENS_PER_SPLIT == 128
+    assert max_num_kv_splits(2048, h200) == 16
+    assert max_num_kv_splits(2048, h200, min_tokens_per_split=64) == 32
+    limit = max_num_kv_splits(2048, h200, min_tokens_per_split=64)
+    assert num_kv_splits(h200, 1, 128, 2048, limit, kv_cache_dtype=torch.uint8, min_tokens_per_split=64) == 32
+    assert num_kv_splits(h200, 1, 128, 2048, 16, kv_cache_dtype=torch.uint8) == 16
+    for batch in (8, 16, 32, 64):
+        assert num_kv_splits(h200, batch, 128, 2048, limit, kv_cache_dtype=torch.uint8, min_tokens_per_split=64) == \
+            num_kv_splits(h200, batch, 128, 2048, 16, kv_cache_dtype=torch.uint8)
+    assert num_kv_splits(h200, 1, 128, 64, limit, min_tokens_per_split=64) == 1  # one tile: no split

@@ -333,6 +333,44 @@ def test_triton_fp8_ds_mla_decode_reads_the_cache_in_place_on_sm90(monkeypatch):
             mm.ops.mla_sparse_decode(q_nope.half().cuda(), q_pe.half().cuda(), cache, indices, 0.07, backend="TRITON")
 
 
+@pytest.mark.parametrize("tokens,heads,topk", [(1, 128, 2048), (6, 128, 512), (3, 16, 320)])
+def test_triton_fp8_ds_mla_decode_reads_the_index_lists_as_they_are_on_sm90(monkeypatch, tokens, heads, topk):
+    """Without topk_length, sm_90's in-place decode takes each token's index list as its block-table row: no
+    compaction launch (made to fail), -1 entries masked in the kernel and never read (slot 0, which -1 would
+    name if clamped, holds NaN), duplicates counted twice, a token with no valid index 0 and -inf; one token
+    splits its list over several programs."""
+    _sm90_in_place()
+    from mla_multi.kernels import sparse_indices
+
+    def no_compaction(*args, **kwargs):
+        raise AssertionError("the index lists were compacted")
+
+    generator = torch.Generator().manual_seed(tokens * 31 + topk)
+    cache, rows, _ = _cache("fp8_ds_mla", 64, 64, generator, poison_slots=[0] + list(range(4000, 4096)))
+    indices = _indices(generator, tokens, topk, list(range(1, 4000)), minus_one=0.3)
+    indices[0, 5:9] = indices[0, 4]  # duplicates
+    if tokens > 1:
+        indices[-1] = -1  # no valid index
+    q_nope = torch.randn(tokens, heads, LKV, generator=generator).to(torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, ROPE, generator=generator).to(torch.bfloat16)
+    ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1).double(), rows, indices, 0.07)
+    with monkeypatch.context() as patch:
+        patch.setattr(sparse_indices, "compact_indices", no_compaction)
+        out, lse = mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices.cuda(), 0.07, backend="TRITON",
+                                            return_lse=True)
+    live = slice(0, tokens - 1) if tokens > 1 else slice(0, 1)
+    assert _rel(out[live], ref[live]) < BOUND
+    torch.testing.assert_close(lse[live].cpu().double(), ref_lse[live], rtol=2e-3, atol=1e-2)
+    if tokens > 1:
+        assert bool((out[-1] == 0).all()) and bool(torch.isneginf(lse[-1]).all())
+    # with topk_length the lists are still compacted (the kernel reads only each token's valid count)
+    with monkeypatch.context() as patch:
+        patch.setattr(sparse_indices, "compact_indices", no_compaction)
+        with pytest.raises(AssertionError, match="compacted"):
+            mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices.cuda(), 0.07, backend="TRITON",
+                                     topk_length=torch.full((tokens,), topk, dtype=torch.int32, device="cuda"))
+
+
 @pytest.mark.parametrize("heads,splits", [(16, 1), (16, 4), (128, 1), (128, 3)])
 def test_dense_paged_fp8_ds_mla_decode_matches_float64(heads, splits):
     """The kernel-level decode over a paged fp8_ds_mla cache (pages of 64: one block-table entry a tile,

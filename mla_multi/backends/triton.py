@@ -207,20 +207,24 @@ class TritonDecodeImpl(MLADecodeImpl):
         )
 
     def choose_num_kv_splits(self, batch: int, q_len: int, bound: int | None, kv_cache_dtype, num_kv_splits=None,
-                             max_blocks: int | None = None) -> int:
+                             max_blocks: int | None = None, min_tokens_per_split: int | None = None) -> int:
         """The split count of a batch: forced (`num_kv_splits`) or the heuristic's, within the reservation.
 
         `bound` is a host-side bound of the batch's sequence lengths (None: the
-        reservation's max_model_len, else `max_blocks * block_size`)."""
+        reservation's max_model_len, else `max_blocks * block_size`); `min_tokens_per_split`: the heuristic's
+        (default `heuristics.MIN_TOKENS_PER_SPLIT`)."""
+        from mla_multi.heuristics import MIN_TOKENS_PER_SPLIT
         from mla_multi.heuristics import max_num_kv_splits as reserve_splits
         from mla_multi.heuristics import num_kv_splits as choose_splits
+
+        min_tokens = min_tokens_per_split or MIN_TOKENS_PER_SPLIT
 
         limit = self.max_num_kv_splits
         if bound is None:
             bound = self.max_model_len or (max_blocks or 1) * self.block_size
         if limit is None:
             # Not reserved ahead: size by the longest sequence this call can see.
-            limit = reserve_splits(max(1, bound), self.platform)
+            limit = reserve_splits(max(1, bound), self.platform, min_tokens_per_split=min_tokens)
         rows = self.max_partial_rows
         if rows is not None:
             limit = max(1, min(limit, rows // max(1, batch * q_len)))
@@ -228,7 +232,7 @@ class TritonDecodeImpl(MLADecodeImpl):
             num_kv_splits = choose_splits(
                 self.platform, max(1, batch), self.num_heads, bound, limit, q_len=q_len,
                 kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, kv_cache_dtype=kv_cache_dtype,
-                max_partial_rows=rows,
+                max_partial_rows=rows, min_tokens_per_split=min_tokens,
             )
         return max(1, min(int(num_kv_splits), limit))
 
@@ -300,7 +304,8 @@ class TritonSparseDecodeImpl(MLASparseImpl):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
     kernels): 16-bit and per-tensor FP8 caches as they are; an fp8_ds_mla cache in place on sm_90 (the
-    warp-specialised kernels' loader dequantises each named row as it loads it), elsewhere its named rows
+    warp-specialised kernels' loader dequantises each named row as it loads it; without topk_length the
+    kernels read the index lists themselves, -1 masked, and nothing is compacted), elsewhere its named rows
     first dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -313,7 +318,16 @@ class TritonSparseDecodeImpl(MLASparseImpl):
         if kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype):
             in_place = functools.partial(self._decode_in_place, scale=scale)
         return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                            in_place=in_place)
+                                            in_place=in_place, lists_as_they_are=self._lists_as_they_are(q_nope))
+
+    def _lists_as_they_are(self, q_nope) -> bool:
+        """Whether the in-place kernels read the index lists themselves (-1 masked in the kernel) rather than a
+        compacted copy: while the batch's 64-head blocks fill at most half the device's compute units, where
+        the compaction launch is a fixed cost worth saving; past that the masking inside every tile costs as
+        much or more (bench/RESULTS.md, H200: 1 / 32 / 64 tokens of 128 heads -29 / -2 / +0.5 %, 64 tokens
+        of 64 heads -4 %)."""
+        blocks = q_nope.shape[0] * -(-self.num_heads // 64)
+        return blocks <= current_platform().num_compute_units // 2
 
     @functools.cached_property
     def _platform_reason(self) -> str:
@@ -337,9 +351,10 @@ class TritonSparseDecodeImpl(MLASparseImpl):
             return ds_mla_decode_reason(current_platform(), kv)
         return ""
 
-    def _decode_in_place(self, q_nope, q_pe, pages, table, lens, *, scale):
+    def _decode_in_place(self, q_nope, q_pe, pages, table, lens, *, scale, masked_entries=False):
         """The dense decode impl over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]); the split
-        count of a (tokens, topk) shape chosen once."""
+        count of a (tokens, topk) shape chosen once. masked_entries: `table` is the index lists as they are
+        (-1: no token, masked by the kernel) and `lens` their full length."""
         decode = self._in_place
         if decode is None:
             decode = self._in_place = TritonDecodeImpl(
@@ -351,34 +366,70 @@ class TritonSparseDecodeImpl(MLASparseImpl):
         if splits is None:
             if len(self._splits) >= 256:
                 self._splits.clear()
+            # splits down to one 64-token tile: the lists need no page table's indirection, and a short batch
+            # fills the device only so (bench/RESULTS.md: 1 token of 128 heads, 32 splits 16.9 µs, 16 19.6 µs)
             splits = self._splits[key] = decode.choose_num_kv_splits(
-                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1]
+                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1], min_tokens_per_split=64
             )
-        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits)
+        if not masked_entries:
+            return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits)
+        from mla_multi.kernels.mla_decode import mla_decode_fwd, split_partials
+
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+        lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=q_nope.device)
+        partials = split_partials(q_nope.shape[0], self.num_heads, splits, self.kv_lora_rank, q_nope.device)
+        return mla_decode_fwd(q_nope, q_pe, pages, table, lens, decode.scale, k_scale=None, num_kv_splits=splits,
+                              attn_logits=partials, out=out, lse=lse, platform=decode.platform, masked_entries=True)
 
 
 def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                 out_of_range_is_none: bool = False, in_place=None):
+                                 out_of_range_is_none: bool = False, in_place=None, lists_as_they_are: bool = False):
     """Compact the indices into one-token pages and decode them with the dense kernels; `in_place`, for an
-    fp8_ds_mla cache its kernels read as it is: (q_nope, q_pe, pages, table, lens) -> (out, lse)."""
+    fp8_ds_mla cache its kernels read as it is: (q_nope, q_pe, pages, table, lens, masked_entries=False) ->
+    (out, lse). With `lists_as_they_are` and no topk_length, `in_place` takes the index lists themselves
+    (masked_entries=True)."""
     from mla_multi import ops
     from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
 
     num_slots = kv.shape[0] * kv.shape[1]
-    table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
-    if in_place is not None:
-        out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens)
+    if (in_place is not None and lists_as_they_are and topk_length is None and not out_of_range_is_none
+            and indices.stride(-1) == 1):
+        # the kernels read the index lists as they are (-1 masked): no compaction launch
+        out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), indices,
+                            _full_lengths(indices), masked_entries=True)
     else:
-        if kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: the named rows dequantised into one-token pages
-            pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+        table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
+        if in_place is not None:
+            out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens)
         else:
-            pages = kv.reshape(num_slots, 1, kv.shape[-1])
-        out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
-                                  return_lse=True)
+            if kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: its named rows dequantised into pages
+                pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+            else:
+                pages = kv.reshape(num_slots, 1, kv.shape[-1])
+            out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
+                                      return_lse=True)
     if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
         factor = torch.sigmoid(lse - attn_sink)
         out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
     return out, lse
+
+
+_FULL_LENGTHS: dict = {}
+
+
+def _full_lengths(indices: torch.Tensor) -> torch.Tensor:
+    """int32 [tokens] holding topk: every token's whole index list (kept per shape and device, except when made
+    during a CUDA-graph capture, whose memory the graph owns)."""
+    tokens, topk = indices.shape
+    key = (indices.device, tokens, topk)
+    lengths = _FULL_LENGTHS.get(key)
+    if lengths is None:
+        lengths = torch.full((tokens,), topk, dtype=torch.int32, device=indices.device)
+        if not (indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_FULL_LENGTHS) >= 64:
+                _FULL_LENGTHS.clear()
+            _FULL_LENGTHS[key] = lengths
+    return lengths
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):

@@ -633,6 +633,7 @@ def mla_decode_fwd(
     config: DecodeLaunchConfig | None = None,
     platform: Any = None,
     error_flag: torch.Tensor | None = None,
+    masked_entries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -661,6 +662,9 @@ def mla_decode_fwd(
         platform: the Platform the configuration is chosen for; default the current one.
         error_flag: int32 [1] that bad indices are ORed into (`mla_multi.errors` bits);
             default the device's flag, `mla_multi.errors.error_flag(device)`.
+        masked_entries: an fp8_ds_mla cache of one-token pages read on sm_90 (the sparse decode's index
+            lists as the block table): an entry -1 is no token, masked; one outside [-1, num_blocks)
+            makes the request's rows NaN and sets `errors.SPARSE_INDEX`.
 
     Returns:
         (out, lse), the buffers passed in.
@@ -673,14 +677,14 @@ def mla_decode_fwd(
         key = decode_plan_key(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, config,
             platform, error_flag,
-        )
+        ) + (bool(masked_entries),)
     except (AttributeError, TypeError):  # not tensors: the plan's checks say what was wrong
         key = None
     plan = _KERNEL_PLANS.get(key)
     if plan is None:
         plan = DecodeKernelPlan(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
-            config=config, platform=platform, error_flag=error_flag,
+            config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries,
         )
         if len(_KERNEL_PLANS) >= _KERNEL_PLANS_MAX:
             _KERNEL_PLANS.clear()
@@ -744,6 +748,7 @@ class DecodeKernelPlan:
     def __init__(
         self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, *,
         config: DecodeLaunchConfig | None = None, platform: Any = None, error_flag: torch.Tensor | None = None,
+        masked_entries: bool = False,
     ) -> None:
         batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag
@@ -816,6 +821,11 @@ class DecodeKernelPlan:
                 )
             if reason:
                 raise ValueError(f"an fp8_ds_mla kv_cache cannot be decoded here: {reason}")
+        if masked_entries and not (ds_mla and kv_cache.shape[1] == 1):
+            raise ValueError(
+                f"masked_entries=True reads -1 entries of one-token fp8_ds_mla pages; got a {kv_cache.dtype} cache "
+                f"of block size {kv_cache.shape[1]}"
+            )
         if config.warpgroup:
             reason = wgmma_decode_reason(platform, kv_cache.dtype, kv_lora_rank, rope_dim)
             if not reason and fp8_rows_unaligned:
@@ -853,6 +863,7 @@ class DecodeKernelPlan:
                 fp8_cache=kv_cache.dtype in FP8_DTYPES or ds_mla,
                 direct=direct,
                 allow_tma=eager_tma(q_nope, batch * q_len),
+                masked_entries=masked_entries,
             )
         else:
             self.split = BoundLaunch(
@@ -1003,8 +1014,9 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     if ws:
         constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
         constexprs["RAW_STAGES"] = config.raw_stages
-        signature["ROWS_AS_M"] = "constexpr"
-        signature["RAW_STAGES"] = "constexpr"
+        constexprs.setdefault("MASKED_ENTRIES", False)
+        for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES"):
+            signature[key] = "constexpr"
         if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
             # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
             constexprs["TMA"] = True
@@ -1088,13 +1100,17 @@ def compile_specs(platform) -> list[CompileSpec]:
             if config not in ds_configs:
                 ds_configs.append(config)
         for config in ds_configs:
-            for page_size, direct in ((1, False), (1, True), (64, False)):
+            # masked: the sparse decode's index lists read as they are (-1 entries masked in the kernel)
+            for page_size, direct, masked in ((1, False, True), (1, True, True), (1, False, False), (1, True, False),
+                                              (64, False, False)):
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": page_size, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct,
                 }
+                if masked:
+                    constexprs["MASKED_ENTRIES"] = True
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
-                        f"{'direct' if direct else 'partial'}]")
+                        f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     for reduce_config in all_decode_reduce_configs(platform):
         specs.append(

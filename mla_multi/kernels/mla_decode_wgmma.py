@@ -143,6 +143,7 @@ if gluon is not None:
     # the launch's register cap: 12 warps share the 64K registers of an SM
     WS_MAXNREG = 168
     _BLOCK_INDEX_ERROR = gl.constexpr(errors.BLOCK_INDEX)
+    _SPARSE_INDEX_ERROR = gl.constexpr(errors.SPARSE_INDEX)
     _SEQ_RANGE_ERROR = gl.constexpr(errors.SEQ_RANGE)
     # names that moved between Triton releases (3.6: thread_barrier and
     # async_copy_global_to_shared; later: barrier and async_load)
@@ -825,6 +826,17 @@ if gluon is not None:
         return gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0
 
     @gluon.jit
+    def _tile_entries(block_table_row, start, split_end, num_cache_blocks, BLOCK_N: gl.constexpr,
+                      tokens_layout: gl.constexpr):
+        """One-token pages whose entry -1 names no token (MASKED_ENTRIES: the sparse decode's index lists read
+        as they are): whether an entry of the tile at `start` lies outside [-1, num_cache_blocks), and which
+        of its positions name a token (the others' scores are masked; the loader read zeros for them)."""
+        pos = start + gl.arange(0, BLOCK_N, layout=tokens_layout)
+        pages = gl.load(block_table_row + pos, mask=pos < split_end, other=0)
+        bad = gl.max(((pages < -1) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0
+        return bad, pages != -1
+
+    @gluon.jit
     def _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, ready, tile, K_STAGES: gl.constexpr,
                ROWS_AS_M: gl.constexpr, s_shape: gl.constexpr, s_layout: gl.constexpr):
         """Wait until the stage holding `tile` is ready and issue its QK product (async; S, or S^T with the
@@ -896,6 +908,7 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
+        MASKED_ENTRIES: gl.constexpr = False,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
@@ -990,11 +1003,20 @@ if gluon is not None:
             start = split_start + tile * BLOCK_N
             # the block-table entries the loader used, checked here too (the
             # loader read a bad one as block 0)
-            bad_block = bad_block | _tile_bad_block(
-                block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
-            )
+            if MASKED_ENTRIES:
+                tile_bad, keep = _tile_entries(block_table_row, start, split_end, num_cache_blocks, BLOCK_N, tokens_s)
+                bad_block = bad_block | tile_bad
+            else:
+                bad_block = bad_block | _tile_bad_block(
+                    block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
+                )
             s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if MASKED_ENTRIES:  # a -1 entry's score (of the zeros the loader wrote) is no score
+                if ROWS_AS_M:
+                    s = gl.where(keep[None, :], s, float("-inf"))
+                else:
+                    s = gl.where(keep[:, None], s, float("-inf"))
             if FP8_QK or PV_WHOLE:
                 # QK is done with the stage (a raw one's other arrival is the loader's conversion; a 16-bit
                 # one's the second warpgroup's P V)
@@ -1006,7 +1028,7 @@ if gluon is not None:
                 ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE, FP8_PV,
             )
 
-        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
+        gl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR if MASKED_ENTRIES else _BLOCK_INDEX_ERROR, mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
         if not ROWS_AS_M:
             l_i = gl.sum(l_i, 0)
@@ -1269,13 +1291,19 @@ if gluon is not None:
 
     @gluon.jit
     def _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token,
-                 FIRST: gl.constexpr, PIECE: gl.constexpr, PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
+                 FIRST: gl.constexpr, PIECE: gl.constexpr, PAGE_SIZE: gl.constexpr, layout: gl.constexpr,
+                 MASKED: gl.constexpr = False):
         """Word offsets of the cache rows of tile positions [start + FIRST, start + FIRST + PIECE) and their
-        validity; an entry outside [0, num_cache_blocks) reads block 0 (the softmax partition flags it)."""
+        validity; an entry outside [0, num_cache_blocks) reads block 0 (the softmax partition flags it), or,
+        MASKED (the index lists themselves, where an entry -1 is no token), nothing: its row is zeros."""
         pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
-        block = gl.where((entries < 0) | (entries >= num_cache_blocks), 0, entries).to(gl.int64)
+        outside = (entries < 0) | (entries >= num_cache_blocks)
+        block = gl.where(outside, 0, entries).to(gl.int64)
         rows = block * stride_kv_block + (pos % PAGE_SIZE).to(gl.int64) * stride_kv_token
-        return rows >> 2, pos < split_end
+        valid = pos < split_end
+        if MASKED:
+            valid = valid & ~outside
+        return rows >> 2, valid
 
     @gluon.jit
     def _ds_piece_load(KV_words, words, valid, layout: gl.constexpr):
@@ -1293,13 +1321,13 @@ if gluon is not None:
     @gluon.jit
     def _ds_scale_load(KV_f32, block_table_row, start, split_end, num_cache_blocks, stride_kv_block,
                        stride_kv_token, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                       BLOCK_N: gl.constexpr):
+                       BLOCK_N: gl.constexpr, MASKED: gl.constexpr = False):
         """The four float32 scales of each row of the tile at `start`, four [BLOCK_N] vectors (zeros past
         split_end), a row a thread; the block-table entries and the scales are both loaded here."""
         layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WS_LOAD_WARPS, 1], [1, 0])
         entries = _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, layout)
         words, valid = _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0,
-                                BLOCK_N, PAGE_SIZE, layout)
+                                BLOCK_N, PAGE_SIZE, layout, MASKED)
         at = KV_f32 + words + KV_LORA_RANK // 4
         s0 = gl.load(at, mask=valid, other=0.0)
         s1 = gl.load(at + 1, mask=valid, other=0.0)
@@ -1360,7 +1388,7 @@ if gluon is not None:
         kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
         num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
+        STAGES: gl.constexpr, MASKED: gl.constexpr = False,
     ):
         """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
         64 bfloat16 rotary values) into the bfloat16 stages both products read.  The latent part is
@@ -1380,20 +1408,20 @@ if gluon is not None:
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
         t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, split_start, split_end, num_cache_blocks,
-                                        stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
+                                        stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, MASKED)
         _ds_scale_store(ds_scales.index(0), t0, t1, t2, t3)
         e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, layout)
         e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, layout)
         e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, layout)
         e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, PAGE_SIZE, layout)
         w0, v0 = _ds_rows(e0, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
-                          PAGE_SIZE, layout)
+                          PAGE_SIZE, layout, MASKED)
         a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
         w1, v1 = _ds_rows(e1, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
-                          PAGE_SIZE, layout)
+                          PAGE_SIZE, layout, MASKED)
         b0, b1, b2, b3 = _ds_piece_load(KV_words, w1, v1, layout)
         w2, v2 = _ds_rows(e2, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
-                          PAGE_SIZE, layout)
+                          PAGE_SIZE, layout, MASKED)
         c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
         _cta_barrier()
         for tile in range(num_tiles):
@@ -1406,37 +1434,37 @@ if gluon is not None:
             n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, layout)
             n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, layout)
             t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, nxt, split_end, num_cache_blocks,
-                                            stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N)
+                                            stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, MASKED)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
             scales = ds_scales.index(tile % 2)
             w3, v3 = _ds_rows(e3, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 48, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             d0, d1, d2, d3 = _ds_piece_load(KV_words, w3, v3, layout)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             w0, v0 = _ds_rows(e0, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             _ds_rope_copy(pe_words, KV_words, w0, v0, 0, P, KV_LORA_RANK, layout)
             w1, v1 = _ds_rows(e1, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             _ds_rope_copy(pe_words, KV_words, w1, v1, 16, P, KV_LORA_RANK, layout)
             w2, v2 = _ds_rows(e2, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             _ds_rope_copy(pe_words, KV_words, w2, v2, 32, P, KV_LORA_RANK, layout)
             _ds_rope_copy(pe_words, KV_words, w3, v3, 48, P, KV_LORA_RANK, layout)
             # the stage turns ready when the rotary copies have landed too
             async_copy.mbarrier_arrive(ready_bars.index(slot))
             _ds_piece_store(kv_words, scales, a0, a1, a2, a3, 0, P)
             w0, v0 = _ds_rows(n0, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             a0, a1, a2, a3 = _ds_piece_load(KV_words, w0, v0, layout)
             _ds_piece_store(kv_words, scales, b0, b1, b2, b3, 16, P)
             w1, v1 = _ds_rows(n1, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 16, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             b0, b1, b2, b3 = _ds_piece_load(KV_words, w1, v1, layout)
             _ds_piece_store(kv_words, scales, c0, c1, c2, c3, 32, P)
             w2, v2 = _ds_rows(n2, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
-                              PAGE_SIZE, layout)
+                              PAGE_SIZE, layout, MASKED)
             c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
             # the next tile's scales into the other buffer (read after this tile's closing barrier)
             _ds_scale_store(ds_scales.index((tile + 1) % 2), t0, t1, t2, t3)
@@ -1626,7 +1654,7 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
-        TMA: gl.constexpr,
+        TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1664,7 +1692,7 @@ if gluon is not None:
             _ws_load_ds_mla(
                 kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
                 num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                BLOCK_N, STAGES,
+                BLOCK_N, STAGES, MASKED_ENTRIES,
             )
         elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
             _ws_load_fp8(
@@ -1690,10 +1718,14 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
+        MASKED_ENTRIES: gl.constexpr = False,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
-        ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens."""
+        ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens. MASKED_ENTRIES
+        (fp8_ds_mla pages of one token): a block-table entry -1 is no token, masked, not an error."""
+        if MASKED_ENTRIES:
+            gl.static_assert(PAGE_SIZE == 1, "entries of -1 are tokens of one-token pages")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
         # the products' operand type: float16 for an FP8 cache (see the softmax partition)
         dtype: gl.constexpr = _operand_dtype(Q_nope.dtype.element_ty, KV_cache.dtype.element_ty)
@@ -1782,13 +1814,13 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                    RAW_STAGES)),
+                                         RAW_STAGES, MASKED_ENTRIES)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES,
-                            KV_desc, KV_pe_desc, TMA)),
+                            KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES)),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
@@ -1888,9 +1920,10 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
-                             tma: bool) -> dict:
+                             tma: bool, masked_entries: bool = False) -> dict:
     ws = config.warp_specialised
-    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages}
+    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
+             "MASKED_ENTRIES": masked_entries}
     if tma:
         extra["TMA"] = True
     return dict(
@@ -1916,18 +1949,19 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
-                      fp8_cache, direct, allow_tma: bool = True):
+                      fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False):
     """The warpgroup split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
-    (`mla_decode.eager_tma`: small eager launches)."""
+    (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
+    (the warp-specialised kernel over one-token fp8_ds_mla pages)."""
     ws = config.warp_specialised
     kernel = ws_split_kernel if ws else split_kernel
     tma_ok = (allow_tma and ws and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
-        has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok,
+        has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else ()
     return BoundLaunch(kernel, grid, constexprs, device, keyword_names=names), tma_ok
