@@ -66,7 +66,7 @@ __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
 STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB
-PERSISTENT_MAX_SEQLEN_Q = 2048  # the longest query sequence launched persistent by default (bench/RESULTS.md)
+PERSISTENT_MAX_SEQLEN_Q = 4096  # the longest query sequence launched persistent by default (bench/RESULTS.md)
 NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
 _LOG2_E = 1.4426950408889634
 # registers a thread: the loader warp is launched as a whole warpgroup, so 12 warps share an SM's 64K
