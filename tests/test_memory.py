@@ -210,6 +210,65 @@ def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, boun
 
 
 @pytest.mark.gpu
+def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection():
+    """61 layers of DeepSeek-V3 at 16 heads (max_num_seqs 256, max_model_len 32768, the registry's backends)
+    share one workspace, and a mixed step (64 decodes of 4096 tokens, 16 prefills of 512 new tokens with 3584
+    cached, in two full context chunks of workspace_tokens rows) run through all of them peaks, beyond the
+    workspace and the step's tensors, at most one chunk's up-projected K and V (workspace_tokens x N x (P + V)
+    bf16 values) plus the prefill's LSE (N x new tokens float32, merged into chunk by chunk); the results
+    of the first and the last layer agree (they share weights and cache)."""
+    import gc
+
+    heads, block_size, workspace_tokens = 16, 64, 32768
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    device = torch.device("cuda")
+    set_workspace_manager(None, device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(heads * 256, 512, device=device, generator=generator) / 512**0.5).to(torch.bfloat16)
+    layers = [mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=block_size, max_model_len=32768,
+                              max_num_seqs=256, workspace_tokens=workspace_tokens) for _ in range(61)]
+    try:
+        workspace = layers[0].workspace
+        assert all(layer.workspace is workspace for layer in layers)
+        query_lens = [1] * 64 + [512] * 16
+        seq_lens = [4096] * 80
+        blocks = 4096 // block_size
+        num_blocks = len(seq_lens) * blocks
+        cache = torch.randn(num_blocks, block_size, 576, device=device, generator=generator).to(torch.bfloat16)
+        table = torch.randperm(num_blocks, device=device, generator=generator).int().reshape(len(seq_lens), blocks)
+        metadata = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, block_size)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, heads, 192, device=device, generator=generator).to(torch.bfloat16)
+        kv_c = torch.randn(tokens, 512, device=device, generator=generator).to(torch.bfloat16)
+        k_pe = torch.randn(tokens, 64, device=device, generator=generator).to(torch.bfloat16)
+        first = torch.full((tokens, heads * 128), float("nan"), device=device, dtype=torch.bfloat16)
+        last = torch.full_like(first, float("nan"))
+        layers[0].plan(metadata)
+        layers[0].forward(q, kv_c, k_pe, cache, metadata, output=first)  # warm: kernels built, step planned
+        torch.cuda.synchronize()
+        reserved = workspace.size_bytes
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for index, layer in enumerate(layers):
+            layer.forward(q, kv_c, k_pe, cache, metadata, output=last if index == 60 else first)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        assert workspace.size_bytes == reserved  # nothing grew during the step
+        chunk_kv = workspace_tokens * heads * (dims.qk_nope_head_dim + dims.v_head_dim) * 2
+        prefill_lse = heads * 16 * 512 * 4
+        assert peak <= chunk_kv + prefill_lse, (peak / MIB, chunk_kv / MIB, prefill_lse / MIB)
+        assert bool(torch.isfinite(last).all())
+        torch.testing.assert_close(last, first, rtol=0, atol=0)
+    finally:
+        del layers
+        set_workspace_manager(None, device)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
 def test_one_split_functional_calls_allocate_no_partials():
     """A functional call whose split heuristic picks one split writes its output directly: no split-KV
     partials are allocated (sparse prefill of 4096 tokens x 128 heads through TRITON: the partials would be
