@@ -172,9 +172,10 @@ def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num
 class _DecodePlan:
     """What `mla_decode` decided for one key: the backend, its impl and (TRITON) the bound kernels.
 
-    The TRITON partials are allocated per call rather than sliced from the
-    device's shared workspace: a CUDA graph captured over a functional call
-    must not read a buffer that a later, larger call reallocates.
+    The TRITON partials of an eager call are sliced from the device's shared
+    workspace (`shared_split_partials`); a call being captured in a CUDA
+    graph allocates its own, since the graph must not read a buffer that a
+    later, larger call reallocates.
     """
 
     def __init__(self, backend_cls, impl, device, data_checks: bool, k_scale) -> None:
@@ -186,6 +187,24 @@ class _DecodePlan:
         self.num_kv_splits = None
         self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
         self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
+        self._shared = None  # (the shared workspace's buffer, the partials' view of it) of the last eager call
+
+    def _partials(self, device, graph: bool, shared_split_partials) -> torch.Tensor:
+        """The split-KV partials of one call: while not capturing, the view of the device's shared workspace
+        made by the last call as long as that buffer is still the workspace's (looked up once, not per call)."""
+        if graph:
+            return shared_split_partials(*self.partial_dims, device)
+        from mla_multi.workspace import current_workspace_manager
+
+        buffer = current_workspace_manager(device)._buffer
+        shared = self._shared
+        if shared is not None and shared[0] is buffer:
+            return shared[1]
+        partials = shared_split_partials(*self.partial_dims, device)
+        manager = current_workspace_manager(device)
+        if partials.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr():
+            self._shared = (manager._buffer, partials)
+        return partials
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -210,11 +229,11 @@ class _DecodePlan:
             out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
         if lse is None:
             lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, split_partials
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, shared_split_partials
 
-        if attn_logits is None:
-            attn_logits = split_partials(*self.partial_dims, device)
         graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
+        if attn_logits is None:
+            attn_logits = self._partials(device, graph, shared_split_partials)
         kernel_plan = self.kernel_plans.get(graph)
         if kernel_plan is None:
             kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(

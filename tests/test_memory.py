@@ -269,6 +269,48 @@ def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection():
 
 
 @pytest.mark.gpu
+def test_functional_decode_takes_its_partials_from_the_shared_workspace():
+    """An eager `mm.ops.mla_decode` that splits (1 request of 32768 tokens, 128 heads) slices its split-KV
+    partials from the device's shared workspace, allocating only its output and LSE, and matches REFERENCE;
+    where the shared workspace is locked smaller, the call keeps a buffer of its own and still matches."""
+    from mla_multi.kernels.mla_decode import attn_logits_width
+
+    device = torch.device("cuda")
+    set_workspace_manager(None, device)
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    heads, seq_len = 128, 32768
+    cache = torch.randn(seq_len // 64, 64, 576, device=device, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(seq_len // 64, device=device, generator=generator).int().view(1, -1)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    q_nope = torch.randn(1, heads, 512, device=device, generator=generator).to(torch.bfloat16)
+    q_pe = torch.randn(1, heads, 64, device=device, generator=generator).to(torch.bfloat16)
+    args = (q_nope, q_pe, cache, table, lens, 0.07)
+    try:
+        plan = mm.ops.plan_mla_decode(*args, backend="TRITON")
+        assert plan.num_kv_splits > 1
+        partial_bytes = heads * plan.num_kv_splits * attn_logits_width(512) * 4
+        mm.ops.mla_decode(*args, backend="TRITON")  # built and planned
+        torch.cuda.synchronize()
+        assert current_workspace_manager(device).size_bytes >= partial_bytes
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = mm.ops.mla_decode(*args, backend="TRITON")
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before <= out.numel() * 2 + heads * 4 + (1 << 20)
+        ref = mm.ops.mla_decode(*args, backend="REFERENCE")
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        small = WorkspaceManager(device)
+        small.reserve(((1024,), torch.uint8))
+        small.lock()
+        set_workspace_manager(small, device)
+        again = mm.ops.mla_decode(*args, backend="TRITON")
+        assert small.size_bytes == 1024
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
+    finally:
+        set_workspace_manager(None, device)
+
+
+@pytest.mark.gpu
 def test_one_split_functional_calls_allocate_no_partials():
     """A functional call whose split heuristic picks one split writes its output directly: no split-KV
     partials are allocated (sparse prefill of 4096 tokens x 128 heads through TRITON: the partials would be

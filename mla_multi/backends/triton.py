@@ -241,7 +241,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
         workspace views and the bound kernels of the step, so that every later layer only launches."""
         from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, split_partials
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
@@ -266,7 +266,8 @@ class TritonDecodeImpl(MLADecodeImpl):
             attn_logits, out, lse = workspace_manager.get_simultaneous(*specs)
         else:
             out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs[1:])
-            attn_logits = split_partials(batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank, q_nope.device)
+            attn_logits = shared_split_partials(batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank,
+                                                q_nope.device)
         if key is None or q_nope.device.type != "cuda":
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
@@ -373,11 +374,11 @@ class TritonSparseDecodeImpl(MLASparseImpl):
             )
         if not masked_entries:
             return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits)
-        from mla_multi.kernels.mla_decode import mla_decode_fwd, split_partials
+        from mla_multi.kernels.mla_decode import mla_decode_fwd, shared_split_partials
 
         out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
         lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=q_nope.device)
-        partials = split_partials(q_nope.shape[0], self.num_heads, splits, self.kv_lora_rank, q_nope.device)
+        partials = shared_split_partials(q_nope.shape[0], self.num_heads, splits, self.kv_lora_rank, q_nope.device)
         return mla_decode_fwd(q_nope, q_pe, pages, table, lens, decode.scale, k_scale=None, num_kv_splits=splits,
                               attn_logits=partials, out=out, lse=lse, platform=decode.platform, masked_entries=True)
 

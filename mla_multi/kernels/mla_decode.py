@@ -510,6 +510,26 @@ def split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_ra
     return torch.empty((num_rows, num_heads, num_kv_splits, width), dtype=torch.float32, device=device)
 
 
+def shared_split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_rank: int,
+                          device) -> torch.Tensor:
+    """`split_partials` of an eager functional call, sliced from the device's shared workspace
+    (`mla_multi.workspace.current_workspace_manager`), which every layer shares too: the partials live only
+    while the call's kernels run, in stream order. During a CUDA-graph capture (the graph must not read a
+    buffer that a later, larger call reallocates), with one split, or where the shared workspace is locked
+    too small, a buffer of their own."""
+    device = torch.device(device)
+    if num_kv_splits == 1 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)
+    from mla_multi.workspace import WorkspaceLockedError, current_workspace_manager
+
+    spec = ((num_rows, num_heads, num_kv_splits, attn_logits_width(kv_lora_rank)), torch.float32)
+    try:
+        (partials,) = current_workspace_manager(device).get_simultaneous(spec)
+    except WorkspaceLockedError:
+        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)
+    return partials
+
+
 def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
