@@ -213,10 +213,10 @@ def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, boun
 def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection():
     """61 layers of DeepSeek-V3 at 16 heads (max_num_seqs 256, max_model_len 32768, the registry's backends)
     share one workspace, and a mixed step (64 decodes of 4096 tokens, 16 prefills of 512 new tokens with 3584
-    cached, in two full context chunks of workspace_tokens rows) run through all of them peaks, beyond the
-    workspace and the step's tensors, at most one chunk's up-projected K and V (workspace_tokens x N x (P + V)
-    bf16 values) plus the prefill's LSE (N x new tokens float32, merged into chunk by chunk); the results
-    of the first and the last layer agree (they share weights and cache)."""
+    cached, in two context chunks, the first of all workspace_tokens rows) run through all of them peaks,
+    beyond the workspace and the step's tensors, at most one chunk's up-projected K and V (workspace_tokens x
+    N x (P + V) bf16 values) plus the prefill's LSE (N x new tokens float32, merged into chunk by chunk); the
+    results of the first and the last layer agree (they share weights and cache)."""
     import gc
 
     heads, block_size, workspace_tokens = 16, 64, 32768
