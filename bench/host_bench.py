@@ -7,10 +7,9 @@ Eager: `triton.testing.do_bench` of the plain call (the host path included), med
 of 20 calls replayed, median per call. Working set over L2: every case reads at least 128 MiB of cache.
 """
 import torch
-from triton.testing import do_bench
 
 import mla_multi as mm
-from mla_multi.testing import capture_graph
+from mla_multi.benchmarks import eager_time, graph_time
 
 dev = "cuda"
 BS = 64
@@ -27,15 +26,6 @@ except Exception:  # noqa: BLE001
     FLASHINFER = False
 
 
-def graph_time(fn, reps=20):
-    fn()
-    graph = capture_graph(fn, repeats=reps)
-    return do_bench(graph.replay, return_mode="median") * 1000 / reps
-
-
-def eager_time(fn):
-    fn()
-    return do_bench(fn, return_mode="median") * 1000
 
 
 def busy_eager(fn, calls=50):

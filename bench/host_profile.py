@@ -17,18 +17,13 @@ import triton
 from triton.testing import do_bench
 
 import mla_multi as mm
-from mla_multi.testing import capture_graph
+from mla_multi.benchmarks import graph_time
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
 torch.manual_seed(0)
 dev = "cuda"
 BS = 64
 
-
-def graph_time(fn, reps=20):
-    fn()
-    graph = capture_graph(fn, repeats=reps)
-    return do_bench(graph.replay, return_mode="median") * 1000 / reps
 
 
 def profile(fn, name, calls=300):

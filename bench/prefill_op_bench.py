@@ -11,22 +11,12 @@ default's time over the fastest other path's, eager and captured.
 import argparse
 
 import torch
-from triton.testing import do_bench
 
 import mla_multi as mm
 from mla_multi.benchmarks.prefill import HEAD_DIM_QK, HEAD_DIM_V, _flashinfer_prefill, _torch_sdpa
-from mla_multi.testing import capture_graph
+from mla_multi.benchmarks import eager_time, graph_time
 
 
-def graph_time(fn, reps=10):
-    fn()
-    graph = capture_graph(fn, repeats=reps)
-    return do_bench(graph.replay, return_mode="median") * 1000 / reps
-
-
-def eager_time(fn):
-    fn()
-    return do_bench(fn, return_mode="median") * 1000
 
 
 def main() -> None:
@@ -68,7 +58,7 @@ def main() -> None:
             times = {}
             for name, fn in paths.items():
                 try:
-                    times[name] = (eager_time(fn), graph_time(fn))
+                    times[name] = (eager_time(fn), graph_time(fn, reps=10))
                 except Exception as error:  # noqa: BLE001
                     print(f"  {name} failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
             chosen = mm.ops.plan_mla_prefill(q, k, v, cu, cu, seqlen, seqlen, scale).backend

@@ -37,6 +37,22 @@ requires_flashinfer = pytest.mark.skipif(
 )
 
 
+def _fake_flashinfer(monkeypatch, prefill_wrapper, mla_wrapper):
+    """A fake flashinfer package whose ragged-prefill and MLA wrapper classes are the ones given; returns its
+    `flashinfer.mla` module."""
+    import sys
+    import types
+
+    package = types.ModuleType("flashinfer")
+    package.BatchPrefillWithRaggedKVCacheWrapper = prefill_wrapper
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = mla_wrapper
+    package.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    return mla
+
+
 @pytest.fixture
 def installed(monkeypatch):
     """Pretend FlashInfer 0.7.2.post1 is installed with nvcc (the reasons then come from the configuration)."""
@@ -124,16 +140,7 @@ def test_probe_of_this_machine_never_raises():
 
 def test_no_compiler_and_no_prebuilt_kernels_is_a_reason(monkeypatch):
     """The probe's kernel check, on a fake flashinfer module tree without nvcc or flashinfer-jit-cache."""
-    import sys
-    import types
-
-    package = types.ModuleType("flashinfer")
-    package.BatchPrefillWithRaggedKVCacheWrapper = object
-    mla = types.ModuleType("flashinfer.mla")
-    mla.BatchMLAPagedAttentionWrapper = object
-    mla.MLAPlanMetadata = object
-    monkeypatch.setitem(sys.modules, "flashinfer", package)
-    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    _fake_flashinfer(monkeypatch, object, object).MLAPlanMetadata = object
     monkeypatch.setattr(fi.importlib.metadata, "version", lambda name: "0.7.2.post1")
     real_find_spec = fi.importlib.util.find_spec
     monkeypatch.setattr(fi.importlib.util, "find_spec", lambda name: None if name == "flashinfer_jit_cache" else real_find_spec(name))
@@ -626,9 +633,6 @@ def test_flashinfer_wrappers_take_the_shared_workspace_and_follow_its_buffer(mon
     """The wrappers' float workspace is a view of the first bytes of the shared workspace (reserved there),
     and a workspace grown to a new buffer gets new wrappers, the old ones dropped (fake FlashInfer classes
     record what they were built with)."""
-    import sys
-    import types
-
     from mla_multi.workspace import WorkspaceManager
 
     built = []
@@ -637,13 +641,7 @@ def test_flashinfer_wrappers_take_the_shared_workspace_and_follow_its_buffer(mon
         def __init__(self, float_workspace_buffer, **kwargs):
             built.append(float_workspace_buffer)
 
-    package = types.ModuleType("flashinfer")
-    package.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
-    mla = types.ModuleType("flashinfer.mla")
-    mla.BatchMLAPagedAttentionWrapper = Wrapper
-    package.mla = mla
-    monkeypatch.setitem(sys.modules, "flashinfer", package)
-    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    _fake_flashinfer(monkeypatch, Wrapper, Wrapper)
     monkeypatch.setattr(fi, "_decode_wrappers", {})
     cpu = torch.device("cpu")
     manager = WorkspaceManager(cpu)

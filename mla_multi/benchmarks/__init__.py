@@ -1,1 +1,22 @@
-"""GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py)."""
+"""GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py), and the two timings
+the maintainer scripts in bench/ share."""
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """µs per call of `fn` replayed from one CUDA graph of `reps` calls (`triton.testing.do_bench` of the
+    replay, median)."""
+    from triton.testing import do_bench
+
+    from mla_multi.testing import capture_graph
+
+    fn()
+    graph = capture_graph(fn, repeats=reps)
+    return do_bench(graph.replay, return_mode="median") * 1000 / reps
+
+
+def eager_time(fn) -> float:
+    """µs per plain call of `fn`, host path included (`triton.testing.do_bench`, median)."""
+    from triton.testing import do_bench
+
+    fn()
+    return do_bench(fn, return_mode="median") * 1000
