@@ -187,24 +187,6 @@ class _DecodePlan:
         self.num_kv_splits = None
         self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
         self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
-        self._shared = None  # (the shared workspace's buffer, the partials' view of it) of the last eager call
-
-    def _partials(self, device, graph: bool, shared_split_partials) -> torch.Tensor:
-        """The split-KV partials of one call: while not capturing, the view of the device's shared workspace
-        made by the last call as long as that buffer is still the workspace's (looked up once, not per call)."""
-        if graph:
-            return shared_split_partials(*self.partial_dims, device)
-        from mla_multi.workspace import current_workspace_manager
-
-        buffer = current_workspace_manager(device)._buffer
-        shared = self._shared
-        if shared is not None and shared[0] is buffer:
-            return shared[1]
-        partials = shared_split_partials(*self.partial_dims, device)
-        manager = current_workspace_manager(device)
-        if partials.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr():
-            self._shared = (manager._buffer, partials)
-        return partials
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -233,7 +215,7 @@ class _DecodePlan:
 
         graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
         if attn_logits is None:
-            attn_logits = self._partials(device, graph, shared_split_partials)
+            attn_logits = shared_split_partials(*self.partial_dims, device)
         kernel_plan = self.kernel_plans.get(graph)
         if kernel_plan is None:
             kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(

@@ -60,6 +60,8 @@ class WorkspaceManager:
         self._locked = False
         # purpose -> (bytes, what): the largest reservation made for each purpose
         self.reservations: dict[str, tuple[int, str]] = {}
+        # specs -> the views `get_simultaneous` made of the current buffer (dropped when it is replaced)
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @property
     def size_bytes(self) -> int:
@@ -92,8 +94,13 @@ class WorkspaceManager:
     def get_simultaneous(self, *specs: TensorSpec) -> list[torch.Tensor]:
         """Views [shape] of `dtype`, one per spec, that do not overlap each other.
 
-        Their contents are undefined; they alias the views of any earlier call.
+        Their contents are undefined; they alias the views of any earlier call (the same specs get the same
+        view objects back until the buffer is replaced: a call in a hot path makes no tensors).
         """
+        key = tuple((tuple(shape), dtype) for shape, dtype in specs)
+        views = self._views.get(key)
+        if views is not None:
+            return list(views)
         self._ensure(self.required_bytes(*specs))
         views = []
         offset = 0
@@ -101,6 +108,9 @@ class WorkspaceManager:
             nbytes = _spec_bytes((shape, dtype))
             views.append(self._buffer[offset : offset + nbytes].view(dtype).view(tuple(shape)))
             offset += _aligned(nbytes)
+        if len(self._views) >= 256:
+            self._views.clear()
+        self._views[key] = tuple(views)
         return views
 
     def lock(self) -> None:
@@ -125,6 +135,7 @@ class WorkspaceManager:
                 "requested; reserve() the worst case before lock()"
             )
         self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._views.clear()
 
 
 _MANAGERS: dict[torch.device, WorkspaceManager] = {}

@@ -342,3 +342,28 @@ def test_one_split_functional_calls_allocate_no_partials():
                                            0.05)
     got = out[rows].double().cpu()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_shared_split_partials_are_the_device_workspace_unless_one_split_or_locked_smaller():
+    """`shared_split_partials` (the eager functional decode's partials): a view of the device's shared
+    workspace, the same one for the same shape; one split: the stand-in of `split_partials`; a workspace
+    locked smaller: a buffer of its own (CPU device)."""
+    from mla_multi.kernels.mla_decode import attn_logits_width, shared_split_partials
+
+    cpu = torch.device("cpu")
+    set_workspace_manager(WorkspaceManager(cpu), cpu)
+    try:
+        partials = shared_split_partials(2, 4, 3, 512, cpu)
+        manager = current_workspace_manager(cpu)
+        assert partials.shape == (2, 4, 3, attn_logits_width(512)) and partials.dtype == torch.float32
+        assert partials.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr()
+        assert shared_split_partials(2, 4, 3, 512, cpu) is partials
+        one = shared_split_partials(2, 4, 1, 512, cpu)
+        assert one.untyped_storage().nbytes() == attn_logits_width(512) * 4
+        small = WorkspaceManager(cpu)
+        small.lock()
+        set_workspace_manager(small, cpu)
+        own = shared_split_partials(2, 4, 3, 512, cpu)
+        assert own.shape == partials.shape and small.size_bytes == 0
+    finally:
+        set_workspace_manager(None, cpu)

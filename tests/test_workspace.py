@@ -149,3 +149,18 @@ def test_bad_specs(spec, fragment):
     with pytest.raises(ValueError) as info:
         workspace.get_simultaneous(spec)
     assert fragment in str(info.value)
+
+
+def test_same_specs_get_the_same_views_until_the_buffer_is_replaced():
+    """`get_simultaneous` makes no tensors for specs it has seen on the current buffer (hot paths call it per
+    launch); a reservation that replaces the buffer gives views of the new one."""
+    workspace = WorkspaceManager("cpu")
+    specs = (((4, 8), torch.float32), ([16], torch.int32))
+    first = workspace.get_simultaneous(*specs)
+    again = workspace.get_simultaneous(*specs)
+    assert all(a is b for a, b in zip(first, again))
+    workspace.reserve(((1 << 16,), torch.uint8))
+    grown = workspace.get_simultaneous(*specs)
+    assert all(g is not f for g, f in zip(grown, first))
+    assert grown[0].untyped_storage().data_ptr() == workspace._buffer.untyped_storage().data_ptr()
+    assert [tuple(v.shape) for v in grown] == [(4, 8), (16,)] and [v.dtype for v in grown] == [torch.float32, torch.int32]

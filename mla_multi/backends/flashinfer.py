@@ -309,14 +309,15 @@ def float_workspace(device: torch.device, workspace_manager=None) -> torch.Tenso
 
     if workspace_manager is None:  # a functional call: the device's shared workspace
         device = canonical_device(device)
+        workspace_manager = current_workspace_manager(device)
         try:
-            reserve_float_workspace(current_workspace_manager(device))
+            reserve_float_workspace(workspace_manager)
         except WorkspaceLockedError:  # locked smaller by layers that never reserved it: a buffer of its own
             with _lock:
                 return _own_float_workspaces.setdefault(
                     device, torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device))
-        workspace_manager = current_workspace_manager(device)
-    reserve_float_workspace(workspace_manager)
+    else:
+        reserve_float_workspace(workspace_manager)
     (buffer,) = workspace_manager.get_simultaneous(_FLOAT_WORKSPACE_SPEC)
     return buffer
 
