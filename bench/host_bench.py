@@ -192,17 +192,19 @@ for heads in () if MIXED_ONLY else (16, 128):
     del layers, one
 
 
-def mixed_step_peak(prefill_backend=None, split_key=True, decode_backend=None):
+def mixed_step_peak(prefill_backend=None, split_key=True, decode_backend=None, workspace_tokens=None):
     """The peak memory of one mixed step beyond the shared workspace and the step's tensors (split_key=False:
     the rotary key repeated per head even where the prefill backend takes it apart)."""
     print("mixed step peak: 64 decodes + 16 prefills x 512 new tokens with 3584 cached, N=16, 61-layer reservation, "
-          f"prefill {prefill_backend or 'chosen by the registry'}, decode {decode_backend or 'chosen by the registry'}")
+          f"prefill {prefill_backend or 'chosen by the registry'}, decode {decode_backend or 'chosen by the registry'}, "
+          f"workspace_tokens {workspace_tokens or 'default'}")
     mm.workspace.set_workspace_manager(None, dev)
     heads = 16
     dims = mm.MLADims.deepseek_v3(num_heads=heads)
     weight = (torch.randn(heads * 256, 512, device=dev) / 512**0.5).to(torch.bfloat16)
     layer = mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256,
-                            prefill_backend=prefill_backend, decode_backend=decode_backend)
+                            prefill_backend=prefill_backend, decode_backend=decode_backend,
+                            workspace_tokens=workspace_tokens)
     if not split_key:
         layer.prefill_impl.__dict__["takes_split_key"] = False
     print(f"  prefill {layer.prefill_backend.name}, rotary key apart: {getattr(layer.prefill_impl, 'takes_split_key', False)}")
@@ -239,3 +241,5 @@ for split_key in (True, False) if MIXED_ONLY else (True,):
     mixed_step_peak(None, split_key)
 if FLASHINFER:  # FlashInfer's float workspace inside the shared one, both phases through it
     mixed_step_peak("FLASHINFER", True, "FLASHINFER")
+    for backend in (None, "FLASHINFER"):  # full chunks: the context (57344 tokens) over workspace_tokens
+        mixed_step_peak(backend, True, backend, workspace_tokens=32768)

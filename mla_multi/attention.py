@@ -358,15 +358,37 @@ class MLAAttention:
             metadata.backend_plans[key] = plan
         return plan
 
+    def _chunk_tokens(self, metadata: CommonAttentionMetadata, impl) -> int:
+        """Context rows gathered per chunk by `impl`: `workspace_tokens`, or, for a backend that reads K whole
+        (its rotary part repeated per head: N x (P + R) values a row beside V's N x V) and returns each chunk's
+        result for a merge, the share of it whose K and V, with the new tokens' result and one chunk's result
+        beside them (N x (2 V + 8) values a new token, LSEs included), take no more than `workspace_tokens`
+        rows of up-projected K and V (N x (P + V) values a row), the bound of a step's peak that TRITON's path
+        keeps (bench/RESULTS.md); never fewer than one block per prefill with context."""
+        if getattr(impl, "takes_split_key", False):
+            return self.workspace_tokens
+        found = metadata.backend_plans.get("prefill_chunk_counts")
+        if found is None:
+            num_decodes, _, num_decode_tokens, _ = self._split(metadata)
+            with_context = int((metadata.num_computed_tokens_cpu[num_decodes:] > 0).sum())
+            found = metadata.backend_plans["prefill_chunk_counts"] = (
+                with_context, metadata.num_actual_tokens - num_decode_tokens
+            )
+        with_context, new_tokens = found
+        d = self.dims
+        room = self.workspace_tokens * (d.qk_nope_head_dim + d.v_head_dim) - new_tokens * (2 * d.v_head_dim + 8)
+        rows = max(room, 0) // (d.qk_head_dim + d.v_head_dim) // self.block_size * self.block_size
+        return min(max(rows, with_context * self.block_size), self.workspace_tokens)
+
     def _prefill_metadata(self, metadata: CommonAttentionMetadata):
         """The prefill metadata of the batch, built once per step (and planned, for backends that plan)."""
         backend, impl = self._step_prefill(metadata)
         metadata_cls = backend.get_prefill_metadata_cls()
-        key = ("prefill_metadata", self.workspace_tokens, metadata_cls)
+        chunk_tokens = self._chunk_tokens(metadata, impl)
+        key = ("prefill_metadata", chunk_tokens, metadata_cls)
         prefill_metadata = metadata.backend_plans.get(key)
         if prefill_metadata is None:
-            prefill_metadata = build_prefill_metadata(metadata, self.workspace_tokens, metadata_cls,
-                                                      self._split(metadata))
+            prefill_metadata = build_prefill_metadata(metadata, chunk_tokens, metadata_cls, self._split(metadata))
             metadata.backend_plans[key] = prefill_metadata
         if backend.requires_plan:
             plan_key = impl.plan_key() + (self.dtype,)
@@ -635,6 +657,10 @@ class MLAAttention:
             # where the kernel merges, each chunk's result goes into the output as it is computed
             merges = in_place and getattr(impl, "merges_chunks", False)
             merge_into = (suffix_out, suffix_lse) if merges else None
+            # elsewhere on a GPU each chunk's result is merged into the new tokens' as it comes, in place, the
+            # last merge writing the step's output: one chunk's result at a time beside them, no copy
+            merge_in_place = output.is_contiguous() and ops._use_triton(q_prefill)
+            out_view = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:
@@ -666,16 +692,17 @@ class MLAAttention:
                 del chunk_key, chunk_value, chunk_pe
                 if merge_into is not None:
                     continue
-                if context_out is None:
+                if merge_in_place:  # each element read before it is written
+                    if chunk_idx == chunked.num_chunks - 1:
+                        merge_kernel(suffix_out, suffix_lse, chunk_out, chunk_lse, out_view, return_lse=False)
+                    else:
+                        merge_kernel(suffix_out, suffix_lse, chunk_out, chunk_lse, suffix_out, suffix_lse)
+                elif context_out is None:
                     context_out, context_lse = chunk_out, chunk_lse
-                elif in_place:
-                    merge_kernel(context_out, context_lse, chunk_out, chunk_lse, context_out, context_lse)
                 else:
                     context_out, context_lse = ops.merge_attn_states(context_out, context_lse, chunk_out, chunk_lse)
-            if merge_into is not None:  # every chunk is already in the output
-                return
-            if in_place:  # into the output, where the new tokens' result already is (read before written)
-                merge_kernel(context_out, context_lse, suffix_out, suffix_lse, suffix_out, return_lse=False)
+                del chunk_out, chunk_lse
+            if merge_into is not None or merge_in_place:  # every chunk is already in the output
                 return
             out, _ = ops.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
         output[num_decode_tokens:] = out.reshape(out.shape[0], d.num_heads * d.v_head_dim)

@@ -607,6 +607,37 @@ def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
     assert len(plans) == 4
 
 
+def test_prefill_plan_shares_one_plan_among_chunks_of_the_same_lengths(monkeypatch):
+    """A step's context chunks of equal lengths (full chunks) share one FlashInfer plan: the new tokens and
+    each distinct chunk are planned once, and each chunk runs on the plan of its own lengths."""
+    import types
+
+    plans = []
+
+    class Wrapper:
+        def __init__(self, float_workspace_buffer, kv_layout, backend):
+            self.planned = None
+
+        def plan(self, **kwargs):
+            plans.append((kwargs["kv_indptr"].tolist(), kwargs["causal"]))
+            self.planned = plans[-1]
+
+    _fake_flashinfer(monkeypatch, Wrapper, None)
+    monkeypatch.setattr(fi, "float_workspace", lambda device, workspace_manager=None: torch.empty(0, dtype=torch.uint8))
+    impl = fi.FlashInferPrefillImpl(2, 0.1, 512, 128, 64, 128, torch.device("cpu"))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    chunk_lens = torch.tensor([[64, 64], [64, 64], [32, 64], [64, 64], [0, 16]], dtype=torch.int32)
+    chunked = types.SimpleNamespace(num_chunks=5, seq_lens_cpu=chunk_lens)
+    metadata = types.SimpleNamespace(query_start_loc_cpu=cu_q, query_start_loc=cu_q, chunked_context=chunked)
+    plan = impl.plan(metadata, torch.bfloat16)
+    assert plans == [([0, 4, 9], True), ([0, 64, 128], False),
+                     ([0, 32, 96], False), ([0, 0, 16], False)]
+    assert len(plan.context_chunks) == 5
+    for lengths, wrapper in zip(chunk_lens.tolist(), plan.context_chunks):
+        assert wrapper.planned == ([0, lengths[0], lengths[0] + lengths[1]], False)
+    assert plan.context_chunks[0] is plan.context_chunks[1] is plan.context_chunks[3]
+
+
 def test_memory_plan_reserves_flashinfer_float_workspace_in_the_shared_workspace(installed):
     """FlashInfer's float workspace is a reservation of the one shared workspace when FLASHINFER serves decode,
     prefill or both: one entry of 128 MiB, and the buffer holds the largest reservation, not the sum."""

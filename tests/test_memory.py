@@ -76,6 +76,31 @@ def _layer(heads=16, *, workspace=None, max_num_seqs=8, max_model_len=256, dtype
                            max_num_seqs=max_num_seqs, workspace_tokens=64, workspace=workspace)
 
 
+def test_a_backend_that_reads_k_whole_gets_chunks_within_the_split_key_bound():
+    """A prefill backend that reads K whole (its rotary part repeated per head) and merges outside its kernel
+    gets context chunks whose K and V (N x (P + R + V) values a row), beside the new tokens' result and one
+    chunk's (N x (2 V + 8) a new token), fit in `workspace_tokens` rows of split K and V (N x (P + V)); one
+    that takes the key apart gets `workspace_tokens`; never less than one block per prefill with context."""
+    dims = mm.MLADims.deepseek_v3(num_heads=16)
+    weight = torch.randn(16 * 256, 512)
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=8192,
+                            max_num_seqs=8, workspace_tokens=4096)
+    query_lens, seq_lens = [1, 1, 100, 100, 100], [50, 60, 2100, 100, 800]
+    table = torch.arange(5 * 200, dtype=torch.int32).reshape(5, 200)
+    metadata = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, 16)
+    whole, split = type("Whole", (), {})(), type("Split", (), {"takes_split_key": True})()
+    assert layer._chunk_tokens(metadata, split) == 4096
+    rows = layer._chunk_tokens(metadata, whole)
+    assert rows == (4096 * 256 - 300 * 264) // 320 // 16 * 16 == 3024
+    assert rows * 320 + 300 * 264 <= 4096 * 256 < (rows + 16) * 320 + 300 * 264
+    assert not getattr(layer.prefill_impl, "takes_split_key", False)  # the CPU's backend reads K whole
+    chunked = layer._prefill_metadata(metadata).chunked_context
+    assert max(chunked.seq_tot) <= rows and chunked.num_chunks == 2
+    # no room beside the new tokens' results: one block per prefill with context
+    crowded = mm.CommonAttentionMetadata.from_lengths([1, 2000, 2000], [9, 2100, 2100], table[:3], 16)
+    assert layer._chunk_tokens(crowded, whole) == 2 * 16
+
+
 def test_layers_share_one_workspace_per_device():
     shared = WorkspaceManager("cpu")
     set_workspace_manager(shared)
@@ -210,17 +235,24 @@ def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, boun
 
 
 @pytest.mark.gpu
-def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection():
-    """61 layers of DeepSeek-V3 at 16 heads (max_num_seqs 256, max_model_len 32768, the registry's backends)
-    share one workspace, and a mixed step (64 decodes of 4096 tokens, 16 prefills of 512 new tokens with 3584
-    cached, in two context chunks, the first of all workspace_tokens rows) run through all of them peaks,
-    beyond the workspace and the step's tensors, at most one chunk's up-projected K and V (workspace_tokens x
-    N x (P + V) bf16 values) plus the prefill's LSE (N x new tokens float32, merged into chunk by chunk); the
-    results of the first and the last layer agree (they share weights and cache)."""
+@pytest.mark.parametrize("prefill_backend", [None, "FLASHINFER"])
+def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection(prefill_backend):
+    """61 layers of DeepSeek-V3 at 16 heads (max_num_seqs 256, max_model_len 32768, the registry's backends,
+    or FLASHINFER's prefill, which reads K whole) share one workspace, and a mixed step (64 decodes of 4096
+    tokens, 16 prefills of 512 new tokens with 3584 cached, in context chunks of up to workspace_tokens rows)
+    run through all of them peaks, beyond the workspace and the step's tensors, at most one chunk's
+    up-projected K and V (workspace_tokens x N x (P + V) bf16 values) plus the prefill's LSE (N x new tokens
+    float32, merged into chunk by chunk); the results of the first and the last layer agree (they share
+    weights and cache)."""
     import gc
 
     heads, block_size, workspace_tokens = 16, 64, 32768
     dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    try:
+        if prefill_backend:
+            mm.select_prefill_backend(dims, torch.bfloat16, backend=prefill_backend)
+    except Exception as error:  # not installed here, or cannot run this: its reason
+        pytest.skip(f"{prefill_backend}: {str(error).splitlines()[0][:200]}")
     device = torch.device("cuda")
     set_workspace_manager(None, device)
     gc.collect()
@@ -228,7 +260,8 @@ def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection():
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(heads * 256, 512, device=device, generator=generator) / 512**0.5).to(torch.bfloat16)
     layers = [mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=block_size, max_model_len=32768,
-                              max_num_seqs=256, workspace_tokens=workspace_tokens) for _ in range(61)]
+                              max_num_seqs=256, workspace_tokens=workspace_tokens, prefill_backend=prefill_backend)
+              for _ in range(61)]
     try:
         workspace = layers[0].workspace
         assert all(layer.workspace is workspace for layer in layers)
