@@ -361,10 +361,12 @@ class MLAAttention:
     def _chunk_tokens(self, metadata: CommonAttentionMetadata, impl) -> int:
         """Context rows gathered per chunk by `impl`: `workspace_tokens`, or, for a backend that reads K whole
         (its rotary part repeated per head: N x (P + R) values a row beside V's N x V) and returns each chunk's
-        result for a merge, the share of it whose K and V, with the new tokens' result and one chunk's result
-        beside them (N x (2 V + 8) values a new token, LSEs included), take no more than `workspace_tokens`
-        rows of up-projected K and V (N x (P + V) values a row), the bound of a step's peak that TRITON's path
-        keeps (bench/RESULTS.md); never fewer than one block per prefill with context."""
+        result for a merge, the share of it whose K and V, with the results beside them (each chunk's, and
+        the new tokens' unless the backend writes them into the output: N x V values a new token each, plus
+        float32 LSEs), take no more than `workspace_tokens` rows of up-projected K and V (N x (P + V) values a
+        row), the bound of a step's peak that TRITON's path keeps (bench/RESULTS.md). Never less than half of
+        `workspace_tokens`' K and V (many small chunks cost time, and precision in their merges), nor one
+        block per prefill with context."""
         if getattr(impl, "takes_split_key", False):
             return self.workspace_tokens
         found = metadata.backend_plans.get("prefill_chunk_counts")
@@ -376,9 +378,12 @@ class MLAAttention:
             )
         with_context, new_tokens = found
         d = self.dims
-        room = self.workspace_tokens * (d.qk_nope_head_dim + d.v_head_dim) - new_tokens * (2 * d.v_head_dim + 8)
-        rows = max(room, 0) // (d.qk_head_dim + d.v_head_dim) // self.block_size * self.block_size
-        return min(max(rows, with_context * self.block_size), self.workspace_tokens)
+        split_kv, whole_kv = d.qk_nope_head_dim + d.v_head_dim, d.qk_head_dim + d.v_head_dim
+        results = (1 if getattr(impl, "takes_out", False) else 2) * d.v_head_dim + 8
+        room = self.workspace_tokens * split_kv - new_tokens * results
+        rows = max(room // whole_kv, self.workspace_tokens * split_kv // whole_kv // 2)
+        rows = max(rows // self.block_size * self.block_size, with_context * self.block_size)
+        return min(rows, self.workspace_tokens)
 
     def _prefill_metadata(self, metadata: CommonAttentionMetadata):
         """The prefill metadata of the batch, built once per step (and planned, for backends that plan)."""

@@ -582,7 +582,7 @@ def test_functional_prefill_plans_once_per_length_tensors(monkeypatch):
             plans.append((kwargs["qo_indptr"].tolist(), kwargs["kv_indptr"].tolist(), kwargs["causal"]))
             self.planned = plans[-1]
 
-        def run(self, q, k, v, return_lse, lse_base, lse_layout):
+        def run(self, q, k, v, out, return_lse, lse_base, lse_layout):
             return torch.full((q.shape[0], q.shape[1], v.shape[-1]), float(len(plans)))
 
     package = types.ModuleType("flashinfer")

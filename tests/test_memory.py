@@ -96,9 +96,13 @@ def test_a_backend_that_reads_k_whole_gets_chunks_within_the_split_key_bound():
     assert not getattr(layer.prefill_impl, "takes_split_key", False)  # the CPU's backend reads K whole
     chunked = layer._prefill_metadata(metadata).chunked_context
     assert max(chunked.seq_tot) <= rows and chunked.num_chunks == 2
-    # no room beside the new tokens' results: one block per prefill with context
+    # a backend that writes the new tokens' result into the output has one result fewer beside the chunk
+    writes_out = type("WritesOut", (), {"takes_out": True})()
+    assert layer._chunk_tokens(metadata, writes_out) == (4096 * 256 - 300 * 136) // 320 // 16 * 16 == 3136
+    # no room beside the new tokens' results: half of workspace_tokens' K and V, at least a block per prefill
     crowded = mm.CommonAttentionMetadata.from_lengths([1, 2000, 2000], [9, 2100, 2100], table[:3], 16)
-    assert layer._chunk_tokens(crowded, whole) == 2 * 16
+    assert layer._chunk_tokens(crowded, whole) == 4096 * 256 // 320 // 2 // 16 * 16 == 1632
+    assert _layer(max_model_len=8192)._chunk_tokens(crowded, whole) == 2 * 16  # 64 tokens: 25 rows the half
 
 
 def test_layers_share_one_workspace_per_device():

@@ -136,7 +136,7 @@ RAGGED_WRAPPER_PLAN = FlashInferCall(
 RAGGED_WRAPPER_RUN = FlashInferCall(
     "BatchPrefillWithRaggedKVCacheWrapper.run",
     "flashinfer/prefill.py",
-    ("q", "k", "v", "return_lse", "lse_base", "lse_layout"),
+    ("q", "k", "v", "out", "return_lse", "lse_base", "lse_layout"),
 )
 FLASHINFER_CALLS: tuple[FlashInferCall, ...] = (
     MLA_WRAPPER_INIT,
@@ -719,14 +719,17 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
         chunks = [planned[distinct[tuple(chunked.seq_lens_cpu[index].tolist())]] for index in range(num_chunks)]
         return FlashInferPrefillPlan(new_tokens, chunks)
 
+    takes_out = True  # the new tokens' result written into a given buffer (FlashInfer's `out=`)
+
     @staticmethod
-    def _run(wrapper, q, k, v, return_lse: bool):
+    def _run(wrapper, q, k, v, return_lse: bool, out=None):
         if not return_lse:
-            return wrapper.run(q=q, k=k, v=v, return_lse=False, lse_base="ln", lse_layout="HN")
-        out, lse = wrapper.run(q=q, k=k, v=v, return_lse=True, lse_base="ln", lse_layout="HN")
+            return wrapper.run(q=q, k=k, v=v, out=out, return_lse=False, lse_base="ln", lse_layout="HN")
+        out, lse = wrapper.run(q=q, k=k, v=v, out=out, return_lse=True, lse_base="ln", lse_layout="HN")
         return out, _normalise_lse(lse)
 
-    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse):
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
+                       out=None):
         (wrapper,) = self._wrappers(1, q.device)
         # a loop of calls over one batch plans once (`_unchanged`)
         last = getattr(self, "_planned_for", None)
@@ -734,16 +737,16 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
         if last is None or last[1] != planned or not _unchanged(last[0], (cu_seqlens_q, cu_seqlens_k)):
             self._plan_one(wrapper, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), causal, q.dtype)
             self._planned_for = (_seen((cu_seqlens_q, cu_seqlens_k)), planned)
-        return self._run(wrapper, q, k, v.contiguous(), return_softmax_lse)
+        return self._run(wrapper, q, k, v.contiguous(), return_softmax_lse, out)
 
     def _planned(self, prefill_metadata, dtype: torch.dtype) -> FlashInferPrefillPlan | None:
         return getattr(prefill_metadata, "backend_plans", {}).get(self.plan_key() + (dtype,))
 
-    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool):
+    def run_prefill_new_tokens(self, prefill_metadata, q, k, v, return_softmax_lse: bool, out=None):
         plan = self._planned(prefill_metadata, q.dtype)
         if plan is None:
-            return super().run_prefill_new_tokens(prefill_metadata, q, k, v, return_softmax_lse)
-        return self._run(plan.new_tokens, q, k, v, return_softmax_lse)
+            return super().run_prefill_new_tokens(prefill_metadata, q, k, v, return_softmax_lse, out=out)
+        return self._run(plan.new_tokens, q, k, v, return_softmax_lse, out)
 
     def run_prefill_context_chunk(self, prefill_metadata, chunk_idx: int, q, k, v):
         plan = self._planned(prefill_metadata, q.dtype)
