@@ -821,9 +821,15 @@ if gluon is not None:
         if PAGE_SIZE % BLOCK_N == 0:
             page = gl.load(block_table_row + start // PAGE_SIZE)
             return (page < 0) | (page >= num_cache_blocks)
-        pos = start + gl.arange(0, BLOCK_N, layout=tokens_layout)
-        pages = gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
+        pages = _tile_pages(block_table_row, start, split_end, PAGE_SIZE, BLOCK_N, tokens_layout)
         return gl.max(((pages < 0) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0
+
+    @gluon.jit
+    def _tile_pages(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    tokens_layout: gl.constexpr):
+        """The block-table entry of each position of the tile at `start` (0 past the split's end)."""
+        pos = start + gl.arange(0, BLOCK_N, layout=tokens_layout)
+        return gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
 
     @gluon.jit
     def _tile_entries(block_table_row, start, split_end, num_cache_blocks, BLOCK_N: gl.constexpr,
@@ -831,8 +837,7 @@ if gluon is not None:
         """One-token pages whose entry -1 names no token (MASKED_ENTRIES: the sparse decode's index lists read
         as they are): whether an entry of the tile at `start` lies outside [-1, num_cache_blocks), and which
         of its positions name a token (the others' scores are masked; the loader read zeros for them)."""
-        pos = start + gl.arange(0, BLOCK_N, layout=tokens_layout)
-        pages = gl.load(block_table_row + pos, mask=pos < split_end, other=0)
+        pages = _tile_pages(block_table_row, start, split_end, 1, BLOCK_N, tokens_layout)
         bad = gl.max(((pages < -1) | (pages >= num_cache_blocks)).to(gl.int32), 0) > 0
         return bad, pages != -1
 

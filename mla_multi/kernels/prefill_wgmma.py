@@ -201,6 +201,14 @@ if gluon is not None:
         return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
+    def _scores(q_half, qp_half, kn, kp, s_layout: gl.constexpr):
+        """A key tile's scores S = Q K^T, issued asynchronously: the non-rotary and the rotary columns as two
+        warpgroup products into one accumulator."""
+        s = gl.zeros([q_half.shape[0], kn.shape[0]], gl.float32, layout=s_layout)
+        s = warpgroup_mma(q_half, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+        return warpgroup_mma(qp_half, kp.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
                  max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -248,9 +256,7 @@ if gluon is not None:
                 mbarrier.wait(q_bar, q_count & 1)
                 slot = kv_count % STAGES
                 mbarrier.wait(k_ready.index(slot), (kv_count // STAGES) & 1)
-                s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-                s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), s_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, m_i, alpha, l_i = _softmax_tile(s, 0, m_i, l_i, lk, diagonal_from, row_keys, qk_scale,
@@ -261,9 +267,7 @@ if gluon is not None:
                 slot = count % STAGES
                 prev = (count - 1) % STAGES
                 mbarrier.wait(k_ready.index(slot), (count // STAGES) & 1)
-                s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-                s = warpgroup_mma(q_half, kn_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(qp_half, kp_smem.index(slot).permute((1, 0)), s, is_async=True)
+                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), s_layout)
                 mbarrier.wait(v_ready.index(prev), ((count - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
