@@ -201,10 +201,10 @@ if gluon is not None:
         return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _scores(q_half, qp_half, kn, kp, s_layout: gl.constexpr):
+    def _scores(q_half, qp_half, kn, kp, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
         """A key tile's scores S = Q K^T, issued asynchronously: the non-rotary and the rotary columns as two
         warpgroup products into one accumulator."""
-        s = gl.zeros([q_half.shape[0], kn.shape[0]], gl.float32, layout=s_layout)
+        s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
         s = warpgroup_mma(q_half, kn.permute((1, 0)), s, use_acc=False, is_async=True)
         return warpgroup_mma(qp_half, kp.permute((1, 0)), s, is_async=True)
 
@@ -256,7 +256,7 @@ if gluon is not None:
                 mbarrier.wait(q_bar, q_count & 1)
                 slot = kv_count % STAGES
                 mbarrier.wait(k_ready.index(slot), (kv_count // STAGES) & 1)
-                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), s_layout)
+                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), HALF_M, BLOCK_N, s_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, m_i, alpha, l_i = _softmax_tile(s, 0, m_i, l_i, lk, diagonal_from, row_keys, qk_scale,
@@ -267,7 +267,7 @@ if gluon is not None:
                 slot = count % STAGES
                 prev = (count - 1) % STAGES
                 mbarrier.wait(k_ready.index(slot), (count // STAGES) & 1)
-                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), s_layout)
+                s = _scores(q_half, qp_half, kn_smem.index(slot), kp_smem.index(slot), HALF_M, BLOCK_N, s_layout)
                 mbarrier.wait(v_ready.index(prev), ((count - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
