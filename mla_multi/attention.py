@@ -194,6 +194,13 @@ class MLAAttention:
         self.sparse_impl = self.sparse_backend.get_impl_cls()(
             dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, self.device
         )
+        # unless forced, each step's backend is chosen for its token count (`registry.few_sparse_tokens`: a
+        # step of few tokens may go to another backend); the one a single-token step takes, where it differs
+        self._sparse_forced = sparse_backend
+        self.sparse_few_tokens_backend = select_sparse_backend(
+            "sparse_decode", dims, self.dtype, self.kv_cache_dtype, self.sparse_topk, backend=sparse_backend,
+            num_tokens=1,
+        )
         self.prefill_backend = self.decode_backend = None
 
     def _context_prefill(self, dims: MLADims, forced: str | None, impl_args: tuple):
@@ -267,7 +274,10 @@ class MLAAttention:
 
     def backends(self) -> dict[str, str]:
         if self.sparse_topk is not None:
-            return {"sparse_decode": self.sparse_backend.name}
+            names = {"sparse_decode": self.sparse_backend.name}
+            if self.sparse_few_tokens_backend is not self.sparse_backend:  # steps of few tokens
+                names["sparse_decode_few_tokens"] = self.sparse_few_tokens_backend.name
+            return names
         names = {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
         if self.context_prefill_backend is not self.prefill_backend:
             names["prefill_context"] = self.context_prefill_backend.name  # steps whose prefills have context
@@ -534,7 +544,7 @@ class MLAAttention:
         q_latent = torch.cat([ql_nope, q_pe], dim=-1)
         latent = ops.mla_sparse_decode(
             q_latent[..., : d.kv_lora_rank], q_latent[..., d.kv_lora_rank:], kv_cache, slots, self.scale,
-            k_scale=self.k_scale, backend=self.sparse_backend.name,
+            k_scale=self.k_scale, backend=self._sparse_forced,
         )
         self._up_project_latent(latent, output, tokens)
         return output

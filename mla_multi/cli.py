@@ -282,7 +282,7 @@ def _demo_sparse(args, mm, platform, device, on_gpu, num_heads, dtype, tolerance
     bound = 6e-2
     print(f"platform: {platform.name} ({platform.vendor} {platform.arch}); device {device}")
     print(f"sparse layer: DeepSeek-V3.2 MLA, {num_heads} heads, {dtype}, top-{topk}, fp8_ds_mla cache, "
-          f"block size {block_size}; backend: sparse_decode={layer.sparse_backend.name}")
+          f"block size {block_size}; backends: " + ", ".join(f"{k}={v}" for k, v in layer.backends().items()))
     worst = 0.0
     for index, requests in enumerate(steps):
         metadata, q, kv_c, k_pe = scenario.step(requests)

@@ -620,7 +620,8 @@ def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, a
     from mla_multi.registry import select_sparse_backend
 
     backend_cls = select_sparse_backend("sparse_decode", dims, q_nope.dtype, kv_cache.dtype, topk,
-                                        max_query_len=q_len, backend=backend)
+                                        max_query_len=q_len, backend=backend, num_tokens=tokens,
+                                        with_lengths=topk_length is not None)
     impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
     k_scale_tensor = None if k_scale is None or torch.is_tensor(k_scale) else _scale_tensor(k_scale, device)
     return _SparsePlan(backend_cls, impl, device, lead, tokens, heads, topk, q_len, num_slots, k_scale_tensor,

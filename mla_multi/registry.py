@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -132,6 +132,7 @@ class SelectionRule:
     num_heads: tuple[int, int] = (1, 1 << 20)
     kv_cache_dtypes: frozenset | None = None
     needs_wgmma: bool = False
+    when: Callable[[Platform, object], bool] | None = None  # a further condition on (platform, config)
 
     def matches(self, platform: Platform, config) -> bool:
         if platform.vendor != self.vendor or (self.arch is not None and platform.arch != self.arch):
@@ -149,15 +150,40 @@ class SelectionRule:
             kv = kv_dtype if kv_dtype is not None else torch.bfloat16
             if wgmma_decode_reason(platform, kv, dims.kv_lora_rank, dims.qk_rope_head_dim):
                 return False
-        return True
+        return self.when is None or bool(self.when(platform, config))
 
     def describe(self) -> str:
         return f"{self.name} ({self.measured})"
 
 
+def few_sparse_tokens(platform: Platform, config) -> bool:
+    """A planned sparse decode over the fp8_ds_mla cache, without per-token lengths, of one token or of tokens
+    whose heads fit one 64-row head block and fill at most half the device's compute units: there TRITON's
+    sm_90 kernels read the index lists as they are, in one-tile splits, and beat FlashMLA (bench/RESULTS.md,
+    'Sparse decode: TRITON where the batch is small'); a layer built without a batch (num_tokens None) keeps
+    the platform's order."""
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+    tokens = getattr(config, "num_tokens", None)
+    if tokens is None or config.with_lengths or config.kv_dtype != torch.uint8 or ds_mla_decode_reason(platform):
+        return False
+    return tokens == 1 or (config.dims.num_heads <= 64 and tokens <= platform.num_compute_units // 2)
+
+
 # Measured exceptions to the lists above, tried in order; the first that
 # matches a configuration gives its priority. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
+    SelectionRule(
+        # 128 heads: B = 1 TRITON 17.0 µs, FLASHMLA 21.7; B = 2-16 within 4 % either way, TRITON behind from
+        # B = 24. 64 heads: TRITON ahead 3-28 % up to B = 64 (80.1 against 85.0 µs), 3.5 % behind at B = 128
+        name="nvidia-sm90-sparse-decode-few-tokens",
+        phase="sparse_decode",
+        vendor="cuda",
+        arch="sm_90",
+        priority=("TRITON", "FLASHMLA", "REFERENCE"),
+        when=few_sparse_tokens,
+        measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
+    ),
     SelectionRule(
         # every head count: at 128 heads TRITON is 0.90-1.41x FlashInfer's speed (0.90-0.93 at B = 128,
         # S = 8192-16384; 1.41 at B = 1), where FlashInfer first was 0.71x at B = 1
@@ -429,23 +455,30 @@ def select_decode_backend(
 
 
 def sparse_config(dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype, topk: int,
-                  max_query_len: int = 1) -> SparseSelectorConfig:
+                  max_query_len: int = 1, num_tokens: int | None = None,
+                  with_lengths: bool = False) -> SparseSelectorConfig:
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     for name, value in (("topk", topk), ("max_query_len", max_query_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; accepted: a positive int")
-    return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len)
+    if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
+        raise ValueError(f"num_tokens={num_tokens!r}; accepted: None or an int >= 0")
+    return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, bool(with_lengths))
 
 
 def select_sparse_backend(
     phase: Literal["sparse_decode", "sparse_prefill"], dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype,
     topk: int, *, max_query_len: int = 1, backend: str | None = None, platform: Platform | None = None,
+    num_tokens: int | None = None, with_lengths: bool = False,
 ) -> type[MLASparseBackend]:
-    """The sparse backend class of `phase` for the configuration; raises `NoBackendError`."""
+    """The sparse backend class of `phase` for the configuration; raises `NoBackendError`. num_tokens /
+    with_lengths: the planned call's query tokens and whether it passes topk_length (a rule may depend on
+    them: `few_sparse_tokens`)."""
     if phase not in ("sparse_decode", "sparse_prefill"):
         raise ValueError(f"phase={phase!r}; accepted: sparse_decode, sparse_prefill")
-    return default_registry.select(phase, sparse_config(dims, dtype, kv_dtype, topk, max_query_len), platform, backend)
+    config = sparse_config(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, with_lengths)
+    return default_registry.select(phase, config, platform, backend)
 
 
 def check_forced_names() -> None:

@@ -203,6 +203,43 @@ def test_selection_and_reasons_on_nvidia(fake_flash_mla):
         assert registry.default_registry.reasons("sparse_decode", "FLASHMLA", mm.current_platform(), config)
 
 
+def test_few_sparse_tokens_go_to_triton_on_sm90(fake_flash_mla, monkeypatch):
+    """A sparse decode over fp8_ds_mla planned with its token count goes to TRITON on sm_90 where it is one
+    token, or tokens of at most 64 heads filling at most half the compute units (the index lists read as they
+    are: measured faster than FlashMLA, bench/RESULTS.md); with topk_length, more tokens, an unknown count,
+    without the in-place loader or off sm_90 FLASHMLA keeps it; a forced backend stays forced. A sparse layer
+    names the backend of its few-token steps."""
+    from mla_multi.kernels import mla_decode
+
+    bf16 = torch.bfloat16
+    d128, d64 = mm.MLADims.deepseek_v3(num_heads=128), mm.MLADims.deepseek_v3(num_heads=64)
+
+    def pick(dims, tokens, **keywords):
+        return registry.select_sparse_backend("sparse_decode", dims, bf16, torch.uint8, 2048, num_tokens=tokens,
+                                              **keywords).name
+
+    monkeypatch.setattr(mla_decode, "ds_mla_decode_reason", lambda platform, kv_cache=None: "")
+    registry.default_registry.clear_cache()
+    for spec in ("H100", "H200"):
+        with override(spec):
+            half = mm.current_platform().num_compute_units // 2
+            assert (pick(d128, 1), pick(d128, 2), pick(d128, None)) == ("TRITON", "FLASHMLA", "FLASHMLA")
+            assert (pick(d64, 1), pick(d64, half), pick(d64, half + 1)) == ("TRITON", "TRITON", "FLASHMLA")
+            assert pick(d128, 1, with_lengths=True) == "FLASHMLA" and pick(d128, 1, backend="FLASHMLA") == "FLASHMLA"
+            config = registry.sparse_config(d128, bf16, torch.uint8, 2048, num_tokens=1)
+            rule = registry.default_registry.rule_for("sparse_decode", mm.current_platform(), config)
+            assert rule is not None and "RESULTS.md" in rule.measured
+            layer = mm.MLAAttention(d128, 0.1, torch.randn(128 * 256, 512, dtype=bf16), block_size=64,
+                                    max_model_len=4096, max_num_seqs=4, kv_cache_dtype="fp8_ds_mla", sparse_topk=2048)
+            assert layer.backends() == {"sparse_decode": "FLASHMLA", "sparse_decode_few_tokens": "TRITON"}
+    with override("B200"):
+        assert pick(d128, 1) == "FLASHMLA"
+    monkeypatch.setattr(mla_decode, "ds_mla_decode_reason", lambda platform, kv_cache=None: "no in-place loader")
+    registry.default_registry.clear_cache()
+    with override("H200"):
+        assert pick(d128, 1) == "FLASHMLA"
+
+
 def test_without_flashmla_the_reason_names_the_distribution(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", None)
     flashmla.clear_caches()

@@ -425,7 +425,10 @@ class SparseSelectorConfig:
 
     kv_dtype is the cache's (decode: float, FP8 with a scale, or uint8 for the
     fp8_ds_mla layout) or the kv rows' (prefill); topk the index-list length;
-    max_query_len the query tokens per request (decode).
+    max_query_len the query tokens per request (decode). num_tokens: the
+    batch's query tokens where a call is planned (None where unknown, as when
+    a layer is built); with_lengths: the call passes topk_length. A selection
+    rule may depend on both (`registry.SELECTION_RULES`).
     """
 
     dims: MLADims
@@ -433,6 +436,8 @@ class SparseSelectorConfig:
     kv_dtype: torch.dtype
     topk: int
     max_query_len: int = 1
+    num_tokens: int | None = None
+    with_lengths: bool = False
 
     def describe(self) -> str:
         d = self.dims
@@ -440,6 +445,8 @@ class SparseSelectorConfig:
         return (
             f"num_heads={d.num_heads} kv_lora_rank={d.kv_lora_rank} qk_rope_head_dim={d.qk_rope_head_dim} "
             f"dtype={dtype_name(self.dtype)} kv={kv} topk={self.topk} max_query_len={self.max_query_len}"
+            + (f" num_tokens={self.num_tokens}" if self.num_tokens is not None else "")
+            + (" with topk_length" if self.with_lengths else "")
         )
 
 

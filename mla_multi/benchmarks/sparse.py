@@ -116,8 +116,9 @@ def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
     q = torch.randn(batch, heads, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16)
     q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
     scale = 192**-0.5
+    # the call's token count, as `mm.ops.mla_sparse_decode` plans it (a rule may choose by it)
     config = registry.sparse_config(MLADims(heads, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM),
-                                    torch.bfloat16, kv_dtype, topk)
+                                    torch.bfloat16, kv_dtype, topk, num_tokens=batch)
     usable, chosen, reasons = _usable("sparse_decode", config, wanted)
     flops = 2 * batch * heads * topk * (KV_LORA_RANK + ROPE_DIM + KV_LORA_RANK)
     row = {"phase": "sparse_decode", "heads": heads, "batch": batch, "seq_len": seq_len, "kv": kv, "topk": topk,
