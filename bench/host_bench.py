@@ -243,3 +243,5 @@ if FLASHINFER:  # FlashInfer's float workspace inside the shared one, both phase
     mixed_step_peak("FLASHINFER", True, "FLASHINFER")
     for backend in (None, "FLASHINFER"):  # full chunks: the context (57344 tokens) over workspace_tokens
         mixed_step_peak(backend, True, backend, workspace_tokens=32768)
+if flash_mla is not None:  # FlashMLA's decode allocates its results and split partials itself, in each call
+    mixed_step_peak(None, True, "FLASHMLA")

@@ -239,10 +239,11 @@ def test_sixty_one_layers_reserve_what_one_layer_reserves_on_the_gpu(heads, boun
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill_backend", [None, "FLASHINFER"])
-def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection(prefill_backend):
+@pytest.mark.parametrize("prefill_backend,decode_backend", [(None, None), ("FLASHINFER", None), (None, "FLASHMLA")])
+def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection(prefill_backend, decode_backend):
     """61 layers of DeepSeek-V3 at 16 heads (max_num_seqs 256, max_model_len 32768, the registry's backends,
-    or FLASHINFER's prefill, which reads K whole) share one workspace, and a mixed step (64 decodes of 4096
+    FLASHINFER's prefill, which reads K whole, or FLASHMLA's decode, which allocates its own results and
+    split partials in each call) share one workspace, and a mixed step (64 decodes of 4096
     tokens, 16 prefills of 512 new tokens with 3584 cached, in context chunks of up to workspace_tokens rows)
     run through all of them peaks, beyond the workspace and the step's tensors, at most one chunk's
     up-projected K and V (workspace_tokens x N x (P + V) bf16 values) plus the prefill's LSE (N x new tokens
@@ -255,8 +256,10 @@ def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection(prefi
     try:
         if prefill_backend:
             mm.select_prefill_backend(dims, torch.bfloat16, backend=prefill_backend)
+        if decode_backend:
+            mm.select_decode_backend(dims, torch.bfloat16, backend=decode_backend, block_size=64)
     except Exception as error:  # not installed here, or cannot run this: its reason
-        pytest.skip(f"{prefill_backend}: {str(error).splitlines()[0][:200]}")
+        pytest.skip(f"{prefill_backend or decode_backend}: {str(error).splitlines()[0][:200]}")
     device = torch.device("cuda")
     set_workspace_manager(None, device)
     gc.collect()
@@ -264,8 +267,8 @@ def test_sixty_one_layers_run_a_mixed_step_within_one_chunks_up_projection(prefi
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(heads * 256, 512, device=device, generator=generator) / 512**0.5).to(torch.bfloat16)
     layers = [mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=block_size, max_model_len=32768,
-                              max_num_seqs=256, workspace_tokens=workspace_tokens, prefill_backend=prefill_backend)
-              for _ in range(61)]
+                              max_num_seqs=256, workspace_tokens=workspace_tokens, prefill_backend=prefill_backend,
+                              decode_backend=decode_backend) for _ in range(61)]
     try:
         workspace = layers[0].workspace
         assert all(layer.workspace is workspace for layer in layers)
