@@ -675,7 +675,8 @@ class MLAAttention:
             # elsewhere on a GPU each chunk's result is merged into the new tokens' as it comes, in place, the
             # last merge writing the step's output: one chunk's result at a time beside them, no copy
             merge_in_place = output.is_contiguous() and ops._use_triton(q_prefill)
-            out_view = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
+            if merge_in_place:
+                out_view = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
             context_out = context_lse = None
             for chunk_idx in range(chunked.num_chunks):
                 if self.dcp is not None:
