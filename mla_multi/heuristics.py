@@ -60,6 +60,7 @@ reservation).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -85,10 +86,6 @@ MAX_KV_SPLITS_CAP = 256
 PARTIAL_WAVES = 16
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -111,9 +108,19 @@ def max_num_kv_splits(max_model_len: int, platform, *, min_tokens_per_split: int
 def _occupancy(platform, num_heads: int, q_len: int, kv_cache_dtype: torch.dtype,
                kv_lora_rank: int = 512, qk_rope_head_dim: int = 64) -> tuple:
     """(launch configuration, head blocks per request, programs the device runs at once)."""
+    from mla_multi import envs
+
+    # the launch table reads MLA_MULTI_FP8_QK: its value is part of the key
+    return _occupancy_of(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim,
+                         envs.MLA_MULTI_FP8_QK)
+
+
+@functools.lru_cache(maxsize=256)
+def _occupancy_of(platform, num_heads: int, q_len: int, kv_cache_dtype: torch.dtype, kv_lora_rank: int,
+                  qk_rope_head_dim: int, fp8_qk: bool) -> tuple:
     from mla_multi.kernels.launch_config import decode_config
 
-    config = decode_config(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
+    config = decode_config(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim, fp8_qk=fp8_qk)
     head_blocks = -(-(num_heads * q_len) // config.block_h)
     slots = max(1, platform.num_compute_units * config.programs_per_cu)
     return config, head_blocks, slots
@@ -213,9 +220,22 @@ def num_kv_splits(
     partial_bytes_per_split = batch_size * rows * (kv_lora_rank + 1) * 4 * 2
 
     limit = min(max_num_kv_splits, -(-max_seq_len // min_tokens_per_split))
+    # a split's tokens, rounded up to whole tiles, depend on the length only through its tile count
+    # (ceil(ceil(S / k) / n) = ceil(ceil(S / n) / k)): a step whose longest sequence grew by a token within its
+    # last tile finds the choice made before
+    tiles = -(-max_seq_len // config.block_n)
+    return _cheapest_splits(config.block_n, head_blocks, slots, batch_size, partial_bytes_per_split, row_bytes,
+                            max(1, limit), tiles)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_splits(block_n: int, head_blocks: int, slots: int, batch_size: int, partial_bytes_per_split: int,
+                     row_bytes: int, limit: int, tiles: int) -> int:
+    """The split count in 1 .. limit of the lowest modelled cost (`num_kv_splits`), for a longest sequence
+    of `tiles` tiles of `block_n` tokens."""
     best_splits, best_cost = 1, math.inf
-    for splits in range(1, max(1, limit) + 1):
-        chunk = _round_up(-(-max_seq_len // splits), config.block_n)
+    for splits in range(1, limit + 1):
+        chunk = -(-tiles // splits) * block_n
         waves = -(-(batch_size * head_blocks * splits) // slots)
         cost = waves * (chunk + PROGRAM_OVERHEAD_TOKENS)
         if splits > 1:

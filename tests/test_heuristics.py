@@ -135,3 +135,21 @@ def test_min_tokens_per_split_lets_short_lists_split_to_one_tile():
         assert num_kv_splits(h200, batch, 128, 2048, limit, kv_cache_dtype=torch.uint8, min_tokens_per_split=64) == \
             num_kv_splits(h200, batch, 128, 2048, 16, kv_cache_dtype=torch.uint8)
     assert num_kv_splits(h200, 1, 128, 64, limit, min_tokens_per_split=64) == 1  # one tile: no split
+
+
+def test_the_choice_is_kept_per_tile_count_and_follows_the_launch_table_variable(monkeypatch):
+    """The split choice is memoised by what it depends on: lengths within one tile of the launch
+    configuration's block_n get the choice of the tile count (the cost model sees whole tiles only), a
+    length one tile longer may not; the launch configuration is looked up again when
+    MLA_MULTI_FP8_QK changes (it picks the FP8 cache's table)."""
+    platform = SPECS["H200"]
+    limit = max_num_kv_splits(32768, platform)
+    config, _, _ = heuristics._occupancy(platform, 128, 1, torch.bfloat16)
+    for tiles in (1, 3, 17, 64, 65, 128):
+        choices = {num_kv_splits(platform, 1, 128, (tiles - 1) * config.block_n + extra, limit)
+                   for extra in (1, config.block_n // 2, config.block_n)}
+        assert len(choices) == 1, (tiles, choices)
+    for value in ("0", "1"):
+        monkeypatch.setenv("MLA_MULTI_FP8_QK", value)
+        got, _, _ = heuristics._occupancy(platform, 128, 1, torch.float8_e4m3fn)
+        assert got == decode_config(platform, 128, 1, torch.float8_e4m3fn)
