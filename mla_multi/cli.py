@@ -130,6 +130,8 @@ def collect_info(as_spec: str | None = None) -> dict:
                              "priority": list(registry.default_registry.priority(phase, target, config)),
                              "rule": rule.describe() if rule else None,
                              "forced": forced, "selected": selected, "backends": rows}
+            if phase == "sparse_decode":  # each call is planned with its token count: a rule may choose by it
+                phases[phase]["one_token"] = _guarded(lambda c=config: _one_token_choice(c, target))
             for row in rows if isinstance(rows, list) else []:
                 backend = _guarded(lambda p=phase, n=row["name"]: registry.default_registry.load(p, n), default=None)
                 if hasattr(backend, "info"):
@@ -139,6 +141,19 @@ def collect_info(as_spec: str | None = None) -> dict:
     info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
     info["triton_prefill"] = _guarded(lambda: _triton_prefill_kernel(target))
     return info
+
+
+def _one_token_choice(config, target) -> dict | None:
+    """The sparse decode backend a planned call of one token gets, where a rule makes it differ."""
+    import dataclasses
+
+    from mla_multi import registry
+
+    one = dataclasses.replace(config, num_tokens=1)
+    rule = registry.default_registry.rule_for("sparse_decode", target, one)
+    if rule is None:
+        return None
+    return {"selected": registry.default_registry.select("sparse_decode", one, target).name, "rule": rule.describe()}
 
 
 def _workspace_plans(dtype) -> list[str]:
@@ -172,6 +187,9 @@ def _print_info(info: dict) -> None:
         print(f"  config: {data['config']}")
         print(f"  priority: {' > '.join(data['priority']) or '(none)'}"
               + (f"  (rule {data['rule']})" if data.get("rule") else "  (the platform's list)"))
+        one_token = data.get("one_token")
+        if isinstance(one_token, dict):
+            print(f"  a call of one token: {one_token['selected']}  (rule {one_token['rule']})")
         for row in data["backends"] if isinstance(data["backends"], list) else []:
             state = "SELECTED" if row["selected"] else ("available" if row["available"] else "unavailable")
             declares = row.get("declares") if isinstance(row.get("declares"), dict) else {}

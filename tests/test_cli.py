@@ -114,3 +114,20 @@ def test_info_names_the_triton_prefill_kernel_and_why_not_the_sm90_one():
         assert h100["sm90_kernel"] == "available" and "prefill_wgmma" in h100["kernel"], h100
     else:
         assert "Gluon" in h100["sm90_kernel"], h100
+
+
+def test_info_names_the_sparse_decode_backend_of_a_one_token_call(monkeypatch):
+    """`mla-multi info` shows where a planned sparse decode call of one token goes by a rule (sm_90, the
+    in-place loader available), and nothing where no rule applies (an MI300X; sm_90 without the loader)."""
+    from mla_multi import registry
+    from mla_multi.kernels import mla_decode
+
+    monkeypatch.setattr(mla_decode, "ds_mla_decode_reason", lambda platform, kv_cache=None: "")
+    registry.default_registry.clear_cache()
+    one = cli.collect_info("H200")["phases"]["sparse_decode"]["one_token"]
+    assert one["selected"] == "TRITON" and "nvidia-sm90-sparse-decode-few-tokens" in one["rule"]
+    assert cli.collect_info("MI300X")["phases"]["sparse_decode"]["one_token"] is None
+    monkeypatch.setattr(mla_decode, "ds_mla_decode_reason", lambda platform, kv_cache=None: "no loader")
+    registry.default_registry.clear_cache()
+    assert cli.collect_info("H200")["phases"]["sparse_decode"]["one_token"] is None
+    registry.default_registry.clear_cache()
