@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import importlib
 import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -58,7 +59,8 @@ def _as_int_list(values, name: str) -> list[int]:
             raise ValueError(f"{name} has shape {tuple(values.shape)} and dtype {values.dtype}; accepted: 1-D int32/int64")
         values = values.tolist()
     values = list(values)
-    if any((not isinstance(v, int)) or isinstance(v, bool) or v < 0 for v in values):
+    # checked at C speed (a step's lists are checked on every step): exactly ints (no bool), none negative
+    if values and (not set(map(type, values)) <= {int} or min(values) < 0):
         raise ValueError(f"{name}={values!r}; accepted: non-negative ints")
     return values
 
@@ -126,16 +128,18 @@ class CommonAttentionMetadata:
             raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}; accepted: a positive int")
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):
-            if q > s:
-                raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
-            if s > block_table.shape[1] * block_size:
-                raise ValueError(
-                    f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
-                    f"{block_size} tokens in its block_table row"
-                )
+        capacity = block_table.shape[1] * block_size
+        if any(map(operator.gt, query_lens, seq_lens_list)) or max(seq_lens_list, default=0) > capacity:
+            for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):  # the first bad request, named
+                if q > s:
+                    raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
+                if s > capacity:
+                    raise ValueError(
+                        f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+                        f"{block_size} tokens in its block_table row"
+                    )
         is_decode = [q <= decode_threshold for q in query_lens]
-        if any(is_decode[i + 1] and not is_decode[i] for i in range(len(is_decode) - 1)):
+        if False in is_decode[: is_decode.count(True)]:  # a prefill before a decode
             raise ValueError(
                 f"query_lens={query_lens}: decodes (query_len <= {decode_threshold}) must come before prefills; "
                 "reorder with reorder_batch_to_split_decodes_and_prefills"
