@@ -420,3 +420,30 @@ def test_sparse_decode_plans_once_per_layout_and_still_checks_the_data(monkeypat
     mm.ops.mla_sparse_decode(q_nope, q_pe, cache.double().float(), other.clamp_max(63), 0.05, topk_length=None)
     mm.ops.mla_sparse_decode(q_nope[:2], q_pe[:2], cache, other[:2].clamp_max(63), 0.05)  # a new layout: planned
     assert len(selections) == 2
+
+
+def test_triton_sparse_decode_reads_the_lists_through_the_dense_impls_launch(monkeypatch):
+    """The index lists read as they are (masked entries) go through the dense decode impl's own launch path
+    (its output, LSE and split partials), which passes `masked_entries` on to the kernels; the compacted
+    tables go the same way without it (a recording stand-in for `mla_decode_fwd`)."""
+    from mla_multi.backends.triton import TritonSparseDecodeImpl
+    from mla_multi.kernels import mla_decode
+
+    calls = []
+
+    def record(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, **keywords):
+        calls.append(keywords)
+        return keywords["out"], keywords["lse"]
+
+    monkeypatch.setattr(mla_decode, "mla_decode_fwd", record)
+    impl = TritonSparseDecodeImpl(64, 512, 64, torch.device("cpu"))
+    q = torch.randn(3, 64, 576, dtype=torch.bfloat16)
+    pages = torch.zeros(256, 1, FP8_DS_MLA_BYTES, dtype=torch.uint8)
+    lists = torch.randint(-1, 256, (3, 128), dtype=torch.int32)
+    lengths = torch.full((3,), 128, dtype=torch.int32)
+    for masked in (True, False):
+        out, lse = impl._decode_in_place(q[..., :512], q[..., 512:], pages, lists, lengths, scale=0.1,
+                                         masked_entries=masked)
+        assert calls[-1]["masked_entries"] is masked and calls[-1]["out"] is out and calls[-1]["lse"] is lse
+        assert out.shape == (3, 64, 512) and lse.shape == (3, 64) and lse.dtype == torch.float32
+        assert calls[-1]["attn_logits"].shape[:3] == (3, 64, calls[-1]["num_kv_splits"])

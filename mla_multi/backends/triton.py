@@ -237,9 +237,11 @@ class TritonDecodeImpl(MLADecodeImpl):
         return max(1, min(int(num_kv_splits), limit))
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
-                    workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None):
+                    workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
+                    masked_entries: bool = False):
         """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
-        workspace views and the bound kernels of the step, so that every later layer only launches."""
+        workspace views and the bound kernels of the step, so that every later layer only launches.
+        `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the block table)."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
@@ -249,7 +251,7 @@ class TritonDecodeImpl(MLADecodeImpl):
         if step_plans is not None and workspace_manager is not None:
             key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
                    id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
-                   max_seq_len, id(workspace_manager), self.scale, capturing(q_nope))
+                   max_seq_len, id(workspace_manager), self.scale, capturing(q_nope), masked_entries)
             found = step_plans.get(key)
             if found is not None and found[0] is workspace_manager._buffer:
                 _, attn_logits, out, lse, plan = found
@@ -272,10 +274,11 @@ class TritonDecodeImpl(MLADecodeImpl):
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
                 num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
+                masked_entries=masked_entries,
             )
         plan = DecodeKernelPlan(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
-            platform=self.platform,
+            platform=self.platform, masked_entries=masked_entries,
         )
         plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
         step_plans[key] = (workspace_manager._buffer, attn_logits, out, lse, plan)
@@ -372,15 +375,8 @@ class TritonSparseDecodeImpl(MLASparseImpl):
             splits = self._splits[key] = decode.choose_num_kv_splits(
                 q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1], min_tokens_per_split=64
             )
-        if not masked_entries:
-            return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits)
-        from mla_multi.kernels.mla_decode import mla_decode_fwd, shared_split_partials
-
-        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
-        lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=q_nope.device)
-        partials = shared_split_partials(q_nope.shape[0], self.num_heads, splits, self.kv_lora_rank, q_nope.device)
-        return mla_decode_fwd(q_nope, q_pe, pages, table, lens, decode.scale, k_scale=None, num_kv_splits=splits,
-                              attn_logits=partials, out=out, lse=lse, platform=decode.platform, masked_entries=True)
+        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits,
+                                  masked_entries=masked_entries)
 
 
 def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
