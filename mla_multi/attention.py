@@ -252,8 +252,8 @@ class MLAAttention:
         has_context = metadata.backend_plans.get("prefill_has_context")
         if has_context is None:
             num_decodes = self._split(metadata)[0]
-            has_context = metadata.backend_plans["prefill_has_context"] = bool(
-                (metadata.num_computed_tokens_cpu[num_decodes:] > 0).any()
+            has_context = metadata.backend_plans["prefill_has_context"] = any(
+                metadata.host_lengths()[1][num_decodes:]
             )
         if has_context:
             return self.context_prefill_backend, self.context_prefill_impl
@@ -317,10 +317,13 @@ class MLAAttention:
         if num_prefills > 0:
             self._prefill_metadata(metadata)
 
-    def _decode_rows(self, metadata: CommonAttentionMetadata, num_decodes: int) -> torch.Tensor:
-        """Indices of the decode requests that carry a query token (padding rows carry none)."""
-        query_lens = metadata.query_lens_cpu[:num_decodes]
-        return torch.nonzero(query_lens > 0).flatten()
+    def _decode_rows(self, metadata: CommonAttentionMetadata, num_decodes: int) -> torch.Tensor | None:
+        """Indices of the decode requests that carry a query token (padding rows carry none); None where all
+        of them do."""
+        query_lens = metadata.host_lengths()[0][:num_decodes]
+        if 0 not in query_lens:
+            return None
+        return torch.tensor([i for i, n in enumerate(query_lens) if n > 0], dtype=torch.int64)
 
     @staticmethod
     def _split(metadata: CommonAttentionMetadata) -> tuple[int, int, int, int]:
@@ -337,7 +340,7 @@ class MLAAttention:
         if found is None:
             # Decode rows with no new token (padding) carry no query.
             rows = self._decode_rows(metadata, num_decodes)
-            if len(rows) == num_decodes:
+            if rows is None:
                 found = metadata.block_table[:num_decodes], metadata.seq_lens[:num_decodes]
             else:
                 index = to_device(rows, metadata.block_table.device)
@@ -355,9 +358,10 @@ class MLAAttention:
         if plan is None or (cuda_graph and not plan.cuda_graph):
             rows = self._decode_rows(metadata, num_decodes)
             block_table = metadata.block_table[:num_decodes]
-            if len(rows) != num_decodes:
+            seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes]
+            if rows is not None:
                 block_table = block_table[to_device(rows, block_table.device)]
-            seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes][rows]
+                seq_lens_cpu = seq_lens_cpu[rows]
             if self.dcp is not None:
                 # Under DCP the backend decodes this rank's share of each sequence.
                 seq_lens_cpu = self.dcp.local_seq_lens(seq_lens_cpu)
@@ -382,7 +386,7 @@ class MLAAttention:
         found = metadata.backend_plans.get("prefill_chunk_counts")
         if found is None:
             num_decodes, _, num_decode_tokens, _ = self._split(metadata)
-            with_context = int((metadata.num_computed_tokens_cpu[num_decodes:] > 0).sum())
+            with_context = sum(1 for n in metadata.host_lengths()[1][num_decodes:] if n > 0)
             found = metadata.backend_plans["prefill_chunk_counts"] = (
                 with_context, metadata.num_actual_tokens - num_decode_tokens
             )

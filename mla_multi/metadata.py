@@ -10,6 +10,7 @@ the block size, and the context is cut into chunks of that many tokens.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import importlib
@@ -51,6 +52,17 @@ def pinned(host: torch.Tensor) -> torch.Tensor:
         return host.pin_memory()
     except RuntimeError:
         return host
+
+
+def host_int32(values: list[int]) -> torch.Tensor:
+    """A list of ints as a host int32 tensor, read from an array's buffer (a third of `torch.tensor`'s time
+    on a list: a step makes several); values outside int32 raise `torch.tensor`'s error."""
+    if not values:
+        return torch.empty(0, dtype=torch.int32)
+    try:
+        return torch.frombuffer(array.array("i", values), dtype=torch.int32)
+    except OverflowError:
+        return torch.tensor(values, dtype=torch.int32)
 
 
 def _as_int_list(values, name: str) -> list[int]:
@@ -146,11 +158,12 @@ class CommonAttentionMetadata:
             )
         device = block_table.device
         num_reqs = len(query_lens)
-        query_lens_cpu = torch.tensor(query_lens, dtype=torch.int64)
-        query_start_loc_cpu = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens_list, dtype=torch.int32)
-        computed = seq_lens_cpu - query_lens_cpu.to(torch.int32)
-        total = int(query_start_loc_cpu[-1])
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        computed_list = list(map(operator.sub, seq_lens_list, query_lens))
+        query_start_loc_cpu = host_int32(starts)
+        seq_lens_cpu = host_int32(seq_lens_list)
+        computed = host_int32(computed_list)
+        total = starts[-1]
         if device.type == "cuda" and _device_slots():
             # every token's slot computed on the device (one launch) from the lengths, which reach it in two
             # queued copies (each in its own storage: a view at an offset that changes with the batch would
@@ -164,7 +177,7 @@ class CommonAttentionMetadata:
             # slot of each new token: block_table[req, pos // block_size] * block_size + pos % block_size,
             # gathered where the block table lives; the start locations and each token's (table entry,
             # offset) reach the device in one copy
-            req_of_token = torch.repeat_interleave(torch.arange(num_reqs), query_lens_cpu)
+            req_of_token = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(query_lens, dtype=torch.int64))
             positions = torch.arange(total) + (computed - query_start_loc_cpu[:-1]).long()[req_of_token]
             flat_index = req_of_token * block_table.shape[1] + positions // block_size
             packed = torch.cat([query_start_loc_cpu, flat_index.to(torch.int32),
@@ -177,7 +190,7 @@ class CommonAttentionMetadata:
                 slot_mapping = blocks.long() * block_size + packed[num_reqs + 1 + total :]
             else:
                 slot_mapping = torch.zeros(0, dtype=torch.int64, device=device)
-        return cls(
+        metadata = cls(
             query_start_loc=query_start_loc,
             query_start_loc_cpu=query_start_loc_cpu,
             seq_lens=seq_lens,
@@ -186,16 +199,30 @@ class CommonAttentionMetadata:
             block_table=block_table,
             slot_mapping=slot_mapping,
             block_size=block_size,
-            num_reqs=len(query_lens),
-            num_actual_tokens=int(query_start_loc_cpu[-1]),
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens_list, default=0),
             decode_threshold=decode_threshold,
         )
+        metadata.backend_plans[_HOST_LENGTHS] = (query_lens, computed_list)
+        return metadata
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    def host_lengths(self) -> tuple[list[int], list[int]]:
+        """(query_lens, num_computed_tokens) of every request as Python lists, made once per step (`from_lengths`
+        keeps the lists it was given): the planning stage reads them without a tensor operation."""
+        found = self.backend_plans.get(_HOST_LENGTHS)
+        if found is None:
+            found = self.backend_plans[_HOST_LENGTHS] = (self.query_lens_cpu.tolist(),
+                                                         self.num_computed_tokens_cpu.tolist())
+        return found
+
+
+_HOST_LENGTHS = "host_lengths"  # the key of `CommonAttentionMetadata.host_lengths` in its backend_plans
 
 
 def _describe(value) -> str:
@@ -209,11 +236,11 @@ def split_decodes_and_prefills(
 ) -> tuple[int, int, int, int]:
     """(num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens) of a batch ordered decodes first."""
     threshold = common_attn_metadata.decode_threshold if decode_threshold is None else decode_threshold
-    query_lens = common_attn_metadata.query_lens_cpu.tolist()
+    query_lens = common_attn_metadata.host_lengths()[0]
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] <= threshold:
         num_decodes += 1
-    num_decode_tokens = int(sum(query_lens[:num_decodes]))
+    num_decode_tokens = sum(query_lens[:num_decodes])
     return (
         num_decodes,
         len(query_lens) - num_decodes,
@@ -260,13 +287,14 @@ def plan_context_chunks(
 
 def _chunked_context(
     context_lens: list[int], workspace_tokens: int, block_size: int, device, head: Sequence[int] = ()
-) -> tuple[ChunkedContextMetadata | None, torch.Tensor]:
-    """`plan_context_chunks`, and `head` (ints) as an int32 tensor on `device`: the tables are computed on
-    the host in plain Python (a step plans them for every prefill: no tiny tensor operations) and reach
-    the device in one copy together with `head`."""
+) -> tuple[ChunkedContextMetadata | None, torch.Tensor, torch.Tensor]:
+    """`plan_context_chunks`, and `head` (ints) as an int32 tensor on `device` and on the host: the tables are
+    computed on the host in plain Python (a step plans them for every prefill: no tiny tensor operations) and
+    reach the device in one copy together with `head`."""
     num_with_context = sum(1 for c in context_lens if c > 0)
     if num_with_context == 0:
-        return None, to_device(torch.tensor(head, dtype=torch.int32), device)
+        host = host_int32(head)
+        return None, to_device(host, device), host
     max_context_chunk = (workspace_tokens // num_with_context) // block_size * block_size
     if max_context_chunk <= 0:
         raise ValueError(
@@ -285,7 +313,7 @@ def _chunked_context(
     if max(seq_tot) > workspace_tokens:  # cannot happen by construction; guard the invariant
         raise AssertionError(f"context chunk of {max(seq_tot)} tokens exceeds the workspace of {workspace_tokens}")
     tables = list(head) + [v for rows in (starts, seq_lens, cu) for row in rows for v in row]
-    host = torch.tensor(tables, dtype=torch.int32)
+    host = host_int32(tables)
     packed = to_device(host, device)  # one host-to-device copy
     size, shape, cu_shape = num_chunks * len(context_lens), (num_chunks, len(context_lens)), (num_chunks, len(context_lens) + 1)
     offset = len(head)
@@ -299,7 +327,7 @@ def _chunked_context(
         starts_cpu=host[offset : offset + size].view(shape),
         seq_lens_cpu=host[offset + size : offset + 2 * size].view(shape),
     )
-    return chunked, packed[:offset]
+    return chunked, packed[:offset], host[:offset]
 
 
 @dataclasses.dataclass
@@ -329,15 +357,17 @@ def build_prefill_metadata(
     if num_prefills == 0:
         return None
     device = common.block_table.device
-    start = (common.query_start_loc_cpu[num_decodes:] - num_decode_tokens).tolist()
+    query_lens, computed = common.host_lengths()
+    start = list(itertools.accumulate(query_lens[num_decodes:], initial=0))
     context_lens = common.num_computed_tokens_cpu[num_decodes:]
-    chunked, query_start_loc = _chunked_context(context_lens.tolist(), workspace_tokens, common.block_size, device,
-                                                head=start)
+    chunked, query_start_loc, query_start_loc_cpu = _chunked_context(
+        computed[num_decodes:], workspace_tokens, common.block_size, device, head=start
+    )
     return metadata_cls(
         query_start_loc=query_start_loc,
-        max_query_len=max(b - a for a, b in zip(start, start[1:])),
+        max_query_len=max(query_lens[num_decodes:]),
         block_table=common.block_table[num_decodes:],
         context_lens_cpu=context_lens,
         chunked_context=chunked,
-        query_start_loc_cpu=torch.tensor(start, dtype=torch.int32),
+        query_start_loc_cpu=query_start_loc_cpu,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -103,6 +104,35 @@ def test_from_lengths_empty_batch():
     assert metadata.num_reqs == 0 and metadata.num_actual_tokens == 0
     assert metadata.slot_mapping.numel() == 0 and metadata.query_start_loc.tolist() == [0]
     assert split_decodes_and_prefills(metadata) == (0, 0, 0, 0)
+
+
+def test_host_lengths_of_a_built_and_a_hand_made_metadata_agree():
+    """`host_lengths` (what planning reads instead of tensors) holds the lengths `from_lengths` was given, and a
+    metadata made field by field computes the same lists from its tensors; the split and the prefill
+    metadata made from either are the same."""
+    query_lens, seq_lens = [1, 0, 1, 5, 3, 7], [10, 4, 1, 40, 3, 100]
+    table = random_block_table(random.Random(5), seq_lens, 16)
+    built = CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, 16)
+    assert built.host_lengths() == (query_lens, [s - q for q, s in zip(query_lens, seq_lens)])
+    fields = {f.name: getattr(built, f.name) for f in dataclasses.fields(built) if f.name != "backend_plans"}
+    by_hand = CommonAttentionMetadata(**fields)
+    assert by_hand.host_lengths() == built.host_lengths()
+    assert split_decodes_and_prefills(by_hand) == split_decodes_and_prefills(built) == (3, 3, 2, 15)
+    for common in (built, by_hand):
+        prefill = build_prefill_metadata(common, workspace_tokens=64)
+        assert prefill.query_start_loc.tolist() == prefill.query_start_loc_cpu.tolist() == [0, 5, 8, 15]
+        assert prefill.query_start_loc_cpu.dtype == torch.int32 and prefill.max_query_len == 7
+        assert prefill.context_lens_cpu.tolist() == [35, 0, 93]
+
+
+def test_host_int32_matches_torch_tensor():
+    from mla_multi.metadata import host_int32
+
+    for values in ([], [0], [5, -3, 2**31 - 1, -(2**31)], list(range(1000))):
+        made = host_int32(values)
+        assert made.dtype == torch.int32 and made.tolist() == values
+    with pytest.raises(RuntimeError, match="overflow"):
+        host_int32([1, 2**31])
 
 
 def test_from_lengths_is_exported():
