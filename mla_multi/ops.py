@@ -531,15 +531,20 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     lengths = topk_length
     if topk_length is not None and plan.q_len > 1:
         lengths = topk_length.repeat_interleave(plan.q_len)
+    if plan.q_len > 1 or q_nope.dim() == 4:  # [B, Q, ..] as tokens
+        q_nope, q_pe, indices = (q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1),
+                                 indices.reshape(tokens, topk))
     out, lse = plan.impl.forward(
-        q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1), kv_cache, indices.reshape(tokens, topk),
-        scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale, topk_length=lengths, attn_sink=attn_sink,
+        q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale,
+        topk_length=lengths, attn_sink=attn_sink,
     )
-    out = out.reshape(*plan.lead, heads, q_nope.shape[-1])
+    if len(plan.lead) > 1:
+        out = out.reshape(*plan.lead, heads, out.shape[-1])
+        lse = None if lse is None else lse.reshape(*plan.lead, heads)
     if not return_lse:
         return out
     _check_sparse_lse(lse, plan.backend_cls.name)
-    return out, lse.reshape(*plan.lead, heads)
+    return out, lse
 
 
 # Plans of the sparse ops, by the layouts of their tensors, their options and the MLA_MULTI_* environment:

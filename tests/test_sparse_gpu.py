@@ -371,6 +371,34 @@ def test_triton_fp8_ds_mla_decode_reads_the_index_lists_as_they_are_on_sm90(monk
                                      topk_length=torch.full((tokens,), topk, dtype=torch.int32, device="cuda"))
 
 
+@pytest.mark.parametrize("masked", [True, False], ids=["lists-as-they-are", "compacted"])
+def test_triton_fp8_ds_mla_repeated_eager_calls_reuse_their_launch_on_sm90(masked):
+    """An eager call of a layout seen before only allocates and launches (the dense impl keeps the split
+    count and the bound kernels of the layout): three calls with new queries and indices, each against
+    float64, one kept launch plan, a partial buffer of the shared workspace each time."""
+    _sm90_in_place()
+    from mla_multi import ops
+
+    generator = torch.Generator().manual_seed(7 + masked)
+    cache, rows, _ = _cache("fp8_ds_mla", 64, 64, generator, poison_slots=list(range(4000, 4096)))
+    tokens, heads, topk = 4, 128, 512
+    for call in range(3):
+        indices = _indices(generator, tokens, topk, list(range(4000)), minus_one=0.2)
+        q_nope = torch.randn(tokens, heads, LKV, generator=generator).to(torch.bfloat16)
+        q_pe = torch.randn(tokens, heads, ROPE, generator=generator).to(torch.bfloat16)
+        lengths = None if masked else torch.full((tokens,), topk - 3 * call, dtype=torch.int32)
+        ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1).double(), rows, indices, 0.07,
+                                                     topk_length=lengths)
+        out, lse = mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices.cuda(), 0.07, backend="TRITON",
+                                            topk_length=None if lengths is None else lengths.cuda(), return_lse=True)
+        assert _rel(out, ref) < BOUND, call
+        torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=2e-3, atol=1e-2)
+    plans = [plan for key, plan in ops._SPARSE_PLANS.items() if plan.impl.__class__.__name__ == "TritonSparseDecodeImpl"
+             and plan.tokens == tokens and plan.topk == topk and plan.heads == heads]
+    in_place = plans[-1].impl._in_place
+    assert in_place is not None and len(in_place._eager_plans) == 1
+
+
 @pytest.mark.parametrize("heads,splits", [(16, 1), (16, 4), (128, 1), (128, 3)])
 def test_dense_paged_fp8_ds_mla_decode_matches_float64(heads, splits):
     """The kernel-level decode over a paged fp8_ds_mla cache (pages of 64: one block-table entry a tile,

@@ -167,6 +167,9 @@ class TritonDecodeImpl(MLADecodeImpl):
         self.max_num_kv_splits: int | None = None
         self.max_model_len: int | None = None
         self.max_partial_rows: int | None = None
+        # eager calls without a step (the sparse decode's, a functional call's): their layout -> (the output's
+        # specs, the split count, the bound kernels), so that a repeated call allocates and launches only
+        self._eager_plans: dict = {}
 
     def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
         from mla_multi.kernels.mla_decode import attn_logits_width
@@ -247,7 +250,7 @@ class TritonDecodeImpl(MLADecodeImpl):
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
-        key = None
+        key = eager_key = None
         if step_plans is not None and workspace_manager is not None:
             key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
                    id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
@@ -255,6 +258,22 @@ class TritonDecodeImpl(MLADecodeImpl):
             found = step_plans.get(key)
             if found is not None and found[0] is workspace_manager._buffer:
                 _, attn_logits, out, lse, plan = found
+                plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
+                return out, lse
+        elif step_plans is None and workspace_manager is None and q_nope.device.type == "cuda":
+            from mla_multi import envs
+
+            # everything the split count and the bound kernels depend on: the layouts (the cache's 4-byte
+            # alignment too), the bounds, the reservation, a capture in progress, the MLA_MULTI_* environment
+            eager_key = (layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache), kv_cache.data_ptr() % 4,
+                         layout_key(block_table), layout_key(seq_lens), None if k_scale is None else layout_key(k_scale),
+                         num_kv_splits, max_seq_len, masked_entries, capturing(q_nope), self.max_num_kv_splits,
+                         self.max_model_len, self.max_partial_rows, envs.snapshot())
+            found = self._eager_plans.get(eager_key)
+            if found is not None:
+                (partials, out_spec, lse_spec), plan = found
+                out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in (out_spec, lse_spec))
+                attn_logits = shared_split_partials(*partials, q_nope.device)
                 plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
                 return out, lse
         batch = q_nope.shape[0]
@@ -270,7 +289,7 @@ class TritonDecodeImpl(MLADecodeImpl):
             out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs[1:])
             attn_logits = shared_split_partials(batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank,
                                                 q_nope.device)
-        if key is None or q_nope.device.type != "cuda":
+        if (key is None and eager_key is None) or q_nope.device.type != "cuda":
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
                 num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
@@ -281,7 +300,13 @@ class TritonDecodeImpl(MLADecodeImpl):
             platform=self.platform, masked_entries=masked_entries,
         )
         plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
-        step_plans[key] = (workspace_manager._buffer, attn_logits, out, lse, plan)
+        if key is not None:
+            step_plans[key] = (workspace_manager._buffer, attn_logits, out, lse, plan)
+        else:
+            if len(self._eager_plans) >= 64:
+                self._eager_plans.clear()
+            partials = (batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank)
+            self._eager_plans[eager_key] = ((partials, specs[1], specs[2]), plan)
         return out, lse
 
 
