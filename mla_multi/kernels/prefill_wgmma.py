@@ -16,6 +16,11 @@ Work items are (query tile of 128 rows, head, sequence); each program, warp-spec
   ``P V`` and tile j's softmax runs while that product is in flight (FA3's
   intra-warpgroup overlap); the two halves run apart, so one's softmax also
   overlaps the other's products;
+* the output leaves each warpgroup through an 8 KiB shared staging buffer of its own, 64 columns at a
+  time, read back as 16-byte pieces of rows (`_store_staged`): stored straight from the accumulator's
+  layout, each store wrote 16 bytes of every 32-byte sector it touched and every sector of the output
+  reached L2 twice (Nsight Compute on an H100, 16 x 512 at 128 heads: 586 -> 522 µs; bench/RESULTS.md);
+  a context chunk's in-place merge still reads and writes from the accumulator's layout;
 * causal attention (aligned bottom-right, as `prefill.varlen_attention`) stops
   at the last key tile the tile's last row sees; masks are applied only on the
   tiles that cross the diagonal or the end of the keys.
@@ -60,13 +65,13 @@ if gluon is not None:
     )
 
     from mla_multi.kernels.merge import merge_scales
-    from mla_multi.kernels.mla_decode_wgmma import _CacheBase, _TensorDescriptor, _stage_layout, _tma_load
+    from mla_multi.kernels.mla_decode_wgmma import _CacheBase, _cta_barrier, _TensorDescriptor, _stage_layout, _tma_load
 
 __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
 
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
-STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB
+STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB (+ 16 KiB of output staging)
 PERSISTENT_MAX_SEQLEN_Q = 4096  # the longest query sequence launched persistent by default (bench/RESULTS.md)
 NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
 _LOG2_E = 1.4426950408889634
@@ -144,7 +149,7 @@ if gluon is not None:
         """The loader warp: for each of the program's work items, the query tile once its buffer is free, then
         every K / V tile into the ring (which runs on across items: the next item's first tiles arrive while
         the consumers finish this one)."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage = bufs
         Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
         K_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
         V_BYTES: gl.constexpr = BLOCK_N * v_smem.shape[2] * v_smem.dtype.primitive_bitwidth // 8
@@ -208,6 +213,44 @@ if gluon is not None:
         s = warpgroup_mma(q_half, kn.permute((1, 0)), s, use_acc=False, is_async=True)
         return warpgroup_mma(qp_half, kp.permute((1, 0)), s, is_async=True)
 
+    @gluon.constexpr_function
+    def _o_store_layout(half_m, cols):
+        """[64 rows, 64 columns] of a warpgroup's output with 8 consecutive columns in each thread's
+        registers, 8 lanes along a row and two more row bits in the lanes, so that each store of a warp
+        writes four whole 128-byte row pieces (the accumulator's own layout writes 16 bytes of each 32-byte
+        sector a store: every sector of the output reached L2 twice).  Its warps keep the accumulator's
+        16-row bands, so each warp reads back only the rows it staged."""
+        assert half_m == 64 and cols == 64, "the output store layout is for 64 x 64 pieces"
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0]],
+            lane_bases=[[0, 8], [0, 16], [0, 32], [1, 0], [2, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[half_m, cols],
+        )
+
+    @gluon.jit
+    def _store_staged(o16, o_stage, Out, q_start, first_row, lq, head, stride_o_t, stride_o_h):
+        """A warpgroup's output tile [64, 128] (16-bit, the accumulator's layout) stored to global memory
+        through its 8 KiB staging buffer, 64 columns at a time, read back in 16-byte pieces of rows."""
+        HALF_M: gl.constexpr = o16.shape[0]
+        HEAD_V: gl.constexpr = o16.shape[1]
+        PIECE: gl.constexpr = HEAD_V // 2
+        layout: gl.constexpr = _o_store_layout(HALF_M, PIECE)
+        lo, hi = gl.split(gl.permute(gl.reshape(o16, [HALF_M, 2, PIECE]), (0, 2, 1)))
+        rows = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
+        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + cols[None, :]
+        mask = (rows < lq)[:, None]
+        o_stage.store(lo)
+        _cta_barrier()
+        staged = o_stage.load(layout)
+        _cta_barrier()
+        gl.store(ptrs, staged, mask=mask)
+        o_stage.store(hi)
+        _cta_barrier()
+        staged = o_stage.load(layout)
+        _cta_barrier()
+        gl.store(ptrs + PIECE, staged, mask=mask)
+
     @gluon.jit
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
                  max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
@@ -215,7 +258,7 @@ if gluon is not None:
                  STORE_LSE: gl.constexpr, MERGE: gl.constexpr):
         """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile. MERGE: the result is
         merged into the one already in Out / Lse (over other keys) by their LSEs, in place."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage = bufs
         HALF_M: gl.constexpr = BLOCK_M // 2
         HEAD_V: gl.constexpr = v_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
@@ -326,7 +369,8 @@ if gluon is not None:
                     gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
                     gl.store(lse_ptrs, lse_o, mask=row_in)
                 else:
-                    gl.store(o_ptrs, out.to(dtype), mask=row_in[:, None])
+                    _store_staged(out.to(dtype), o_stage.index(HALF), Out, q_start, first_row, lq, head, stride_o_t,
+                                  stride_o_h)
                     if STORE_LSE:
                         gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
 
@@ -362,7 +406,10 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
-        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty)
+        # each consumer warpgroup's output staging (64 rows x 64 columns: `_store_staged`)
+        o_stage = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_V // 2],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage)
         num_items = num_m_blocks * num_heads * batch
         gl.warp_specialize(
             [
