@@ -186,6 +186,21 @@ if gluon is not None:
                     q_count += 1
 
     @gluon.jit
+    def _row_max(s):
+        """max over the columns of a [rows, 128] accumulator tile as a tree: the column bits a thread holds in
+        its registers (64, 32, 16, 8) halved one at a time (independent maxima, free splits of register
+        dimensions), then the last 8 columns (one register bit, two lane bits) by `gl.max`. `gl.max` alone
+        reduces a thread's 32 values a row in one dependent chain, on the path from the scores to P."""
+        x = _halve_max(_halve_max(_halve_max(_halve_max(s))))
+        return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout))
+
+    @gluon.jit
+    def _halve_max(x):
+        """[rows, n] -> [rows, n / 2]: the maxima of the two halves of the columns (their top bit split off)."""
+        a, b = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+        return gl.maximum(a, b)
+
+    @gluon.jit
     def _softmax_tile(s, tile, m_i, l_i, lk, diagonal_from, row_keys, qk_scale, BLOCK_N: gl.constexpr,
                       CAUSAL: gl.constexpr, cols_s: gl.constexpr):
         """One key tile's online softmax in base 2: the masked, scaled scores' probabilities p, the new running
@@ -199,7 +214,7 @@ if gluon is not None:
         if needs_mask:
             keys = key0 + gl.arange(0, BLOCK_N, layout=cols_s)
             s = gl.where(keys[None, :] < row_keys[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(s) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s * qk_scale - m_safe[:, None])
