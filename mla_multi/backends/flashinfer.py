@@ -706,9 +706,10 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
         device = prefill_metadata.query_start_loc.device
         # chunks of the same lengths share one plan: FlashInfer's plan is host work in proportion to heads x
         # query tiles (about 1 ms at 128 heads x 8192 rows on an H200), and full chunks repeat their lengths
+        chunk_lengths = [tuple(row) for row in chunked.seq_lens_cpu.tolist()] if num_chunks else []
         distinct: dict[tuple[int, ...], int] = {}
-        for index in range(num_chunks):
-            distinct.setdefault(tuple(chunked.seq_lens_cpu[index].tolist()), len(distinct))
+        for lengths in chunk_lengths:
+            distinct.setdefault(lengths, len(distinct))
         wrappers = self._wrappers(1 + len(distinct), device)
         new_tokens = self._plan_one(wrappers[0], cu_q, cu_q, True, dtype)
         planned = []
@@ -716,7 +717,7 @@ class FlashInferPrefillImpl(MLAPrefillImpl):
             cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int64)
             cu_k[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
             planned.append(self._plan_one(wrappers[1 + len(planned)], cu_q, cu_k, False, dtype))
-        chunks = [planned[distinct[tuple(chunked.seq_lens_cpu[index].tolist())]] for index in range(num_chunks)]
+        chunks = [planned[distinct[lengths]] for lengths in chunk_lengths]
         return FlashInferPrefillPlan(new_tokens, chunks)
 
     takes_out = True  # the new tokens' result written into a given buffer (FlashInfer's `out=`)

@@ -195,9 +195,15 @@ if gluon is not None:
         return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout))
 
     @gluon.jit
+    def _column_halves(x):
+        """[rows, n] -> the two [rows, n / 2] halves of its columns, their top column bit split off (free where
+        that bit lies in each thread's registers, as in the MMA accumulator's layout)."""
+        return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+    @gluon.jit
     def _halve_max(x):
-        """[rows, n] -> [rows, n / 2]: the maxima of the two halves of the columns (their top bit split off)."""
-        a, b = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+        """[rows, n] -> [rows, n / 2]: the maxima of the two halves of the columns."""
+        a, b = _column_halves(x)
         return gl.maximum(a, b)
 
     @gluon.jit
@@ -250,7 +256,7 @@ if gluon is not None:
         HEAD_V: gl.constexpr = o16.shape[1]
         PIECE: gl.constexpr = HEAD_V // 2
         layout: gl.constexpr = _o_store_layout(HALF_M, PIECE)
-        lo, hi = gl.split(gl.permute(gl.reshape(o16, [HALF_M, 2, PIECE]), (0, 2, 1)))
+        lo, hi = _column_halves(o16)
         rows = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
         ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + cols[None, :]
