@@ -27,7 +27,7 @@ def test_reason_names_the_devices_it_serves(device, reason):
         assert text == ""
         assert "dtype" in prefill_wgmma.wgmma_prefill_reason(platform, torch.float32, 192, 128)
         assert "head dims" in prefill_wgmma.wgmma_prefill_reason(platform, torch.bfloat16, 128, 128)
-        assert len(prefill_wgmma.compile_specs(platform)) == 10
+        assert len(prefill_wgmma.compile_specs(platform)) == 14
     if device not in ("H100", "H200"):
         assert prefill_wgmma.compile_specs(platform) == []
 
@@ -42,16 +42,17 @@ def _gpu_sm90() -> bool:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
 @pytest.mark.parametrize("split", [False, True], ids=["joined-key", "split-key"])
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
-def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split, persistent):
-    """Both launches: one program per SM walking the items in rounds (at 128 heads many rounds, the K / V ring
-    and the query tile's barriers running on across items), and one program per item."""
+@pytest.mark.parametrize("schedule", ["dynamic", "fixed", "per-item"])
+def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split, schedule):
+    """Every launch: one program per SM taking items from the launch's counter or walking them in a fixed
+    order (at 128 heads many items a program, the K / V ring and the query tile's barriers running on across
+    items), and one program per item."""
     q, k, v, extra, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, prefix, split,
                                                                    num_heads * 7 + causal + prefix + split)
     scale = 192**-0.5
     prefill_wgmma.varlen_attention_wgmma(
         q, k[:, :, :128] if split else k, v, cu_q, cu_k, max(qlens), max(klens), scale, causal=causal, out=out,
-        lse=lse, persistent=persistent, **extra,
+        lse=lse, persistent=schedule != "per-item", dynamic=schedule == "dynamic", **extra,
     )
     torch.cuda.synchronize()
     assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal)
@@ -193,3 +194,88 @@ def test_default_launch_binds_once_and_follows_new_lengths(monkeypatch):
             torch.cuda.synchronize()
             assert_matches_float64(out, lse, q, k, v, cu, cu, scale, True)
     assert prefill_wgmma._LAUNCHES and all(bound._run is not None for bound in prefill_wgmma._LAUNCHES.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("band", [1, 8, 5])
+def test_dynamic_schedule_matches_the_fixed_order_on_streams_and_in_a_graph(band):
+    """The dynamic schedule computes every item exactly as the fixed order does (the same bits), in bands of
+    any width (5: bands that do not divide the 128 heads); its counter is back at 0 after each launch; a
+    second stream gets a counter of its own; a launch captured in a CUDA graph on that stream replays with new
+    data, and eager launches on the first stream between the replays keep their results."""
+    from test_kernels_prefill import _cu
+
+    device, dtype, heads, scale = "cuda", torch.bfloat16, 128, 192**-0.5
+    torch.manual_seed(17 + band)
+    lengths = [512, 1, 0, 300, 129, 512]
+    total = sum(lengths)
+    cu = _cu(lengths, device)
+    q = torch.randn(total, heads, 192, device=device, dtype=dtype)
+    k = torch.randn(total, heads, 192, device=device, dtype=dtype)
+    v = torch.randn(total, heads, 128, device=device, dtype=dtype)
+
+    def run(dynamic, out_value=float("nan")):
+        out = torch.full((total, heads, 128), out_value, device=device, dtype=dtype)
+        lse = torch.full((heads, total), out_value, device=device, dtype=torch.float32)
+        prefill_wgmma.varlen_attention_wgmma(q, k, v, cu, cu, 512, 512, scale, causal=True, out=out, lse=lse,
+                                             persistent=True, dynamic=dynamic, band=band)
+        return out, lse
+
+    fixed_out, fixed_lse = run(False)
+    assert_matches_float64(fixed_out, fixed_lse, q, k, v, cu, cu, scale, True)
+    for _ in range(3):
+        out, lse = run(True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, fixed_out) and torch.equal(lse.nan_to_num(), fixed_lse.nan_to_num())
+    counter = prefill_wgmma._schedule_counter(q.device)
+    assert counter is not None and counter.tolist() == [0, 0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        side_counter = prefill_wgmma._schedule_counter(q.device)
+        assert side_counter.data_ptr() != counter.data_ptr()
+        out, lse = run(True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(out, fixed_out)
+
+    static_out = torch.empty((total, heads, 128), device=device, dtype=dtype)
+    static_lse = torch.empty((heads, total), device=device, dtype=torch.float32)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prefill_wgmma.varlen_attention_wgmma(q, k, v, cu, cu, 512, 512, scale, causal=True, out=static_out,
+                                             lse=static_lse, persistent=True, band=band)
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        eager_out, eager_lse = run(True)
+        torch.cuda.synchronize()
+        assert_matches_float64(static_out, static_lse, q, k, v, cu, cu, scale, True)
+        assert torch.equal(static_out, eager_out)
+        assert prefill_wgmma._schedule_counter(q.device).tolist() == [0, 0]
+
+
+def test_schedule_policy_and_band_arguments():
+    """The default launch's schedule: the fixed order for batches of equal sequences up to
+    PERSISTENT_MAX_SEQLEN_Q, dynamic elsewhere (ragged, longer, keys of other lengths); causal bands hold
+    BAND_ROUNDS rounds of the grid within BAND_KV_BYTES, non-causal bands one pair; the band arguments put
+    the pairs that do not fill a band first."""
+    limit = prefill_wgmma.PERSISTENT_MAX_SEQLEN_Q
+    assert not prefill_wgmma.takes_dynamic(16 * 512, 16 * 512, 16, 512, 512)
+    assert not prefill_wgmma.takes_dynamic(2 * limit, 2 * limit, 2, limit, limit)
+    assert prefill_wgmma.takes_dynamic(16 * 512 - 1, 16 * 512 - 1, 16, 512, 512)  # one shorter sequence
+    assert prefill_wgmma.takes_dynamic(16 * 512, 16 * 4096, 16, 512, 4096 + 1)  # keys of other lengths
+    assert prefill_wgmma.takes_dynamic(limit + 128, limit + 128, 1, limit + 128, limit + 128)
+    assert prefill_wgmma.band_of(132, 4, 512, True) == 66
+    assert prefill_wgmma.band_of(132, 16, 2048, True) == 17
+    assert prefill_wgmma.band_of(132, 64, 8192, True) == 5
+    assert prefill_wgmma.band_of(132, 4, 512, False) == 1
+    # K and V of a band within the bound: 66 pairs of 512 keys fit, of 65536 keys one pair
+    assert prefill_wgmma.band_of(132, 1, 65536, True) == 1
+    assert prefill_wgmma.band_of(132, 1, 4096, True) == prefill_wgmma.BAND_KV_BYTES // (4096 * 512)
+    assert prefill_wgmma.band_arguments(66, 2048, 4) == (66, 2, 8, 264)
+    assert prefill_wgmma.band_arguments(1, 2048, 4) == (1, 0, 0, 4)
+    assert prefill_wgmma.band_arguments(5, 16, 64) == (5, 1, 64, 320)

@@ -8,7 +8,8 @@ included: the second table):
 * ``triton``: ``mla_multi.kernels.prefill.varlen_attention``'s default launch on packed
   tokens (``[B*S, N, D]`` with ``cu_seqlens``), output and LSE: on sm_90 the Gluon kernel
   of ``prefill_wgmma``, elsewhere the Triton kernel; ``--configs m128n64w8s3`` names the
-  Triton kernel's configuration, ``--configs wgmma[n<block_n>s<stages>][p|g]`` the Gluon one (p: persistent, g: a program per item);
+  Triton kernel's configuration, ``--configs wgmma[n<block_n>s<stages>][p|g][d<band>|f]`` the Gluon one (p: persistent, g: a program per item;
+  d[<band>]: a persistent launch's items taken dynamically, in bands of <band> pairs, f: in a fixed order);
 * ``cudnn``: ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on
   the batched ``[B, N, S, D]`` view of the same tensors (192/128 natively when cuDNN
   takes it, else V padded to 192);
@@ -36,24 +37,32 @@ HEAD_DIM_V = 128
 
 
 class WgmmaConfig:
-    """'wgmma[n<block_n>s<stages>][p|g]': the sm_90 kernel of `mla_multi.kernels.prefill_wgmma`; p launched
-    persistent, g one program per work item, neither: its default for the shape."""
+    """'wgmma[n<block_n>s<stages>][p|g][d<band>|f]': the sm_90 kernel of `mla_multi.kernels.prefill_wgmma`; p
+    launched persistent, g one program per work item, neither: its default for the shape; d<band> a persistent
+    launch's items taken dynamically in bands of <band> (sequence, head) pairs (d alone: `prefill_wgmma.band_of`'s
+    bands), f in a fixed order, neither: the default (`prefill_wgmma.takes_dynamic`)."""
 
-    def __init__(self, block_n: int, stages: int, persistent: bool | None = None) -> None:
+    def __init__(self, block_n: int, stages: int, persistent: bool | None = None, band: int | None = None,
+                 dynamic: bool | None = None) -> None:
         self.block_n, self.stages, self.persistent = block_n, stages, persistent
-        self.name = f"wgmma_n{block_n}s{stages}" + {None: "", True: "p", False: "g"}[persistent]
+        self.dynamic, self.band = dynamic, band
+        self.name = (f"wgmma_n{block_n}s{stages}" + {None: "", True: "p", False: "g"}[persistent]
+                     + {None: "", True: "d", False: "f"}[dynamic] + ("" if band is None else str(band)))
 
 
 def parse_config(text: str):
     """'m128n64w8s3[tma]' -> PrefillLaunchConfig (NVIDIA options only); 'wgmma[n128s2][p|g]' -> the sm_90 kernel."""
     from mla_multi.kernels.launch_config import PrefillLaunchConfig
 
-    wgmma = re.fullmatch(r"wgmma(?:n(\d+)s(\d+))?([pg])?", text)
+    wgmma = re.fullmatch(r"wgmma(?:n(\d+)s(\d+))?([pg])?(?:d(\d*)|(f))?", text)
     if wgmma is not None:
         from mla_multi.kernels.prefill_wgmma import BLOCK_N, STAGES
 
         persistent = None if wgmma.group(3) is None else wgmma.group(3) == "p"
-        return WgmmaConfig(int(wgmma.group(1) or BLOCK_N), int(wgmma.group(2) or STAGES), persistent)
+        band = int(wgmma.group(4)) if wgmma.group(4) else None
+        dynamic = True if wgmma.group(4) is not None else False if wgmma.group(5) else None
+        return WgmmaConfig(int(wgmma.group(1) or BLOCK_N), int(wgmma.group(2) or STAGES), persistent, band,
+                           dynamic=dynamic)
 
     match = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(tma)?(ws)?", text)
     if match is None:
@@ -190,7 +199,8 @@ def bench_case(
 
                 return varlen_attention_wgmma(q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse,
                                               block_n=config.block_n, stages=config.stages,
-                                              persistent=config.persistent)
+                                              persistent=config.persistent, dynamic=config.dynamic,
+                                              band=config.band)
             return varlen_attention(
                 q, k, v, cu, cu, seqlen, seqlen, scale, causal=causal, out=out, lse=lse, config=config
             )

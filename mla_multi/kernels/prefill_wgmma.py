@@ -25,11 +25,18 @@ Work items are (query tile of 128 rows, head, sequence); each program, warp-spec
   at the last key tile the tile's last row sees; masks are applied only on the
   tiles that cross the diagonal or the end of the keys.
 
-Launched persistent (one program per SM walking the items in rounds, the rings
-running on across items, so the next item's tiles load while this one ends) for
-short sequences, where an item's prologue and epilogue weigh most, and one
-program per item, scheduled by the hardware, for long ones
-(``PERSISTENT_MAX_SEQLEN_Q``; bench/RESULTS.md has both).
+Launched persistent: one program per SM, the rings running on across its items, so
+the next item's tiles load while this one ends.  The programs take their items
+dynamically (the loader warp adds 1 to a counter of the launch's stream as an item
+starts and hands the next item to the consumers through a ring of two slots; the
+last program to finish puts the counter back to 0), in bands of (sequence, head)
+pairs whose items run from the most expensive causal tile to the cheapest, so that
+the launch ends on cheap tiles: a ragged batch or a long sequence otherwise leaves
+programs finishing far apart, as do the SMs' uneven speeds (`takes_dynamic`,
+`band_of`).  Batches of equal sequences up to ``PERSISTENT_MAX_SEQLEN_Q`` walk a
+fixed order instead, in alternating rounds that balance them by construction; a
+launch without a counter (one made while a stream is captured) keeps that order
+there and one program per item elsewhere.  bench/RESULTS.md has the measurements.
 
 K's rotary columns may come apart (MLA: one rotary key shared by every head,
 ``k_pe [total_k, 64]``), or inside K (``[total_k, heads, 192]``): both are one
@@ -73,6 +80,9 @@ BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
 STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB (+ 16 KiB of output staging)
 PERSISTENT_MAX_SEQLEN_Q = 4096  # the longest query sequence launched persistent by default (bench/RESULTS.md)
+BAND_ROUNDS = 2  # a causal band of the dynamic schedule holds the items of this many rounds of the grid (`band_of`)
+BAND_KV_BYTES = 32 << 20  # and at most this much K and V (its pairs' tiles stay in L2 while they are read)
+COUNTER_SLOTS = 64  # the dynamic schedule's counters a device: one a stream (`_schedule_counter`)
 NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
 _LOG2_E = 1.4426950408889634
 # registers a thread: the loader warp is launched as a whole warpgroup, so 12 warps share an SM's 64K
@@ -109,17 +119,67 @@ if gluon is not None:
         return round * num_programs + gl.where(round % 2 == 0, pid, num_programs - 1 - pid)
 
     @gluon.jit
+    def _publish_item(item_smem, item_ready, item_empty, n, item):
+        """The loader hands the consumers its n-th work item through a ring of two slots."""
+        slot = n % 2
+        mbarrier.wait(item_empty.index(slot), ((n // 2) & 1) ^ 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        item_smem.index(slot).store(gl.zeros([1], gl.int32, layout) + item)
+        _cta_barrier()
+        mbarrier.arrive(item_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _fetch_add(Counter):
+        """Lane 0 of the loader warp adds 1 to the counter (relaxed, no fence: nothing else is ordered by it)
+        and gets its old value, the other lanes 0: [32] int32, one a lane. Its use (`gl.sum`) is where the warp
+        waits for the atomic, so it can be issued early; Triton's scalar atomic waits at once, to broadcast
+        its value through shared memory."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred first; mov.u32 $0, 0; setp.eq.u32 first, $2, 0; "
+            "@first atom.global.relaxed.gpu.add.u32 $0, [$1], 1; }",
+            "=r,l,r", [Counter + lanes * 0, lanes],
+            dtype=gl.int32, is_pure=False, pack=1,
+        )
+
+    @gluon.jit
+    def _take_item(item_smem, item_ready, item_empty, n):
+        """A consumer warpgroup's n-th work item, from the loader's ring (`_publish_item`)."""
+        slot = n % 2
+        mbarrier.wait(item_ready.index(slot), (n // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        item = gl.max(item_smem.index(slot).load(layout), 0)
+        _cta_barrier()  # every thread has read the slot before it is handed back
+        mbarrier.arrive(item_empty.index(slot), count=1)
+        return item
+
+    @gluon.jit
     def _sequence(item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads,
-                  num_items, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Work item `item`'s query tile, head and sequence (the query tiles of one head of one sequence side by
-        side): (q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles). Causal tiles run in reverse
-        order (the longest rows first). A bad sequence (boundaries not non-decreasing inside the tensors, a
-        length over its bound) and an item past the last get no tile."""
+                  num_items, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                  BANDED: gl.constexpr):
+        """Work item `item`'s query tile, head and sequence: (q_start, q_end, lq, k_start, lk, m0, head, batch,
+        bad, num_tiles). The (sequence, head) pairs go in bands (`band`: the pairs a band, the pairs of a
+        smaller first band where that does not divide them, and both bands' items, kernel arguments that are
+        read where used, not held in registers), each band's items query tile by query tile: bands of 1 put the
+        query tiles of one head of one sequence side by side; a wider band sorts the dynamic schedule's items
+        by cost (causal tiles run in reverse order, the longest rows first), so that the last band ends with
+        its cheapest tiles. A bad sequence (boundaries not non-decreasing inside the tensors, a length over
+        its bound) and an item past the last get no tile. BANDED False: bands of 1, whatever `band` says."""
         valid = item < num_items
         item = gl.where(valid, item, 0)
-        pid_m = item % num_m_blocks
-        head = (item // num_m_blocks) % num_heads
-        batch = item // num_m_blocks // num_heads
+        if BANDED:
+            pairs, first, first_items, band_items = band
+            in_first = item < first_items
+            rest = item - first_items
+            in_band = gl.where(in_first, item, rest % band_items)
+            band_pairs = gl.where(in_first, first, pairs)
+            pid_m = in_band // band_pairs
+            pair = gl.where(in_first, 0, first + rest // band_items * pairs) + in_band % band_pairs
+        else:
+            pid_m = item % num_m_blocks
+            pair = item // num_m_blocks
+        head = pair % num_heads
+        batch = pair // num_heads
         if CAUSAL:
             pid_m = num_m_blocks - 1 - pid_m
         q_start = gl.load(Cu_q + batch)
@@ -142,48 +202,87 @@ if gluon is not None:
         return q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles
 
     @gluon.jit
-    def _load_partition(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
-                        max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
-                        kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """The loader warp: for each of the program's work items, the query tile once its buffer is free, then
-        every K / V tile into the ring (which runs on across items: the next item's first tiles arrive while
-        the consumers finish this one)."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage = bufs
+    def _load_item(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
+                   max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
+                   kp_offset, v_head_stride, group, band, item, kv_count, q_count, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BANDED: gl.constexpr):
+        """One work item's loads: every K / V tile into the ring and, after the first, the query tile once its
+        buffer is free. Returns the K / V tiles and query tiles loaded so far."""
+        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs[:11]
         Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
         K_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
         V_BYTES: gl.constexpr = BLOCK_N * v_smem.shape[2] * v_smem.dtype.primitive_bitwidth // 8
+        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
+            item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+            num_m_blocks, num_heads, num_items, band, BLOCK_M, BLOCK_N, CAUSAL, BANDED
+        )
+        kv_head = head // group
+        for tile in range(num_tiles):
+            slot = kv_count % STAGES
+            phase = ((kv_count // STAGES) & 1) ^ 1
+            row = k_start + tile * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), K_BYTES)
+            _tma_load(KN_desc, [row, kv_head * kn_head_stride], k_ready.index(slot), kn_smem.index(slot))
+            _tma_load(KP_desc, [row, kv_head * kp_head_stride + kp_offset], k_ready.index(slot),
+                      kp_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), V_BYTES)
+            _tma_load(V_desc, [row, kv_head * v_head_stride], v_ready.index(slot), v_smem.index(slot))
+            kv_count += 1
+            if tile == 0:
+                # the query tile after the item's first K / V tile: their ring slot frees before the query
+                # buffer does (the previous item's last scores), so they no longer queue behind it
+                # (bench/RESULTS.md: 16 x 512 at 128 heads 1-1.7 % faster, the other shapes unchanged)
+                mbarrier.wait(q_empty, (q_count & 1) ^ 1)
+                mbarrier.expect(q_bar, Q_BYTES)
+                _tma_load(Q_desc, [q_start + m0, head * q_head_stride], q_bar, q_smem)
+                _tma_load(QP_desc, [q_start + m0, head * q_head_stride + q_smem.shape[1]], q_bar, qp_smem)
+                q_count += 1
+        return kv_count, q_count
+
+    @gluon.jit
+    def _load_partition(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
+                        max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
+                        kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group, band, Counter,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        DYNAMIC: gl.constexpr):
+        """The loader warp: each of the program's work items (`_load_item`; the ring runs on across items: the
+        next item's first tiles arrive while the consumers finish this one). DYNAMIC: the items after the
+        first come from the launch's counter (`Counter[0]`, taken with an atomic add as the item before starts
+        loading) and go to the consumers through the item ring; the program that finishes last puts the
+        counter back to 0 for the next launch (`Counter[1]` counts the finished programs). Otherwise the fixed
+        order of `_item`."""
+        item_smem, item_ready, item_empty = bufs[12:]
         num_programs = gl.num_programs(0)
         kv_count = 0  # K / V tiles loaded so far: their ring slot and phase
         q_count = 0  # query tiles loaded so far
-        for round in range(gl.cdiv(num_items, num_programs)):
-            q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-                _item(round, num_programs), Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                num_m_blocks, num_heads, num_items, BLOCK_M, BLOCK_N, CAUSAL
-            )
-            kv_head = head // group
-            for tile in range(num_tiles):
-                slot = kv_count % STAGES
-                phase = ((kv_count // STAGES) & 1) ^ 1
-                row = k_start + tile * BLOCK_N
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_ready.index(slot), K_BYTES)
-                _tma_load(KN_desc, [row, kv_head * kn_head_stride], k_ready.index(slot), kn_smem.index(slot))
-                _tma_load(KP_desc, [row, kv_head * kp_head_stride + kp_offset], k_ready.index(slot),
-                          kp_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_ready.index(slot), V_BYTES)
-                _tma_load(V_desc, [row, kv_head * v_head_stride], v_ready.index(slot), v_smem.index(slot))
-                kv_count += 1
-                if tile == 0:
-                    # the query tile after the item's first K / V tile: their ring slot frees before the query
-                    # buffer does (the previous item's last scores), so they no longer queue behind it
-                    # (bench/RESULTS.md: 16 x 512 at 128 heads 1-1.7 % faster, the other shapes unchanged)
-                    mbarrier.wait(q_empty, (q_count & 1) ^ 1)
-                    mbarrier.expect(q_bar, Q_BYTES)
-                    _tma_load(Q_desc, [q_start + m0, head * q_head_stride], q_bar, q_smem)
-                    _tma_load(QP_desc, [q_start + m0, head * q_head_stride + q_smem.shape[1]], q_bar, qp_smem)
-                    q_count += 1
+        if DYNAMIC:
+            n = 0  # items taken so far
+            item = gl.program_id(0)
+            while item < num_items:
+                _publish_item(item_smem, item_ready, item_empty, n, item)
+                taken = _fetch_add(Counter)  # in flight during the item's loads
+                kv_count, q_count = _load_item(
+                    bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
+                    max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
+                    kp_offset, v_head_stride, group, band, item, kv_count, q_count, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                    CAUSAL)
+                item = num_programs + gl.sum(taken, 0)
+                n += 1
+            _publish_item(item_smem, item_ready, item_empty, n, item)  # past the last: the consumers stop
+            # (acquire and release: this program's item fetches come before it, the reset after it)
+            if gl.atomic_add(Counter + 1, 1, sem="acq_rel") == num_programs - 1:
+                # every program has taken its last item: the counter is free for the next launch
+                gl.atomic_xchg(Counter, 0, sem="relaxed")
+                gl.atomic_xchg(Counter + 1, 0, sem="relaxed")
+        else:
+            for round in range(gl.cdiv(num_items, num_programs)):
+                kv_count, q_count = _load_item(
+                    bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
+                    max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
+                    kp_offset, v_head_stride, group, band, _item(round, num_programs), kv_count, q_count, BLOCK_M,
+                    BLOCK_N, STAGES, CAUSAL, False)
 
     @gluon.jit
     def _row_max(s):
@@ -275,11 +374,12 @@ if gluon is not None:
     @gluon.jit
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
                  max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 STORE_LSE: gl.constexpr, MERGE: gl.constexpr):
+                 band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 STORE_LSE: gl.constexpr, MERGE: gl.constexpr, DYNAMIC: gl.constexpr):
         """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile. MERGE: the result is
         merged into the one already in Out / Lse (over other keys) by their LSEs, in place."""
-        q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage = bufs
+        (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage,
+         item_smem, item_ready, item_empty) = bufs
         HALF_M: gl.constexpr = BLOCK_M // 2
         HEAD_V: gl.constexpr = v_smem.shape[2]
         dtype: gl.constexpr = q_smem.dtype
@@ -297,10 +397,15 @@ if gluon is not None:
         num_programs = gl.num_programs(0)
         kv_count = 0  # K / V tiles consumed before this item (the loader's order)
         q_count = 0
-        for round in range(gl.cdiv(num_items, num_programs)):
+        n = 0  # items taken so far
+        if DYNAMIC:
+            item = _take_item(item_smem, item_ready, item_empty, 0)
+        else:
+            item = gl.program_id(0)
+        while item < num_items:
             q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-                _item(round, num_programs), Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                num_m_blocks, num_heads, num_items, BLOCK_M, BLOCK_N, CAUSAL
+                item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                num_m_blocks, num_heads, num_items, band, BLOCK_M, BLOCK_N, CAUSAL, DYNAMIC and CAUSAL
             )
             first_row = m0 + HALF * HALF_M
             rows = first_row + gl.arange(0, HALF_M, layout=rows_s)
@@ -394,15 +499,20 @@ if gluon is not None:
                                   stride_o_h)
                     if STORE_LSE:
                         gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
+            n += 1
+            if DYNAMIC:
+                item = _take_item(item_smem, item_ready, item_empty, n)
+            else:
+                item = _item(n, num_programs)
 
     @gluon.jit
     def _prefill_wgmma_kernel(
-        Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Out, Lse, Cu_q, Cu_k, Error_flag,
+        Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Out, Lse, Cu_q, Cu_k, Error_flag, Counter,
         qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch,
         q_head_stride, kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group,
-        stride_o_t, stride_o_h, stride_lse_h,
+        stride_o_t, stride_o_h, stride_lse_h, band_pairs, band_first, band_first_items, band_items,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        STORE_LSE: gl.constexpr, MERGE: gl.constexpr = False,
+        STORE_LSE: gl.constexpr, MERGE: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
     ):
         dtype: gl.constexpr = Q_desc.dtype
         NOPE: gl.constexpr = Q_desc.block_type.shape[1]
@@ -430,23 +540,31 @@ if gluon is not None:
         # each consumer warpgroup's output staging (64 rows x 64 columns: `_store_staged`)
         o_stage = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_V // 2],
                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage)
+        # the work items the loader takes from the launch's counter (DYNAMIC), handed to the consumers
+        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(item_ready.index(i), count=1)
+            mbarrier.init(item_empty.index(i), count=2)
+        fence_async_shared()
+        bufs = (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage,
+                item_smem, item_ready, item_empty)
         num_items = num_m_blocks * num_heads * batch
+        band = (band_pairs, band_first, band_first_items, band_items)  # `band_arguments`
         gl.warp_specialize(
             [
                 (_consume, (0, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
                             max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                            BLOCK_M, BLOCK_N,
-                            STAGES, CAUSAL, STORE_LSE, MERGE)),
+                            band, BLOCK_M, BLOCK_N, STAGES, CAUSAL, STORE_LSE, MERGE, DYNAMIC)),
                 (_consume, (1, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
                             max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                            BLOCK_M, BLOCK_N,
-                            STAGES, CAUSAL, STORE_LSE, MERGE)),
+                            band, BLOCK_M, BLOCK_N, STAGES, CAUSAL, STORE_LSE, MERGE, DYNAMIC)),
                 (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
                                    max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
                                    kn_head_stride,
-                                   kp_head_stride, kp_offset, v_head_stride, group, BLOCK_M, BLOCK_N, STAGES,
-                                   CAUSAL)),
+                                   kp_head_stride, kp_offset, v_head_stride, group, band, Counter, BLOCK_M,
+                                   BLOCK_N, STAGES, CAUSAL, DYNAMIC)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _LOADER_REGS],
@@ -506,18 +624,49 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# device -> (int32 [2 * COUNTER_SLOTS] zeros, {raw stream: the stream's [2] view})
+_COUNTERS: dict = {}
+
+
+def _schedule_counter(device: torch.device) -> torch.Tensor | None:
+    """The dynamic schedule's counter of the current stream of `device` (the item counter and the finished
+    programs; zero between launches: the last program of each launch puts it back), or None where there is
+    none: its device's counters would have to be made while a stream is captured (the graph would zero them
+    on each replay only), or every slot has its stream. Each stream gets its own: launches on two streams may
+    overlap, launches on one stream do not."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    entry = _COUNTERS.get(device)
+    if entry is not None:
+        view = entry[1].get(stream)
+        if view is not None:
+            return view
+    elif torch.cuda.is_current_stream_capturing():
+        return None
+    else:
+        entry = _COUNTERS[device] = (torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device), {})
+    counters, views = entry
+    if len(views) >= COUNTER_SLOTS:
+        return None
+    view = views[stream] = counters[2 * len(views):2 * len(views) + 2]
+    return view
+
+
 def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                            *, causal: bool, out=None, lse=None, return_lse: bool = True, error_flag=None, k_pe=None,
                            merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES,
-                           persistent: bool | None = None):
+                           persistent: bool | None = None, dynamic: bool | None = None, band: int | None = None):
     """`prefill.varlen_attention` on the sm_90 kernel: q [T, N, 192], k [S, Nk, 192] or, with
     k_pe [S, 64] (or [S, 1, 64]), [S, Nk, 128]; v [S, Nk, 128]; the inputs checked as there.  Every
     tensor's rows must start on 16 bytes (TMA); `wgmma_prefill_reason` says where the kernel runs.
 
     persistent: one program per SM walking the work items (query tile, head, sequence), the next item's
     tiles loading while this one finishes; False: one program per item, scheduled by the hardware;
-    None: persistent where the sequences are short (`PERSISTENT_MAX_SEQLEN_Q`), where an item's prologue
-    and epilogue weigh most."""
+    None: persistent where the items are taken dynamically, else where the sequences are short
+    (`PERSISTENT_MAX_SEQLEN_Q`).  dynamic: a persistent launch's programs take their next item from a
+    counter as they finish one (`_schedule_counter`), in bands of `band` (sequence, head) pairs whose items
+    are sorted by cost (None: `band_of`); False: each program walks its items in a fixed order (`_item`),
+    which balances equal sequences up to `PERSISTENT_MAX_SEQLEN_Q` but leaves programs finishing apart on
+    ragged batches and long sequences; None: `takes_dynamic`."""
     from mla_multi.kernels.prefill import _check_inputs
 
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
@@ -537,7 +686,7 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if cu_seqlens_q.numel() == 1 or num_heads == 0 or num_tokens == 0:
         return out, (lse if return_lse else None)
     launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, out, lse if return_lse else None,
-           error_flag, k_pe, merge, block_n, stages, persistent)
+           error_flag, k_pe, merge, block_n, stages, persistent, dynamic, band)
     return out, (lse if return_lse else None)
 
 
@@ -552,12 +701,42 @@ def _int_key(values) -> tuple:
     return tuple((value == 1, value % 16 == 0, -(2**31) <= value < 2**31) for value in values)
 
 
+def takes_dynamic(total_q: int, total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """Whether the default launch takes its items dynamically: everywhere but batches of equal sequences (every
+    query and key row inside a sequence of the longest length) up to `PERSISTENT_MAX_SEQLEN_Q`, which the
+    fixed order balances by construction (each program alternates long and short causal tiles) and runs 0-6 %
+    faster (bench/RESULTS.md); a ragged batch ran 7-10 % faster dynamically, one sequence of 8192 8 % faster
+    than one program per item."""
+    equal = total_q == batch * max_seqlen_q and total_k == batch * max_seqlen_k
+    return not (equal and max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q)
+
+
+def band_of(grid: int, num_m_blocks: int, max_seqlen_k: int, causal: bool) -> int:
+    """The (sequence, head) pairs a band of the dynamic schedule (`_sequence`). Causal: enough pairs that a band
+    holds `BAND_ROUNDS` rounds of the grid, its items sorted by cost, so that the last items taken are the
+    cheapest (a band much narrower ends the launch with expensive items: bench/RESULTS.md), but no more than
+    `BAND_KV_BYTES` of K and V; not causal: 1 (every item costs the same, and a pair's query tiles side by
+    side read its keys together)."""
+    if not causal:
+        return 1
+    wide = -(-BAND_ROUNDS * grid // num_m_blocks)
+    return max(1, min(wide, BAND_KV_BYTES // max(1, max_seqlen_k * (NOPE_DIM + HEAD_DIM_V) * 2)))
+
+
+def band_arguments(band: int, pairs: int, num_m_blocks: int) -> tuple[int, int, int, int]:
+    """The kernel's band arguments (`_sequence`): the pairs a band, the pairs of the smaller band that goes
+    first where `band` does not divide the pairs, and the two bands' items."""
+    first = pairs % band
+    return band, first, first * num_m_blocks, band * num_m_blocks
+
+
 def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
            out, lse, error_flag, k_pe=None, merge: bool = False, block_n: int = BLOCK_N, stages: int = STAGES,
-           persistent: bool | None = None) -> None:
+           persistent: bool | None = None, dynamic: bool | None = None, band: int | None = None) -> None:
     """The kernel on checked tensors (`varlen_attention_wgmma`'s, or `prefill.varlen_attention`'s with `takes`
     holding), with at least one sequence, head and token; lse None: not stored. The descriptors and the bound
-    launch are looked up, not rebuilt, when the addresses and layouts come again."""
+    launch are looked up, not rebuilt, when the addresses and layouts come again. A persistent launch takes
+    its items dynamically (`_schedule_counter`; dynamic=False, or no counter: in a fixed order)."""
     if not scale > 0:  # the kernel scales each row's maximum once, which needs a positive scale
         raise ValueError(f"scale={scale!r}; accepted: a positive float")
     num_tokens, num_heads, _ = q.shape
@@ -577,16 +756,24 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     v_desc = _descriptor(v, [block_n, HEAD_DIM_V])
     num_m_blocks = max(1, -(-max_seqlen_q // BLOCK_M))
     num_items = num_m_blocks * num_heads * batch
+    if dynamic is None:
+        dynamic = takes_dynamic(num_tokens, k.shape[0], batch, max_seqlen_q, max_seqlen_k)
+    counter = _schedule_counter(q.device) if dynamic and persistent is not False else None
     if persistent is None:
-        persistent = max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q
+        persistent = counter is not None or max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q
     grid = min(num_items, _sm_count(q.device)) if persistent else num_items
+    if counter is None:
+        band = 1
+    elif band is None:
+        band = band_of(grid, num_m_blocks, max_seqlen_k, causal)
+    band_layout = band_arguments(band, num_heads * batch, num_m_blocks)
     store_lse = lse is not None
     lse_arg = lse if store_lse else out
     ints = (num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch, q.stride(1),
             k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1], out.stride(0), out.stride(1),
-            lse.stride(0) if store_lse else 0)
-    key = (q.dtype, out.dtype, block_n, stages, bool(causal), store_lse, bool(merge),
-           alignment_key(out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag), _int_key(ints), q.device)
+            lse.stride(0) if store_lse else 0, *band_layout)
+    key = (q.dtype, out.dtype, block_n, stages, bool(causal), store_lse, bool(merge), counter is not None,
+           alignment_key(out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag, counter), _int_key(ints), q.device)
     bound = _LAUNCHES.get(key)
     if bound is None:
         if len(_LAUNCHES) >= _LAUNCHES_MAX:
@@ -594,12 +781,12 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
         bound = _LAUNCHES[key] = BoundLaunch(
             _prefill_wgmma_kernel, (grid,),
             dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=store_lse,
-                 MERGE=bool(merge), num_warps=4, maxnreg=_MAXNREG),
+                 MERGE=bool(merge), DYNAMIC=counter is not None, num_warps=4, maxnreg=_MAXNREG),
             q.device,
         )
     bound.grid = (grid, 1, 1)
     bound(q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
-          float(scale) * _LOG2_E, *ints)
+          error_flag if counter is None else counter, float(scale) * _LOG2_E, *ints)
 
 
 # ---------------------------------------------------------------------------
@@ -623,9 +810,12 @@ def compile_specs(platform) -> list:
         if wgmma_prefill_reason(platform, dtype, NOPE_DIM + ROPE_DIM, HEAD_DIM_V):
             continue
         name = _DTYPE_NAMES[dtype]
-        # (causal, LSE, merge): every mode a launch can ask for; context chunks are merged, non-causal
-        for causal, store_lse, merge in ((True, True, False), (True, False, False), (False, True, False),
-                                         (False, False, False), (False, True, True)):
+        # (causal, LSE, merge, dynamic): every mode a launch can ask for; context chunks are merged, non-causal
+        for causal, store_lse, merge, dynamic in (
+            (True, True, False, True), (True, False, False, True), (False, True, False, True),
+            (False, False, False, True), (False, True, True, True), (True, True, False, False),
+            (False, True, True, False),
+        ):
             signature = {
                 "Q_desc": _descriptor_type(name, BLOCK_M, NOPE_DIM),
                 "QP_desc": _descriptor_type(name, BLOCK_M, ROPE_DIM),
@@ -633,23 +823,24 @@ def compile_specs(platform) -> list:
                 "KP_desc": _descriptor_type(name, BLOCK_N, ROPE_DIM),
                 "V_desc": _descriptor_type(name, BLOCK_N, HEAD_DIM_V),
                 "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
-                "qk_scale": "fp32",
+                "Counter": "*i32", "qk_scale": "fp32",
             }
             for arg in ("total_q total_k max_seqlen_q max_seqlen_k num_m_blocks num_heads batch q_head_stride "
                         "kn_head_stride kp_head_stride kp_offset v_head_stride group stride_o_t stride_o_h "
-                        "stride_lse_h").split():
+                        "stride_lse_h band_pairs band_first band_first_items band_items").split():
                 signature[arg] = "i32"
             constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
-                          "STORE_LSE": store_lse, "MERGE": merge}
+                          "STORE_LSE": store_lse, "MERGE": merge, "DYNAMIC": dynamic}
             for key in constexprs:
                 signature[key] = "constexpr"
-            mode = ("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",merge" if merge else "")
+            mode = (("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",merge" if merge else "")
+                    + ("" if dynamic else ",fixed"))
             specs.append(CompileSpec(
                 name=f"prefill_wgmma[m{BLOCK_M}n{BLOCK_N}s{STAGES},{name},{mode}]",
                 fn=_prefill_wgmma_kernel,
                 signature=signature,
                 constexprs=constexprs,
                 options={"num_warps": 4, "maxnreg": _MAXNREG},
-                divisible_by_16=("Out", "Lse", "Cu_q", "Cu_k", "stride_o_t", "stride_o_h", "stride_lse_h"),
+                divisible_by_16=("Out", "Lse", "Cu_q", "Cu_k", "Counter", "stride_o_t", "stride_o_h", "stride_lse_h"),
             ))
     return specs
