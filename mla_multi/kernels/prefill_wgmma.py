@@ -7,7 +7,10 @@ Work items are (query tile of 128 rows, head, sequence); each program, warp-spec
   into its buffer, K and V into two rings of
   ``STAGES`` shared-memory stages, K and V apart: each stage's ``ready``
   barrier completed by the copies' bytes, its ``empty`` barrier by both
-  consumers (K once the scores are in, V once the product is);
+  consumers (K once the scores are in, V once the product is); it hands
+  each item to the consumers through a ring of two slots, with its
+  sequence's boundaries, which it has read already (the consumers would
+  wait for those loads at the start of each item: 1-1.3 % on short items);
 * two consumer warpgroups, one per 64-row half of the query tile, each with its
   own scores, softmax and output: ``S = Q K^T`` by warpgroup MMA from shared
   memory (the 128 non-rotary and 64 rotary columns as two products into one
@@ -82,6 +85,7 @@ STAGES = 2  # K / V stages: 48 KiB query tile + 2 x 80 KiB (+ 16 KiB of output s
 PERSISTENT_MAX_SEQLEN_Q = 4096  # the longest query sequence launched persistent by default (bench/RESULTS.md)
 BAND_ROUNDS = 2  # a causal band of the dynamic schedule holds the items of this many rounds of the grid (`band_of`)
 BAND_KV_BYTES = 32 << 20  # and at most this much K and V (its pairs' tiles stay in L2 while they are read)
+ITEM_FIELDS = 8  # int32 a work item in the loader's ring to the consumers (`_sequence`)
 COUNTER_SLOTS = 64  # the dynamic schedule's counters a device: one a stream (`_schedule_counter`)
 NOPE_DIM, ROPE_DIM, HEAD_DIM_V = 128, 64, 128
 _LOG2_E = 1.4426950408889634
@@ -109,6 +113,7 @@ def wgmma_prefill_reason(platform, dtype: torch.dtype, head_dim_qk: int, head_di
 if gluon is not None:
     _CU_SEQLENS_ERROR = gl.constexpr(errors.CU_SEQLENS)
     _CONSUMER_REGS = gl.constexpr(240)
+    _ITEM_FIELDS = gl.constexpr(ITEM_FIELDS)
     _LOADER_REGS = gl.constexpr(24)
 
     @gluon.jit
@@ -119,12 +124,15 @@ if gluon is not None:
         return round * num_programs + gl.where(round % 2 == 0, pid, num_programs - 1 - pid)
 
     @gluon.jit
-    def _publish_item(item_smem, item_ready, item_empty, n, item):
-        """The loader hands the consumers its n-th work item through a ring of two slots."""
+    def _publish_item(item_smem, item_ready, item_empty, n, fields):
+        """The loader hands the consumers its n-th work item through a ring of two slots: `_place`'s item,
+        query tile, head and sequence and the sequence's four boundaries, which the loader has read already (the
+        consumers would otherwise wait for those loads at the start of every item)."""
         slot = n % 2
         mbarrier.wait(item_empty.index(slot), ((n // 2) & 1) ^ 1)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        item_smem.index(slot).store(gl.zeros([1], gl.int32, layout) + item)
+        for j in gl.static_range(_ITEM_FIELDS):
+            item_smem.index(slot).slice(j, 1).store(gl.zeros([1], gl.int32, layout) + fields[j])
         _cta_barrier()
         mbarrier.arrive(item_ready.index(slot), count=1)
 
@@ -144,27 +152,44 @@ if gluon is not None:
 
     @gluon.jit
     def _take_item(item_smem, item_ready, item_empty, n):
-        """A consumer warpgroup's n-th work item, from the loader's ring (`_publish_item`)."""
+        """A consumer warpgroup's n-th work item, from the loader's ring (`_publish_item`): (item, pid_m, head,
+        batch, q_start, q_end, k_start, k_end)."""
         slot = n % 2
         mbarrier.wait(item_ready.index(slot), (n // 2) & 1)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        item = gl.max(item_smem.index(slot).load(layout), 0)
+        row = item_smem.index(slot)
+        fields = (
+            gl.max(row.slice(0, 1).load(layout), 0), gl.max(row.slice(1, 1).load(layout), 0),
+            gl.max(row.slice(2, 1).load(layout), 0), gl.max(row.slice(3, 1).load(layout), 0),
+            gl.max(row.slice(4, 1).load(layout), 0), gl.max(row.slice(5, 1).load(layout), 0),
+            gl.max(row.slice(6, 1).load(layout), 0), gl.max(row.slice(7, 1).load(layout), 0),
+        )
         _cta_barrier()  # every thread has read the slot before it is handed back
         mbarrier.arrive(item_empty.index(slot), count=1)
-        return item
+        return fields
 
     @gluon.jit
-    def _sequence(item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads,
-                  num_items, band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    def _sequence(item, Cu_q, Cu_k, num_m_blocks, num_heads, num_items, band, CAUSAL: gl.constexpr,
                   BANDED: gl.constexpr):
-        """Work item `item`'s query tile, head and sequence: (q_start, q_end, lq, k_start, lk, m0, head, batch,
-        bad, num_tiles). The (sequence, head) pairs go in bands (`band`: the pairs a band, the pairs of a
-        smaller first band where that does not divide them, and both bands' items, kernel arguments that are
-        read where used, not held in registers), each band's items query tile by query tile: bands of 1 put the
-        query tiles of one head of one sequence side by side; a wider band sorts the dynamic schedule's items
-        by cost (causal tiles run in reverse order, the longest rows first), so that the last band ends with
-        its cheapest tiles. A bad sequence (boundaries not non-decreasing inside the tensors, a length over
-        its bound) and an item past the last get no tile. BANDED False: bands of 1, whatever `band` says."""
+        """Work item `item`'s fields (`ITEM_FIELDS`): the item, its query tile, head and sequence (`_place`) and
+        the sequence's query and key boundaries, read by the loader and handed to the consumers
+        (`_publish_item`)."""
+        valid, pid_m, head, batch = _place(item, num_m_blocks, num_heads, num_items, band, CAUSAL, BANDED)
+        q_start = gl.load(Cu_q + batch)
+        q_end = gl.load(Cu_q + batch + 1)
+        k_start = gl.load(Cu_k + batch)
+        k_end = gl.load(Cu_k + batch + 1)
+        return (item, pid_m, head, batch, q_start, q_end, k_start, k_end)
+
+    @gluon.jit
+    def _place(item, num_m_blocks, num_heads, num_items, band, CAUSAL: gl.constexpr, BANDED: gl.constexpr):
+        """(valid, query tile, head, sequence) of work item `item`. The (sequence, head) pairs go in bands
+        (`band`: the pairs a band, the pairs of a smaller first band where that does not divide them, and both
+        bands' items, kernel arguments that are read where used, not held in registers), each band's items
+        query tile by query tile: bands of 1 put the query tiles of one head of one sequence side by side; a
+        wider band sorts the dynamic schedule's items by cost (causal tiles run in reverse order, the longest
+        rows first), so that the last band ends with its cheapest tiles. BANDED False: bands of 1, whatever
+        `band` says."""
         valid = item < num_items
         item = gl.where(valid, item, 0)
         if BANDED:
@@ -182,10 +207,16 @@ if gluon is not None:
         batch = pair // num_heads
         if CAUSAL:
             pid_m = num_m_blocks - 1 - pid_m
-        q_start = gl.load(Cu_q + batch)
-        q_end = gl.load(Cu_q + batch + 1)
-        k_start = gl.load(Cu_k + batch)
-        k_end = gl.load(Cu_k + batch + 1)
+        return valid, pid_m, head, batch
+
+    @gluon.jit
+    def _bounds(fields, total_q, total_k, max_seqlen_q, max_seqlen_k, num_items, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """A work item's rows and keys from its `_sequence` fields: (q_start, q_end, lq, k_start, lk, m0, head,
+        bad, num_tiles). A bad sequence (boundaries not non-decreasing inside the tensors, a length over its
+        bound) and an item past the last get no tile."""
+        item, pid_m, head, batch, q_start, q_end, k_start, k_end = fields
+        valid = item < num_items
         # as the Triton kernel: the first sequence starts at 0, each range lies ordered inside its tensor
         bad = ((batch == 0) & ((q_start != 0) | (k_start != 0))) | (q_start < 0) | (q_end < q_start) | (q_end > total_q)
         bad = bad | (k_start < 0) | (k_end < k_start) | (k_end > total_k)
@@ -199,22 +230,25 @@ if gluon is not None:
             n_keys = gl.maximum(gl.minimum(lk, last_row + lk - lq + 1), 0)
         n_keys = gl.where(m0 < lq, n_keys, 0)
         num_tiles = (n_keys + BLOCK_N - 1) // BLOCK_N
-        return q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles
+        return q_start, q_end, lq, k_start, lk, m0, head, bad, num_tiles
 
     @gluon.jit
     def _load_item(bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
                    max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
-                   kp_offset, v_head_stride, group, band, item, kv_count, q_count, BLOCK_M: gl.constexpr,
+                   kp_offset, v_head_stride, group, band, item, n, kv_count, q_count, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BANDED: gl.constexpr):
-        """One work item's loads: every K / V tile into the ring and, after the first, the query tile once its
-        buffer is free. Returns the K / V tiles and query tiles loaded so far."""
+        """One work item, the program's n-th: its fields to the consumers (`_publish_item`), then every K / V
+        tile into the ring and, after the first, the query tile once its buffer is free. Returns the K / V
+        tiles and query tiles loaded so far."""
         q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = bufs[:11]
+        item_smem, item_ready, item_empty = bufs[12:]
         Q_BYTES: gl.constexpr = BLOCK_M * (q_smem.shape[1] + qp_smem.shape[1]) * q_smem.dtype.primitive_bitwidth // 8
         K_BYTES: gl.constexpr = BLOCK_N * (kn_smem.shape[2] + kp_smem.shape[2]) * kn_smem.dtype.primitive_bitwidth // 8
         V_BYTES: gl.constexpr = BLOCK_N * v_smem.shape[2] * v_smem.dtype.primitive_bitwidth // 8
-        q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-            item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
-            num_m_blocks, num_heads, num_items, band, BLOCK_M, BLOCK_N, CAUSAL, BANDED
+        fields = _sequence(item, Cu_q, Cu_k, num_m_blocks, num_heads, num_items, band, CAUSAL, BANDED)
+        _publish_item(item_smem, item_ready, item_empty, n, fields)
+        q_start, q_end, lq, k_start, lk, m0, head, bad, num_tiles = _bounds(
+            fields, total_q, total_k, max_seqlen_q, max_seqlen_k, num_items, BLOCK_M, BLOCK_N, CAUSAL
         )
         kv_head = head // group
         for tile in range(num_tiles):
@@ -248,41 +282,44 @@ if gluon is not None:
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         DYNAMIC: gl.constexpr):
         """The loader warp: each of the program's work items (`_load_item`; the ring runs on across items: the
-        next item's first tiles arrive while the consumers finish this one). DYNAMIC: the items after the
-        first come from the launch's counter (`Counter[0]`, taken with an atomic add as the item before starts
-        loading) and go to the consumers through the item ring; the program that finishes last puts the
-        counter back to 0 for the next launch (`Counter[1]` counts the finished programs). Otherwise the fixed
-        order of `_item`."""
+        next item's first tiles arrive while the consumers finish this one), handed to the consumers through the
+        item ring, then an item past the last, which stops them. DYNAMIC: the items after the first come from
+        the launch's counter (`Counter[0]`, taken with an atomic add as the item before starts loading); the
+        program that finishes last puts the counter back to 0 for the next launch (`Counter[1]` counts the
+        finished programs). Otherwise the fixed order of `_item`."""
         item_smem, item_ready, item_empty = bufs[12:]
         num_programs = gl.num_programs(0)
         kv_count = 0  # K / V tiles loaded so far: their ring slot and phase
         q_count = 0  # query tiles loaded so far
+        n = 0  # items handed to the consumers so far
         if DYNAMIC:
-            n = 0  # items taken so far
             item = gl.program_id(0)
             while item < num_items:
-                _publish_item(item_smem, item_ready, item_empty, n, item)
                 taken = _fetch_add(Counter)  # in flight during the item's loads
                 kv_count, q_count = _load_item(
                     bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
                     max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
-                    kp_offset, v_head_stride, group, band, item, kv_count, q_count, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                    CAUSAL)
+                    kp_offset, v_head_stride, group, band, item, n, kv_count, q_count, BLOCK_M, BLOCK_N, STAGES,
+                    CAUSAL, CAUSAL)
                 item = num_programs + gl.sum(taken, 0)
                 n += 1
-            _publish_item(item_smem, item_ready, item_empty, n, item)  # past the last: the consumers stop
-            # (acquire and release: this program's item fetches come before it, the reset after it)
-            if gl.atomic_add(Counter + 1, 1, sem="acq_rel") == num_programs - 1:
-                # every program has taken its last item: the counter is free for the next launch
-                gl.atomic_xchg(Counter, 0, sem="relaxed")
-                gl.atomic_xchg(Counter + 1, 0, sem="relaxed")
         else:
             for round in range(gl.cdiv(num_items, num_programs)):
                 kv_count, q_count = _load_item(
                     bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k, max_seqlen_q,
                     max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride, kn_head_stride, kp_head_stride,
-                    kp_offset, v_head_stride, group, band, _item(round, num_programs), kv_count, q_count, BLOCK_M,
+                    kp_offset, v_head_stride, group, band, _item(round, num_programs), n, kv_count, q_count, BLOCK_M,
                     BLOCK_N, STAGES, CAUSAL, False)
+                n += 1
+        # past the last item: the consumers stop (in the fixed order they may have stopped at the last round's
+        # item past the last already; this one is then never taken)
+        _publish_item(item_smem, item_ready, item_empty, n, (num_items, 0, 0, 0, 0, 0, 0, 0))
+        if DYNAMIC:
+            # (acquire and release: this program's item fetches come before it, the reset after it)
+            if gl.atomic_add(Counter + 1, 1, sem="acq_rel") == num_programs - 1:
+                # every program has taken its last item: the counter is free for the next launch
+                gl.atomic_xchg(Counter, 0, sem="relaxed")
+                gl.atomic_xchg(Counter + 1, 0, sem="relaxed")
 
     @gluon.jit
     def _row_max(s):
@@ -372,12 +409,13 @@ if gluon is not None:
         gl.store(ptrs + PIECE, staged, mask=mask)
 
     @gluon.jit
-    def _consume(HALF: gl.constexpr, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k,
-                 max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                 band, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 STORE_LSE: gl.constexpr, MERGE: gl.constexpr, DYNAMIC: gl.constexpr):
-        """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of the query tile. MERGE: the result is
-        merged into the one already in Out / Lse (over other keys) by their LSEs, in place."""
+    def _consume(HALF: gl.constexpr, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
+                 max_seqlen_k, num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr,
+                 MERGE: gl.constexpr):
+        """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of each query tile the loader hands it
+        (`_take_item`). MERGE: the result is merged into the one already in Out / Lse (over other keys) by
+        their LSEs, in place."""
         (q_smem, qp_smem, kn_smem, kp_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, o_stage,
          item_smem, item_ready, item_empty) = bufs
         HALF_M: gl.constexpr = BLOCK_M // 2
@@ -394,18 +432,13 @@ if gluon is not None:
         cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         q_half = q_smem.slice(HALF * HALF_M, HALF_M, dim=0)
         qp_half = qp_smem.slice(HALF * HALF_M, HALF_M, dim=0)
-        num_programs = gl.num_programs(0)
         kv_count = 0  # K / V tiles consumed before this item (the loader's order)
         q_count = 0
         n = 0  # items taken so far
-        if DYNAMIC:
-            item = _take_item(item_smem, item_ready, item_empty, 0)
-        else:
-            item = gl.program_id(0)
-        while item < num_items:
-            q_start, q_end, lq, k_start, lk, m0, head, batch, bad, num_tiles = _sequence(
-                item, Cu_q, Cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                num_m_blocks, num_heads, num_items, band, BLOCK_M, BLOCK_N, CAUSAL, DYNAMIC and CAUSAL
+        fields = _take_item(item_smem, item_ready, item_empty, 0)
+        while fields[0] < num_items:
+            q_start, q_end, lq, k_start, lk, m0, head, bad, num_tiles = _bounds(
+                fields, total_q, total_k, max_seqlen_q, max_seqlen_k, num_items, BLOCK_M, BLOCK_N, CAUSAL
             )
             first_row = m0 + HALF * HALF_M
             rows = first_row + gl.arange(0, HALF_M, layout=rows_s)
@@ -500,10 +533,7 @@ if gluon is not None:
                     if STORE_LSE:
                         gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
             n += 1
-            if DYNAMIC:
-                item = _take_item(item_smem, item_ready, item_empty, n)
-            else:
-                item = _item(n, num_programs)
+            fields = _take_item(item_smem, item_ready, item_empty, n)
 
     @gluon.jit
     def _prefill_wgmma_kernel(
@@ -541,7 +571,7 @@ if gluon is not None:
         o_stage = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_V // 2],
                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
         # the work items the loader takes from the launch's counter (DYNAMIC), handed to the consumers
-        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_smem = gl.allocate_shared_memory(gl.int32, [2, _ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -554,12 +584,12 @@ if gluon is not None:
         band = (band_pairs, band_first, band_first_items, band_items)  # `band_arguments`
         gl.warp_specialize(
             [
-                (_consume, (0, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
-                            max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                            band, BLOCK_M, BLOCK_N, STAGES, CAUSAL, STORE_LSE, MERGE, DYNAMIC)),
-                (_consume, (1, bufs, Out, Lse, Cu_q, Cu_k, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
-                            max_seqlen_k, num_m_blocks, num_heads, num_items, stride_o_t, stride_o_h, stride_lse_h,
-                            band, BLOCK_M, BLOCK_N, STAGES, CAUSAL, STORE_LSE, MERGE, DYNAMIC)),
+                (_consume, (0, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N, STAGES,
+                            CAUSAL, STORE_LSE, MERGE)),
+                (_consume, (1, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N, STAGES,
+                            CAUSAL, STORE_LSE, MERGE)),
                 (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
                                    max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
                                    kn_head_stride,
