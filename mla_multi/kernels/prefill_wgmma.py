@@ -70,12 +70,15 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
     from mla_multi.kernels.merge import merge_scales
     from mla_multi.kernels.mla_decode_wgmma import _CacheBase, _cta_barrier, _TensorDescriptor, _stage_layout, _tma_load
+
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 __all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
 
@@ -385,34 +388,54 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _store_staged(o16, o_stage, Out, q_start, first_row, lq, head, stride_o_t, stride_o_h):
+    def _store_staged(o16, o_stage, Out, q_start, first_row, lq, head, stride_o_t, stride_o_h, O_desc,
+                      TMA_OUT: gl.constexpr):
         """A warpgroup's output tile [64, 128] (16-bit, the accumulator's layout) stored to global memory
-        through its 8 KiB staging buffer, 64 columns at a time, read back in 16-byte pieces of rows."""
+        through its 8 KiB staging buffer, 64 columns at a time: TMA_OUT and the tile's rows all inside the
+        sequence, by TMA stores from the buffer (the warpgroup waits only for the first half to be read
+        before it stages the second, and for the second at its next tile); otherwise read back in 16-byte
+        pieces of rows and stored with the rows masked."""
         HALF_M: gl.constexpr = o16.shape[0]
         HEAD_V: gl.constexpr = o16.shape[1]
         PIECE: gl.constexpr = HEAD_V // 2
-        layout: gl.constexpr = _o_store_layout(HALF_M, PIECE)
         lo, hi = _column_halves(o16)
-        rows = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
-        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + cols[None, :]
-        mask = (rows < lq)[:, None]
-        o_stage.store(lo)
-        _cta_barrier()
-        staged = o_stage.load(layout)
-        _cta_barrier()
-        gl.store(ptrs, staged, mask=mask)
-        o_stage.store(hi)
-        _cta_barrier()
-        staged = o_stage.load(layout)
-        _cta_barrier()
-        gl.store(ptrs + PIECE, staged, mask=mask)
+        if TMA_OUT:
+            tma.store_wait(0)  # the last tile's second half has been read from the buffer
+            _cta_barrier()
+        if TMA_OUT and first_row + HALF_M <= lq:
+            row = q_start + first_row
+            o_stage.store(lo)
+            fence_async_shared()
+            _cta_barrier()
+            _tma_store(O_desc, [row, head * stride_o_h], o_stage)
+            tma.store_wait(0)
+            _cta_barrier()
+            o_stage.store(hi)
+            fence_async_shared()
+            _cta_barrier()
+            _tma_store(O_desc, [row, head * stride_o_h + PIECE], o_stage)
+        else:
+            layout: gl.constexpr = _o_store_layout(HALF_M, PIECE)
+            rows = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
+            ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_o_t + head * stride_o_h + cols[None, :]
+            mask = (rows < lq)[:, None]
+            o_stage.store(lo)
+            _cta_barrier()
+            staged = o_stage.load(layout)
+            _cta_barrier()
+            gl.store(ptrs, staged, mask=mask)
+            o_stage.store(hi)
+            _cta_barrier()
+            staged = o_stage.load(layout)
+            _cta_barrier()
+            gl.store(ptrs + PIECE, staged, mask=mask)
 
     @gluon.jit
     def _consume(HALF: gl.constexpr, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q,
-                 max_seqlen_k, num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_LSE: gl.constexpr,
-                 MERGE: gl.constexpr):
+                 max_seqlen_k, num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, O_desc,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 STORE_LSE: gl.constexpr, MERGE: gl.constexpr, TMA_OUT: gl.constexpr):
         """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of each query tile the loader hands it
         (`_take_item`). MERGE: the result is merged into the one already in Out / Lse (over other keys) by
         their LSEs, in place."""
@@ -529,7 +552,7 @@ if gluon is not None:
                     gl.store(lse_ptrs, lse_o, mask=row_in)
                 else:
                     _store_staged(out.to(dtype), o_stage.index(HALF), Out, q_start, first_row, lq, head, stride_o_t,
-                                  stride_o_h)
+                                  stride_o_h, O_desc, TMA_OUT)
                     if STORE_LSE:
                         gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
             n += 1
@@ -537,12 +560,13 @@ if gluon is not None:
 
     @gluon.jit
     def _prefill_wgmma_kernel(
-        Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Out, Lse, Cu_q, Cu_k, Error_flag, Counter,
+        Q_desc, QP_desc, KN_desc, KP_desc, V_desc, O_desc, Out, Lse, Cu_q, Cu_k, Error_flag, Counter,
         qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch,
         q_head_stride, kn_head_stride, kp_head_stride, kp_offset, v_head_stride, group,
         stride_o_t, stride_o_h, stride_lse_h, band_pairs, band_first, band_first_items, band_items,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         STORE_LSE: gl.constexpr, MERGE: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
+        TMA_OUT: gl.constexpr = False,
     ):
         dtype: gl.constexpr = Q_desc.dtype
         NOPE: gl.constexpr = Q_desc.block_type.shape[1]
@@ -568,8 +592,7 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
         # each consumer warpgroup's output staging (64 rows x 64 columns: `_store_staged`)
-        o_stage = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_V // 2],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        o_stage = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_V // 2], O_desc.layout)
         # the work items the loader takes from the launch's counter (DYNAMIC), handed to the consumers
         item_smem = gl.allocate_shared_memory(gl.int32, [2, _ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -585,11 +608,11 @@ if gluon is not None:
         gl.warp_specialize(
             [
                 (_consume, (0, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N, STAGES,
-                            CAUSAL, STORE_LSE, MERGE)),
+                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, O_desc, BLOCK_M, BLOCK_N,
+                            STAGES, CAUSAL, STORE_LSE, MERGE, TMA_OUT)),
                 (_consume, (1, bufs, Out, Lse, Error_flag, qk_scale, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, BLOCK_M, BLOCK_N, STAGES,
-                            CAUSAL, STORE_LSE, MERGE)),
+                            num_m_blocks, num_items, stride_o_t, stride_o_h, stride_lse_h, O_desc, BLOCK_M, BLOCK_N,
+                            STAGES, CAUSAL, STORE_LSE, MERGE, TMA_OUT)),
                 (_load_partition, (bufs, Q_desc, QP_desc, KN_desc, KP_desc, V_desc, Cu_q, Cu_k, total_q, total_k,
                                    max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, num_items, q_head_stride,
                                    kn_head_stride,
@@ -638,6 +661,13 @@ def takes(q, k, v, k_pe, platform) -> bool:
                                    or tensor.stride(-1) != 1 or not _rows_of_heads(tensor)):
             return False
     return True
+
+
+def _tma_rows(out: torch.Tensor) -> bool:
+    """Whether TMA can store into `out` [rows, heads, 128]: its columns contiguous, its address and row stride
+    on 16 bytes."""
+    return (out.stride(2) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+            and (out.stride(1) * out.element_size()) % 16 == 0 and _rows_of_heads(out))
 
 
 def _rows_of_heads(tensor: torch.Tensor) -> bool:
@@ -784,6 +814,9 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
         kp_desc = _descriptor(k_pe if k_pe.dim() == 2 else k_pe[:, 0], [block_n, ROPE_DIM])
         kp_head_stride, kp_offset = 0, 0
     v_desc = _descriptor(v, [block_n, HEAD_DIM_V])
+    # the output by TMA stores from the staging buffers (`_store_staged`), where its rows allow a descriptor
+    tma_out = not merge and _tma_rows(out)
+    o_desc = _descriptor(out, [BLOCK_M // 2, HEAD_DIM_V // 2]) if tma_out else qp_desc
     num_m_blocks = max(1, -(-max_seqlen_q // BLOCK_M))
     num_items = num_m_blocks * num_heads * batch
     if dynamic is None:
@@ -802,7 +835,7 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     ints = (num_tokens, k.shape[0], max_seqlen_q, max_seqlen_k, num_m_blocks, num_heads, batch, q.stride(1),
             k.stride(1), kp_head_stride, kp_offset, v.stride(1), num_heads // k.shape[1], out.stride(0), out.stride(1),
             lse.stride(0) if store_lse else 0, *band_layout)
-    key = (q.dtype, out.dtype, block_n, stages, bool(causal), store_lse, bool(merge), counter is not None,
+    key = (q.dtype, out.dtype, block_n, stages, bool(causal), store_lse, bool(merge), counter is not None, tma_out,
            alignment_key(out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag, counter), _int_key(ints), q.device)
     bound = _LAUNCHES.get(key)
     if bound is None:
@@ -811,11 +844,11 @@ def launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
         bound = _LAUNCHES[key] = BoundLaunch(
             _prefill_wgmma_kernel, (grid,),
             dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), STORE_LSE=store_lse,
-                 MERGE=bool(merge), DYNAMIC=counter is not None, num_warps=4, maxnreg=_MAXNREG),
+                 MERGE=bool(merge), DYNAMIC=counter is not None, TMA_OUT=tma_out, num_warps=4, maxnreg=_MAXNREG),
             q.device,
         )
     bound.grid = (grid, 1, 1)
-    bound(q_desc, qp_desc, kn_desc, kp_desc, v_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
+    bound(q_desc, qp_desc, kn_desc, kp_desc, v_desc, o_desc, out, lse_arg, cu_seqlens_q, cu_seqlens_k, error_flag,
           error_flag if counter is None else counter, float(scale) * _LOG2_E, *ints)
 
 
@@ -840,11 +873,12 @@ def compile_specs(platform) -> list:
         if wgmma_prefill_reason(platform, dtype, NOPE_DIM + ROPE_DIM, HEAD_DIM_V):
             continue
         name = _DTYPE_NAMES[dtype]
-        # (causal, LSE, merge, dynamic): every mode a launch can ask for; context chunks are merged, non-causal
-        for causal, store_lse, merge, dynamic in (
-            (True, True, False, True), (True, False, False, True), (False, True, False, True),
-            (False, False, False, True), (False, True, True, True), (True, True, False, False),
-            (False, True, True, False),
+        # (causal, LSE, merge, dynamic, TMA output): every mode a launch can ask for; context chunks are merged,
+        # non-causal, their output read and written from registers
+        for causal, store_lse, merge, dynamic, tma_out in (
+            (True, True, False, True, True), (True, False, False, True, True), (False, True, False, True, True),
+            (False, False, False, True, True), (False, True, True, True, False), (True, True, False, False, True),
+            (False, True, True, False, False), (True, True, False, True, False),
         ):
             signature = {
                 "Q_desc": _descriptor_type(name, BLOCK_M, NOPE_DIM),
@@ -852,6 +886,8 @@ def compile_specs(platform) -> list:
                 "KN_desc": _descriptor_type(name, BLOCK_N, NOPE_DIM),
                 "KP_desc": _descriptor_type(name, BLOCK_N, ROPE_DIM),
                 "V_desc": _descriptor_type(name, BLOCK_N, HEAD_DIM_V),
+                "O_desc": _descriptor_type(name, BLOCK_M // 2, HEAD_DIM_V // 2) if tma_out
+                else _descriptor_type(name, BLOCK_M, ROPE_DIM),
                 "Out": f"*{name}", "Lse": "*fp32", "Cu_q": "*i32", "Cu_k": "*i32", "Error_flag": "*i32",
                 "Counter": "*i32", "qk_scale": "fp32",
             }
@@ -860,11 +896,11 @@ def compile_specs(platform) -> list:
                         "stride_lse_h band_pairs band_first band_first_items band_items").split():
                 signature[arg] = "i32"
             constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": STAGES, "CAUSAL": causal,
-                          "STORE_LSE": store_lse, "MERGE": merge, "DYNAMIC": dynamic}
+                          "STORE_LSE": store_lse, "MERGE": merge, "DYNAMIC": dynamic, "TMA_OUT": tma_out}
             for key in constexprs:
                 signature[key] = "constexpr"
             mode = (("causal" if causal else "full") + ("" if store_lse else ",no-lse") + (",merge" if merge else "")
-                    + ("" if dynamic else ",fixed"))
+                    + ("" if dynamic else ",fixed") + ("" if tma_out or merge else ",no-tma-out"))
             specs.append(CompileSpec(
                 name=f"prefill_wgmma[m{BLOCK_M}n{BLOCK_N}s{STAGES},{name},{mode}]",
                 fn=_prefill_wgmma_kernel,
