@@ -558,6 +558,8 @@ if gluon is not None:
                         gl.store(Lse + head * stride_lse_h + q_start + rows, lse, mask=rows < lq)
             n += 1
             fields = _take_item(item_smem, item_ready, item_empty, n)
+        if TMA_OUT:
+            tma.store_wait(0)  # the last tile's stores have read the staging buffer before the program ends
 
     @gluon.jit
     def _prefill_wgmma_kernel(
