@@ -696,7 +696,8 @@ def _schedule_counter(device: torch.device) -> torch.Tensor | None:
     programs; zero between launches: the last program of each launch puts it back), or None where there is
     none: its device's counters would have to be made while a stream is captured (the graph would zero them
     on each replay only), or every slot has its stream. Each stream gets its own: launches on two streams may
-    overlap, launches on one stream do not."""
+    overlap, launches on one stream do not. A captured launch keeps the counter of the stream it was captured
+    on: replaying its graph on another stream while the capture stream runs this kernel would share it."""
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     entry = _COUNTERS.get(device)
     if entry is not None:
