@@ -9,7 +9,7 @@ of 20 calls replayed, median per call. Working set over L2: every case reads at 
 import torch
 
 import mla_multi as mm
-from mla_multi.benchmarks import eager_time, graph_time
+from mla_multi.benchmarks import eager_time, graph_time, host_time
 
 dev = "cuda"
 BS = 64
@@ -120,21 +120,9 @@ for n, b, s in () if MIXED_ONLY else ((16, 1, 8192), (128, 1, 8192), (16, 8, 819
             line += f"  FlashInfer failed: {type(error).__name__}: {str(error)[:100]}"
     print(line, flush=True)
     if (n, b) == (128, 1):
-        import time
-
-        def host_us(fn, calls=300):
-            fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host = (time.perf_counter() - start) / calls * 1e6
-            torch.cuda.synchronize()
-            return host
-
-        parts = f"host per call: ours {host_us(ours):.1f} us"
+        parts = f"host per call: ours {host_time(ours):.1f} us"
         if flash_mla is not None:
-            parts += f", FlashMLA {host_us(theirs):.1f} us"
+            parts += f", FlashMLA {host_time(theirs):.1f} us"
         print("    " + parts, flush=True)
 
 if "--op-only" in sys.argv:

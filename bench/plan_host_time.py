@@ -48,15 +48,10 @@ label = sys.argv[1] if len(sys.argv) > 1 else ""
 print(f"{label} metadata {best_metadata:.1f} µs  plan {best_plan:.1f} µs  total {best_metadata + best_plan:.1f}")
 
 if len(sys.argv) > 2:
-    def per_call(name, fn, calls=2000):
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-        print(f"  {name}: {elapsed:.2f} µs")
+    from mla_multi.benchmarks import host_time
+
+    def per_call(name, fn):
+        print(f"  {name}: {host_time(fn, calls=2000):.2f} µs")
 
     host = torch.tensor(query_lens, dtype=torch.int32)
     pinned = host.pin_memory()

@@ -4,11 +4,11 @@ the top functions by own time over 300 calls, and the mean wall time per call wi
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
 import mla_multi as mm
+from mla_multi.benchmarks import host_time
 from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
 
 backends = sys.argv[1].split(",") if len(sys.argv) > 1 else ["FLASHMLA", "TRITON"]
@@ -22,12 +22,7 @@ for backend in backends:
 
     for _ in range(20):
         call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(300):
-        call()
-    host = (time.perf_counter() - start) / 300 * 1e6
-    torch.cuda.synchronize()
+    host = host_time(call)
     print(f"{backend}: {host:.1f} µs host per eager call (300 calls, no sync between)")
     profile = cProfile.Profile()
     profile.enable()

@@ -1,4 +1,4 @@
-"""GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py), and the two timings
+"""GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py), and the timings
 the maintainer scripts in bench/ share."""
 
 
@@ -12,6 +12,23 @@ def graph_time(fn, reps: int = 20) -> float:
     fn()
     graph = capture_graph(fn, repeats=reps)
     return do_bench(graph.replay, return_mode="median") * 1000 / reps
+
+
+def host_time(fn, calls: int = 300) -> float:
+    """µs of host time per call of `fn` over `calls` calls in a row (after one call, with the GPU waited for
+    before and after but not between: the host path alone while the GPU queue fills)."""
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
 
 
 def eager_time(fn) -> float:
