@@ -126,9 +126,46 @@ def _run_prefill():
     }
 
 
+# index lists of one pass (up to `_LIST_BLOCK` entries), several passes, and a short one
+COMPACT_TOPKS = [2048, 4096 + 904, 100]
+
+
+def _run_compact():
+    """`compact_indices` (the TRITON path's index compaction) against a PyTorch loop: each token's valid
+    entries first, in order, duplicates kept; its count, or topk + 1 and the error flag for a bad entry."""
+    from mla_multi import errors
+    from mla_multi.kernels.sparse_indices import compact_indices
+
+    generator = torch.Generator().manual_seed(5)
+    results = {}
+    for topk in COMPACT_TOPKS:
+        num_slots = 3 * topk
+        indices = torch.randint(-1, num_slots, (4, topk), generator=generator, dtype=torch.int32)
+        indices[0, topk // 2:] = -1
+        indices[1, -5:] = indices[1, 7]  # duplicates
+        indices[3, topk - 1] = num_slots  # bad: the token's length past its row, the flag
+        lengths = torch.tensor([topk, topk - 3, topk // 3, topk], dtype=torch.int32)
+        checks = []
+        for with_lengths in (False, True):
+            errors.error_flag("cpu").zero_()
+            table, lens = compact_indices(indices, num_slots, lengths if with_lengths else None)
+            for t in range(4):
+                count = int(lengths[t]) if with_lengths else topk
+                row = indices[t, :count]
+                want = row[(row >= 0) & (row < num_slots)]
+                if t == 3:
+                    checks.append(int(lens[t]) == topk + 1)
+                else:
+                    checks.append(int(lens[t]) == want.numel() and torch.equal(table[t, :want.numel()], want))
+            checks.append(bool(int(errors.error_flag("cpu").item()) & errors.SPARSE_INDEX))
+        results[str(topk)] = checks
+    return results
+
+
 def _interpreter_main():
     results = {case[0]: _run_case(case) for case in CASES}
     results["prefill"] = _run_prefill()
+    results["compact"] = _run_compact()
     print_results(results)
 
 
@@ -162,6 +199,13 @@ def test_sparse_prefill_kernel_under_the_interpreter(results):
     assert result["violations"] == 0 and result["flag"] == 0, result
     assert result["out_err"] < 2e-3 and result["lse_pattern"] and result["lse_err"] < 1e-3, result
     assert result["none_row_zero"] and result["op_err"] < 2e-3, result
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("topk", COMPACT_TOPKS)
+def test_index_compaction_in_one_pass_and_in_several(results, topk):
+    checks = results["compact"][str(topk)]
+    assert len(checks) == 10 and all(checks), checks
 
 
 if __name__ == "__main__" and "--interpreter" in sys.argv:

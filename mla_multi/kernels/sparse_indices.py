@@ -117,8 +117,7 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
     if tokens:
         launch = _bound(
             _compact_indices_kernel, (tokens,),
-            dict(BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), HAS_LENGTH=topk_length is not None,
-                 OUT_OF_RANGE_IS_NONE=out_of_range_is_none, num_warps=4),
+            dict(_list_launch(topk), HAS_LENGTH=topk_length is not None, OUT_OF_RANGE_IS_NONE=out_of_range_is_none),
             indices.device,
             ("compact", layout_key(indices), None if topk_length is None else layout_key(topk_length), num_slots,
              out_of_range_is_none),
@@ -197,6 +196,16 @@ def dequantize_named_rows(table: torch.Tensor, lens: torch.Tensor, cache: torch.
 
 
 _BLOCK = 1024
+# an index list's kernels (sanitize, compact) take a list of up to this many entries in one pass: a second
+# pass waits on the first's scan (1 / 64 / 128 lists of 2048 entries replayed from a CUDA graph, H200:
+# compaction 3.7 / 4.2 / 4.4 µs a launch against 5.2 / 5.8 / 6.1 in two passes of 1024 with 4 warps; bench/RESULTS.md)
+_LIST_BLOCK = 4096
+
+
+def _list_launch(topk: int) -> dict:
+    """The index-list kernels' block (the whole list up to `_LIST_BLOCK` entries) and warps."""
+    block = min(_LIST_BLOCK, max(16, triton.next_power_of_2(topk)))
+    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
 
 
 class SparseIndexPlan:
@@ -218,8 +227,7 @@ class SparseIndexPlan:
             self.flag = errors.error_flag(device)
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
-                dict(BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(topk))), BAD_IS_ERROR=bad_is_error,
-                     HAS_LENGTH=has_length, num_warps=4), device)
+                dict(_list_launch(topk), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length), device)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
                 dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
@@ -264,14 +272,16 @@ def compile_specs(platform) -> list:
     from mla_multi.kernels.launch_config import CompileSpec
 
     specs = []
+    list_2048 = _list_launch(2048)  # DeepSeek-V3.2's topk
     for bad_is_error in (True, False):
         signature = {"Indices": "*i32", "Out": "*i32", "Bad_rows": "*i8", "Error_flag": "*i32", "Topk_length": "*i32",
                      "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
                      "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
         specs.append(CompileSpec(
             name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}]", fn=_sanitize_indices_kernel,
-            signature=signature, constexprs={"BLOCK": _BLOCK, "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True},
-            options={"num_warps": 4}, divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
+            signature=signature, constexprs={"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error,
+                                             "HAS_LENGTH": True},
+            options={"num_warps": list_2048["num_warps"]}, divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
         ))
         signature = {"Bad_rows": "*i8", "Out": "*bf16", "Lse": "*fp32", "row_width": "i32", "lse_width": "i32",
                      "stride_o_t": "i32", "stride_lse_t": "i32", "BLOCK": "constexpr", "LSE_BLOCK": "constexpr",
@@ -286,7 +296,8 @@ def compile_specs(platform) -> list:
                  "BLOCK": "constexpr", "HAS_LENGTH": "constexpr"}
     specs.append(CompileSpec(
         name="compact_indices", fn=_compact_indices_kernel, signature=dict(signature, OUT_OF_RANGE_IS_NONE="constexpr"),
-        constexprs={"BLOCK": _BLOCK, "HAS_LENGTH": True, "OUT_OF_RANGE_IS_NONE": False}, options={"num_warps": 4},
+        constexprs={"BLOCK": list_2048["BLOCK"], "HAS_LENGTH": True, "OUT_OF_RANGE_IS_NONE": False},
+        options={"num_warps": list_2048["num_warps"]},
         divisible_by_16=("Indices", "Table", "stride_in_t", "stride_table_t"),
     ))
     signature = {"Table": "*i32", "Lens": "*i32", "Cache": "*u8", "Rows": "*bf16", "topk": "i32",
