@@ -17,10 +17,12 @@ included: the second table):
   zero-padded to 192 (it needs one head dim); the padding is done outside the timing.
 
 FLOPs = 2 * N * (causal pairs) * (192 + 128), causal pairs = S * (S + 1) / 2 per
-sequence. Usage::
+sequence. With ``--rounds R`` every kernel is timed R times, in turn (one round times each once), and each
+figure is the median of its rounds: a drift of the device's clocks during the run then reaches every
+kernel alike; the ratios of each round are printed too. Usage::
 
     mla-multi bench prefill [--heads 16,128] [--shapes 1x8192,4x2048,1x16384]
-        [--configs m128n64w8s3,m128n64w8s3tma] [--json out.json]
+        [--configs m128n64w8s3,m128n64w8s3tma] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 
 import torch
@@ -85,27 +88,41 @@ def _bench(fn) -> float:
 
 
 def _time_into(row: dict, name: str, run, reason: str, flops: float) -> None:
-    """Time `run` into row["ms"][name] / row["tflops"][name] (replayed from a CUDA graph) and
-    row["eager_ms"][name] (called eagerly), or note why it is missing; a call that cannot be captured is
-    timed eagerly in both, with a note."""
+    """Enter `run` for timing (`_time_rows`) under `name`, or note why it is missing."""
     if run is None:
         row["notes"].append(f"{name} unavailable: {reason}")
         return
+    row.setdefault("_runs", []).append((name, run))
+
+
+def _time_rows(row: dict, flops: float, rounds: int) -> None:
+    """Time each entered run into row["ms"][name] / row["tflops"][name] (replayed from a CUDA graph) and
+    row["eager_ms"][name] (called eagerly): in `rounds` rounds that each time every run once, in turn, so that
+    a drift of the device's clocks reaches every run alike; each figure is the median of its rounds, and
+    row["ms_rounds"] keeps them all. A call that cannot be captured is timed eagerly in both, with a note."""
     from mla_multi.testing import capture_graph
 
-    eager = _bench(run)
-    try:
-        graph = capture_graph(run)
-        torch.cuda.synchronize()
-        ms = _bench(graph.replay)
-        del graph
-    except Exception as error:
-        row["notes"].append(f"{name} not captured ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
-                            "eager time")
-        ms = eager
-    row["ms"][name] = ms
-    row.setdefault("eager_ms", {})[name] = eager
-    row["tflops"][name] = flops / ms / 1e9
+    graphs = {}
+    for name, run in row["_runs"]:
+        try:
+            graphs[name] = capture_graph(run)
+            torch.cuda.synchronize()
+        except Exception as error:
+            row["notes"].append(f"{name} not captured ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
+                                "eager time")
+            graphs[name] = None
+    captured: dict = {name: [] for name, _ in row["_runs"]}
+    eager: dict = {name: [] for name, _ in row["_runs"]}
+    for _ in range(rounds):
+        for name, run in row["_runs"]:
+            eager[name].append(_bench(run))
+            captured[name].append(_bench(graphs[name].replay) if graphs[name] is not None else eager[name][-1])
+    for name, _ in row["_runs"]:
+        row["ms"][name] = statistics.median(captured[name])
+        row.setdefault("eager_ms", {})[name] = statistics.median(eager[name])
+        row.setdefault("ms_rounds", {})[name] = captured[name]
+        row["tflops"][name] = flops / row["ms"][name] / 1e9
+    del row["_runs"], graphs
 
 
 def _torch_sdpa(backend_name: str, q4, k4, v4, scale: float, causal: bool = True):
@@ -145,7 +162,8 @@ def _flashinfer_prefill(q, k, v, cu, seqlen, scale, causal):
 
 
 def bench_case(
-    num_heads: int, batch: int, seqlen: int, configs, results: list, check: bool = True, causal: bool = True
+    num_heads: int, batch: int, seqlen: int, configs, results: list, check: bool = True, causal: bool = True,
+    rounds: int = 1,
 ) -> None:
     from mla_multi.kernels.prefill import varlen_attention
 
@@ -219,9 +237,9 @@ def bench_case(
             if not err < 2e-2:
                 row["notes"].append(f"{name}: rel err {err:.3g} vs PyTorch output")
         _time_into(row, name, run, "", flops)
+    if row.get("_runs"):
+        _time_rows(row, flops, rounds)
     results.append(row)
-    del q, k, v, v_pad, q4, k4, v4, reference
-    torch.cuda.empty_cache()
 
 
 def bench_varlen_mixed(num_heads: int, lengths: list[int]) -> dict:
@@ -297,7 +315,22 @@ def format_table(results: list) -> str:
         shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
         eager.append(f"| {row['num_heads']:>3} | {shape} | {ours:8.1f} | {fi:8.1f} | {cudnn:8.1f} | {ours / fi:5.2f} | "
                      f"{ours / cudnn:5.2f} |")
-    return header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(eager)
+    spread = []
+    for row in results:
+        rounds = row.get("ms_rounds", {})
+        ours = rounds.get("triton")
+        if not ours or len(ours) < 2:
+            continue
+        shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
+        cells = []
+        for peer in ("flashinfer", "cudnn"):
+            ratios = [theirs / mine for theirs, mine in zip(rounds.get(peer, []), ours)]
+            cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-")
+        spread.append(f"| {row['num_heads']:>3} | {shape} | {len(ours)} | {cells[0]} | {cells[1]} |")
+    if spread:
+        spread = ["", "TRITON's speed over each round (captured, same round):", "",
+                  "| N | B x S | rounds | TRITON/FLASHINFER | TRITON/cuDNN |", "|---|---|--:|--|--|"] + spread
+    return header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(eager) + "\n".join([""] + spread)
 
 
 def main(argv=None) -> int:
@@ -307,6 +340,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--configs", default="", help="comma list of m<M>n<N>w<W>s<S>[tma]; empty = the platform's default"
     )
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every kernel this many times, in turn, and report each one's median")
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with PyTorch's output")
     parser.add_argument(
@@ -324,7 +359,8 @@ def main(argv=None) -> int:
     results: list = []
     for num_heads in heads:
         for batch, seqlen in shapes:
-            bench_case(num_heads, batch, seqlen, configs, results, check=not args.no_check)
+            bench_case(num_heads, batch, seqlen, configs, results, check=not args.no_check, rounds=args.rounds)
+            torch.cuda.empty_cache()  # the case's tensors, freed as it returned
             row = results[-1]
             print(
                 f"N={num_heads} B={batch} S={seqlen}: "
