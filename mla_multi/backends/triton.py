@@ -241,10 +241,11 @@ class TritonDecodeImpl(MLADecodeImpl):
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
-                    masked_entries: bool = False):
+                    masked_entries: bool = False, min_tokens_per_split: int | None = None):
         """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
         workspace views and the bound kernels of the step, so that every later layer only launches.
-        `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the block table)."""
+        `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the block table);
+        `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits` too."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
@@ -267,7 +268,8 @@ class TritonDecodeImpl(MLADecodeImpl):
             # alignment too), the bounds, the reservation, a capture in progress, the MLA_MULTI_* environment
             eager_key = (layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache), kv_cache.data_ptr() % 4,
                          layout_key(block_table), layout_key(seq_lens), None if k_scale is None else layout_key(k_scale),
-                         num_kv_splits, max_seq_len, masked_entries, capturing(q_nope), self.max_num_kv_splits,
+                         num_kv_splits, max_seq_len, masked_entries, min_tokens_per_split, capturing(q_nope),
+                         self.max_num_kv_splits,
                          self.max_model_len, self.max_partial_rows, envs.snapshot())
             found = self._eager_plans.get(eager_key)
             if found is not None:
@@ -279,7 +281,8 @@ class TritonDecodeImpl(MLADecodeImpl):
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
-            batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
+            batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1],
+            min_tokens_per_split=min_tokens_per_split,
         )
         out_shape = tuple(q_nope.shape)
         specs = self._workspace_specs(batch * q_len, num_kv_splits, out_shape, q_nope.dtype)
@@ -327,6 +330,11 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
     @staticmethod
     def get_decode_impl_cls():
         return TritonDecodeImpl
+
+
+# the sparse decode's splits go down to one 64-token tile: the lists need no page table's indirection, and a
+# short batch fills the device only so (bench/RESULTS.md: 1 token of 128 heads, 32 splits 16.9 µs, 16 19.6 µs)
+_SPARSE_MIN_TOKENS_PER_SPLIT = 64
 
 
 class TritonSparseDecodeImpl(MLASparseImpl):
@@ -395,13 +403,12 @@ class TritonSparseDecodeImpl(MLASparseImpl):
         if splits is None:
             if len(self._splits) >= 256:
                 self._splits.clear()
-            # splits down to one 64-token tile: the lists need no page table's indirection, and a short batch
-            # fills the device only so (bench/RESULTS.md: 1 token of 128 heads, 32 splits 16.9 µs, 16 19.6 µs)
             splits = self._splits[key] = decode.choose_num_kv_splits(
-                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1], min_tokens_per_split=64
+                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1],
+                min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT,
             )
         return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits,
-                                  masked_entries=masked_entries)
+                                  masked_entries=masked_entries, min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
 
 
 def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
