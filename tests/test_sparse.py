@@ -422,11 +422,8 @@ def test_sparse_decode_plans_once_per_layout_and_still_checks_the_data(monkeypat
     assert len(selections) == 2
 
 
-def test_triton_sparse_decode_reads_the_lists_through_the_dense_impls_launch(monkeypatch):
-    """The index lists read as they are (masked entries) go through the dense decode impl's own launch path
-    (its output, LSE and split partials), which passes `masked_entries` on to the kernels; the compacted
-    tables go the same way without it (a recording stand-in for `mla_decode_fwd`)."""
-    from mla_multi.backends.triton import TritonSparseDecodeImpl
+def _recording_decode(monkeypatch) -> list:
+    """A recording stand-in for `mla_decode_fwd`: the keywords of each call go into the returned list."""
     from mla_multi.kernels import mla_decode
 
     calls = []
@@ -436,14 +433,29 @@ def test_triton_sparse_decode_reads_the_lists_through_the_dense_impls_launch(mon
         return keywords["out"], keywords["lse"]
 
     monkeypatch.setattr(mla_decode, "mla_decode_fwd", record)
+    return calls
+
+
+def _in_place_inputs(tokens: int, heads: int, topk: int, slots: int):
+    """(q_nope, q_pe, pages, lists, lengths) for `TritonSparseDecodeImpl._decode_in_place`: fp8_ds_mla pages
+    of one token, every list whole."""
+    q = torch.randn(tokens, heads, 576, dtype=torch.bfloat16)
+    pages = torch.zeros(slots, 1, FP8_DS_MLA_BYTES, dtype=torch.uint8)
+    lists = torch.randint(-1, slots, (tokens, topk), dtype=torch.int32)
+    return q[..., :512], q[..., 512:], pages, lists, torch.full((tokens,), topk, dtype=torch.int32)
+
+
+def test_triton_sparse_decode_reads_the_lists_through_the_dense_impls_launch(monkeypatch):
+    """The index lists read as they are (masked entries) go through the dense decode impl's own launch path
+    (its output, LSE and split partials), which passes `masked_entries` on to the kernels; the compacted
+    tables go the same way without it (a recording stand-in for `mla_decode_fwd`)."""
+    from mla_multi.backends.triton import TritonSparseDecodeImpl
+
+    calls = _recording_decode(monkeypatch)
     impl = TritonSparseDecodeImpl(64, 512, 64, torch.device("cpu"))
-    q = torch.randn(3, 64, 576, dtype=torch.bfloat16)
-    pages = torch.zeros(256, 1, FP8_DS_MLA_BYTES, dtype=torch.uint8)
-    lists = torch.randint(-1, 256, (3, 128), dtype=torch.int32)
-    lengths = torch.full((3,), 128, dtype=torch.int32)
+    inputs = _in_place_inputs(3, 64, 128, 256)
     for masked in (True, False):
-        out, lse = impl._decode_in_place(q[..., :512], q[..., 512:], pages, lists, lengths, scale=0.1,
-                                         masked_entries=masked)
+        out, lse = impl._decode_in_place(*inputs, scale=0.1, masked_entries=masked)
         assert calls[-1]["masked_entries"] is masked and calls[-1]["out"] is out and calls[-1]["lse"] is lse
         assert out.shape == (3, 64, 512) and lse.shape == (3, 64) and lse.dtype == torch.float32
         assert calls[-1]["attn_logits"].shape[:3] == (3, 64, calls[-1]["num_kv_splits"])
@@ -455,22 +467,12 @@ def test_triton_sparse_decode_keeps_its_split_count_down_to_one_tile(monkeypatch
     impl's launch bounded a given count by its own 128-token minimum and cut it to 16."""
     from mla_multi import platforms
     from mla_multi.backends.triton import TritonSparseDecodeImpl
-    from mla_multi.kernels import mla_decode
 
-    calls = []
-
-    def record(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, **keywords):
-        calls.append(keywords)
-        return keywords["out"], keywords["lse"]
-
-    monkeypatch.setattr(mla_decode, "mla_decode_fwd", record)
+    calls = _recording_decode(monkeypatch)
     with platforms.override("H200"):
         impl = TritonSparseDecodeImpl(128, 512, 64, torch.device("cpu"))
-        q = torch.randn(1, 128, 576, dtype=torch.bfloat16)
-        pages = torch.zeros(4096, 1, FP8_DS_MLA_BYTES, dtype=torch.uint8)
-        lists = torch.randint(-1, 4096, (1, 2048), dtype=torch.int32)
-        lengths = torch.full((1,), 2048, dtype=torch.int32)
+        inputs = _in_place_inputs(1, 128, 2048, 4096)
         for masked in (True, False):
-            impl._decode_in_place(q[..., :512], q[..., 512:], pages, lists, lengths, scale=0.1, masked_entries=masked)
+            impl._decode_in_place(*inputs, scale=0.1, masked_entries=masked)
             assert calls[-1]["num_kv_splits"] == 32, calls[-1]["num_kv_splits"]
             assert calls[-1]["attn_logits"].shape[2] == 32
