@@ -348,7 +348,6 @@ class TritonSparseDecodeImpl(MLASparseImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_place = None  # the dense decode impl that reads fp8_ds_mla pages in place (made on first use)
-        self._splits: dict = {}  # (tokens, topk) -> its split count
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         in_place = None
@@ -389,26 +388,18 @@ class TritonSparseDecodeImpl(MLASparseImpl):
         return ""
 
     def _decode_in_place(self, q_nope, q_pe, pages, table, lens, *, scale, masked_entries=False):
-        """The dense decode impl over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]); the split
-        count of a (tokens, topk) shape chosen once. masked_entries: `table` is the index lists as they are
-        (-1: no token, masked by the kernel) and `lens` their full length."""
+        """The dense decode impl over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), its split
+        count chosen with splits down to one tile (and kept, with the bound kernels, per layout by the impl's
+        eager plans). masked_entries: `table` is the index lists as they are (-1: no token, masked by the
+        kernel) and `lens` their full length."""
         decode = self._in_place
         if decode is None:
             decode = self._in_place = TritonDecodeImpl(
                 self.num_heads, 1.0, self.kv_lora_rank, self.qk_rope_head_dim, torch.uint8, 1, q_nope.device
             )
         decode.scale = float(scale)
-        key = (q_nope.shape[0], table.shape[1])
-        splits = self._splits.get(key)
-        if splits is None:
-            if len(self._splits) >= 256:
-                self._splits.clear()
-            splits = self._splits[key] = decode.choose_num_kv_splits(
-                q_nope.shape[0], 1, None, torch.uint8, max_blocks=table.shape[1],
-                min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT,
-            )
-        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, num_kv_splits=splits,
-                                  masked_entries=masked_entries, min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
+        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, masked_entries=masked_entries,
+                                  min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
 
 
 def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
