@@ -10,7 +10,9 @@ worker process per checkout, in order, each timing every case with whichever
 and FP8 caches, block 64) and `mm.ops.mla_prefill(..., backend="TRITON")` (causal, qk 192 / v 128, bf16).
 Captured: a CUDA graph of 10 calls replayed (`triton.testing.do_bench`, median per call); eager:
 `do_bench` of the plain call, host path included. Decode reads at least 128 MiB of cache per case (copies
-rotated). COMPARE_ONLY=decode or =prefill runs those cases alone. The table keeps each case's best (lowest)
+rotated). `mm.ops.mla_sparse_decode(..., backend="TRITON")` over an fp8_ds_mla cache of 256K rows (block 64,
+topk 2048, index lists drawn anew for each of the rotated copies). COMPARE_ONLY=decode, =prefill or =sparse
+runs those cases alone. The table keeps each case's best (lowest)
 time over the rounds, and each checkout's ratio to the first.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ DECODE_CASES = [  # (heads, batch, seq_len, kv dtype)
     (128, 128, 4096, "bf16"), (128, 64, 8192, "fp8"),
 ]
 PREFILL_CASES = [(128, 1, 8192), (128, 4, 2048), (128, 16, 512), (16, 16, 512)]  # (heads, batch, seq_len)
+SPARSE_CASES = [(128, 1), (128, 32), (128, 64), (128, 128), (64, 64)]  # (heads, tokens): fp8_ds_mla, topk 2048
 
 
 def _worker() -> None:
@@ -62,7 +65,7 @@ def _worker() -> None:
     torch.manual_seed(0)
     scale = 192**-0.5
     only = os.environ.get("COMPARE_ONLY", "")
-    for heads, batch, seq_len, kv in DECODE_CASES if only != "prefill" else ():
+    for heads, batch, seq_len, kv in DECODE_CASES if only in ("", "decode") else ():
         blocks = batch * seq_len // 64
         copies = max(1, min(4, (128 << 20) // (batch * seq_len * 576 * 2)))
         caches = [torch.randn(blocks, 64, 576, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
@@ -83,7 +86,30 @@ def _worker() -> None:
 
         report(f"decode {kv} N={heads} {batch}x{seq_len}", decode)
 
-    for heads, batch, seq_len in PREFILL_CASES if only != "decode" else ():
+    if only in ("", "sparse"):
+        from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+
+        rows = 1 << 18
+        cache = torch.empty(rows, 656, dtype=torch.uint8, device=dev)
+        for start in range(0, rows, 1 << 16):
+            cache[start:start + (1 << 16)] = quantize_fp8_ds_mla(torch.randn(1 << 16, 512, device=dev),
+                                                                 torch.randn(1 << 16, 64, device=dev))
+        cache = cache.view(rows // 64, 64, 656)
+        for heads, tokens in SPARSE_CASES:
+            copies = max(1, min(64, (128 << 20) // (tokens * 2048 * 656)))
+            lists = [torch.stack([torch.randperm(rows, device=dev)[:2048] for _ in range(tokens)]).int()
+                     for _ in range(copies)]
+            q_nope = torch.randn(tokens, heads, 512, device=dev, dtype=torch.bfloat16)
+            q_pe = torch.randn(tokens, heads, 64, device=dev, dtype=torch.bfloat16)
+            state = [0]
+
+            def sparse():
+                state[0] = (state[0] + 1) % len(lists)
+                return mm.ops.mla_sparse_decode(q_nope, q_pe, cache, lists[state[0]], scale, backend="TRITON")
+
+            report(f"sparse fp8_ds_mla N={heads} T={tokens}", sparse)
+        del cache
+    for heads, batch, seq_len in PREFILL_CASES if only in ("", "prefill") else ():
         total = batch * seq_len
         q = torch.randn(total, heads, 192, device=dev, dtype=torch.bfloat16)
         k = torch.randn(total, heads, 192, device=dev, dtype=torch.bfloat16)
