@@ -1290,7 +1290,12 @@ if gluon is not None:
     def _ds_entries(block_table_row, start, split_end, FIRST: gl.constexpr, PIECE: gl.constexpr,
                     PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
         """The block-table entries of tile positions [start + FIRST, start + FIRST + PIECE) (0 past
-        split_end), loaded a tile before their rows are."""
+        split_end), loaded a tile before their rows are (pages of a multiple of 64 tokens: one entry a
+        64-token tile, which needs no register of its own a row)."""
+        if PAGE_SIZE % 64 == 0:
+            # a 64-token tile (its start a multiple of 64) lies in one page: one entry, loaded as a scalar
+            entry = gl.load(block_table_row + start // PAGE_SIZE, mask=start < split_end, other=0)
+            return gl.full([PIECE], 0, gl.int32, layout=gl.SliceLayout(1, layout)) + entry
         pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
         return gl.load(block_table_row + pos // PAGE_SIZE, mask=pos < split_end, other=0)
 
@@ -1323,39 +1328,54 @@ if gluon is not None:
         k3 = gl.load(at + 96, mask=mask, other=0)
         return k0, k1, k2, k3
 
-    @gluon.jit
-    def _ds_scale_load(KV_f32, block_table_row, start, split_end, num_cache_blocks, stride_kv_block,
-                       stride_kv_token, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                       BLOCK_N: gl.constexpr, MASKED: gl.constexpr = False):
-        """The four float32 scales of each row of the tile at `start`, four [BLOCK_N] vectors (zeros past
-        split_end), a row a thread; the block-table entries and the scales are both loaded here."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WS_LOAD_WARPS, 1], [1, 0])
-        entries = _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, layout)
-        words, valid = _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0,
-                                BLOCK_N, PAGE_SIZE, layout, MASKED)
-        at = KV_f32 + words + KV_LORA_RANK // 4
-        s0 = gl.load(at, mask=valid, other=0.0)
-        s1 = gl.load(at + 1, mask=valid, other=0.0)
-        s2 = gl.load(at + 2, mask=valid, other=0.0)
-        s3 = gl.load(at + 3, mask=valid, other=0.0)
-        return s0, s1, s2, s3
+    # the scale copies' layouts (the one that spills in no instance of Triton 3.6 and 3.9): a row a thread,
+    # 64 rows over the loader's 128 threads (twice), four copies of 4 bytes (the heads as M); or [64 rows,
+    # 4 scales], two scales a thread, no copy made twice (the cache tokens as M)
+    _DS_SCALE_ROWS = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [WS_LOAD_WARPS, 1], [1, 0]))
+    _DS_SCALE_PAIRS = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [WS_LOAD_WARPS, 1], [1, 0]))
+
+    @gluon.constexpr_function
+    def _ds_scale_layout(rows_as_m):
+        return _DS_SCALE_ROWS if rows_as_m else _DS_SCALE_PAIRS
 
     @gluon.jit
-    def _ds_scale_store(ds_scales, s0, s1, s2, s3):
-        """A tile's scales into the shared buffer [4 x BLOCK_N] (group-major) as bfloat16 pairs."""
-        n: gl.constexpr = s0.shape[0]
-        ds_scales.slice(0, n).store(_bf16_pair(s0))
-        ds_scales.slice(n, n).store(_bf16_pair(s1))
-        ds_scales.slice(2 * n, n).store(_bf16_pair(s2))
-        ds_scales.slice(3 * n, n).store(_bf16_pair(s3))
+    def _ds_scale_entries(block_table_row, start, split_end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                          ROWS_AS_M: gl.constexpr):
+        """The block-table entries of the tile at `start` in the scale copies' layout, loaded a tile before
+        the scales they name (`_ds_scale_copy` then waits on no load to address its own)."""
+        return _ds_entries(block_table_row, start, split_end, 0, BLOCK_N, PAGE_SIZE, _ds_scale_layout(ROWS_AS_M))
+
+    @gluon.jit
+    def _ds_scale_copy(ds_scales, KV_words, entries, start, split_end, num_cache_blocks, stride_kv_block,
+                       stride_kv_token, KV_LORA_RANK: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                       BLOCK_N: gl.constexpr, ROWS_AS_M: gl.constexpr, MASKED: gl.constexpr = False):
+        """The four float32 scales of each row of the tile at `start` (its entries from `_ds_scale_entries`)
+        copied by cp.async into a shared buffer [4 x BLOCK_N] (group-major; zeros past split_end), one
+        committed group: they take no registers while in flight."""
+        layout: gl.constexpr = _ds_scale_layout(ROWS_AS_M)
+        words, valid = _ds_rows(entries, start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 0,
+                                BLOCK_N, PAGE_SIZE, layout, MASKED)
+        if not ROWS_AS_M:
+            group = gl.arange(0, 4, layout=gl.SliceLayout(0, layout))
+            at = KV_words + (words + KV_LORA_RANK // 4)[:, None] + group[None, :]
+            groups = _as_words(ds_scales, [4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            _async_load(groups.permute([1, 0]), at, mask=valid[:, None])
+        else:
+            at = KV_words + words + KV_LORA_RANK // 4
+            _async_load(ds_scales.slice(0, BLOCK_N), at, mask=valid)
+            _async_load(ds_scales.slice(BLOCK_N, BLOCK_N), at + 1, mask=valid)
+            _async_load(ds_scales.slice(2 * BLOCK_N, BLOCK_N), at + 2, mask=valid)
+            _async_load(ds_scales.slice(3 * BLOCK_N, BLOCK_N), at + 3, mask=valid)
+        async_copy.commit_group()
 
     @gluon.jit
     def _ds_group_pairs(ds_scales, FIRST: gl.constexpr, GROUP: gl.constexpr, PIECE: gl.constexpr,
                         layout: gl.constexpr):
-        """The bfloat16 scale pairs of rows [FIRST, FIRST + PIECE), 128-value group GROUP, from the shared
-        buffer."""
+        """The scales of rows [FIRST, FIRST + PIECE), 128-value group GROUP, from the shared buffer, as
+        bfloat16 pairs."""
         BLOCK_N: gl.constexpr = ds_scales.shape[0] // 4
-        return ds_scales.slice(GROUP * BLOCK_N + FIRST, PIECE).load(gl.SliceLayout(1, layout))
+        bits = ds_scales.slice(GROUP * BLOCK_N + FIRST, PIECE).load(gl.SliceLayout(1, layout))
+        return _bf16_pair(bits.to(gl.float32, bitcast=True))
 
     @gluon.jit
     def _ds_group_store(dst_rows, words, pairs, GROUP: gl.constexpr):
@@ -1393,7 +1413,7 @@ if gluon is not None:
         kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
         num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, MASKED: gl.constexpr = False,
+        STAGES: gl.constexpr, MASKED: gl.constexpr = False, ROWS_AS_M: gl.constexpr = True,
     ):
         """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
         64 bfloat16 rotary values) into the bfloat16 stages both products read.  The latent part is
@@ -1411,10 +1431,10 @@ if gluon is not None:
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WS_LOAD_WARPS, 1], [1, 0])
         words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
-        KV_f32 = KV_cache.to(gl.pointer_type(gl.float32), bitcast=True)
-        t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, split_start, split_end, num_cache_blocks,
-                                        stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, MASKED)
-        _ds_scale_store(ds_scales.index(0), t0, t1, t2, t3)
+        se = _ds_scale_entries(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N, ROWS_AS_M)
+        _ds_scale_copy(ds_scales.index(0), KV_words, se, split_start, split_end, num_cache_blocks,
+                       stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, ROWS_AS_M, MASKED)
+        se = _ds_scale_entries(block_table_row, split_start + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N, ROWS_AS_M)
         e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, PAGE_SIZE, layout)
         e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, PAGE_SIZE, layout)
         e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, PAGE_SIZE, layout)
@@ -1428,18 +1448,22 @@ if gluon is not None:
         w2, v2 = _ds_rows(e2, split_start, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
                           PAGE_SIZE, layout, MASKED)
         c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
+        # the first tile's scales, read by every loader thread
+        async_copy.wait_group(0)
         _cta_barrier()
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             nxt = start + BLOCK_N
-            # the next tile's entries and scales, in flight during this one
+            # the next tile's entries and scales, in flight during this one (the scales by cp.async)
             n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, PAGE_SIZE, layout)
             n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, PAGE_SIZE, layout)
             n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, PAGE_SIZE, layout)
             n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, layout)
-            t0, t1, t2, t3 = _ds_scale_load(KV_f32, block_table_row, nxt, split_end, num_cache_blocks,
-                                            stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, MASKED)
+            _ds_scale_copy(ds_scales.index((tile + 1) % 2), KV_words, se, nxt, split_end, num_cache_blocks,
+                           stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, ROWS_AS_M, MASKED)
+            # the entries of the tile after: its scales' addresses in the next iteration wait on no load
+            se = _ds_scale_entries(block_table_row, nxt + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N, ROWS_AS_M)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             pe_words = _as_words(kpe_smem.index(slot), [BLOCK_N, ROPE_DIM // 2], words_layout)
             scales = ds_scales.index(tile % 2)
@@ -1471,13 +1495,13 @@ if gluon is not None:
             w2, v2 = _ds_rows(n2, nxt, split_end, num_cache_blocks, stride_kv_block, stride_kv_token, 32, P,
                               PAGE_SIZE, layout, MASKED)
             c0, c1, c2, c3 = _ds_piece_load(KV_words, w2, v2, layout)
-            # the next tile's scales into the other buffer (read after this tile's closing barrier)
-            _ds_scale_store(ds_scales.index((tile + 1) % 2), t0, t1, t2, t3)
             _ds_piece_store(kv_words, scales, d0, d1, d2, d3, 48, P)
             e0 = n0
             e1 = n1
             e2 = n2
             e3 = n3
+            # the next tile's scales (their group, committed at this tile's start) landed before the barrier
+            async_copy.wait_group(0)
             # generic-proxy stores, read next by the tensor cores
             fence_async_shared()
             _cta_barrier()
@@ -1697,7 +1721,7 @@ if gluon is not None:
             _ws_load_ds_mla(
                 kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
                 num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
-                BLOCK_N, STAGES, MASKED_ENTRIES,
+                BLOCK_N, STAGES, MASKED_ENTRIES, ROWS_AS_M,
             )
         elif KV_cache.dtype.element_ty.primitive_bitwidth == 8:
             _ws_load_fp8(
