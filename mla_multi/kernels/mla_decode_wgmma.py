@@ -63,8 +63,9 @@ past the end are zeros (1-4 % faster than cp.async at 64-128 heads on an H200). 
 fp8_ds_mla caches (uint8 [.., 656]: FlashMLA's rows of 512 e4m3 values, four float32 tile scales and 64
 bfloat16 rotary values; the sparse decode reads them as one-token pages) with a bfloat16 query: the
 warp-specialised kernels' loader (`_ws_load_ds_mla`) dequantises each row's latent part once into the
-bfloat16 stages both products read (the scales, a tile ahead, through shared memory as bfloat16 pairs;
-the block-table entries a tile ahead of the rows they name), and copies the rotary part by cp.async;
+bfloat16 stages both products read (the scales a tile ahead by cp.async into shared memory, read as
+bfloat16 pairs; the block-table entries a tile ahead of the rows they name), and copies the rotary part by
+cp.async;
 the products are the bfloat16 path's.  An FP8 cache whose rows are not 4-byte aligned takes the Triton kernel.  Everything
 else is the Triton kernel's contract: the same workspace (`attn_logits`, merged by
 `mla_decode`'s reduce kernel), natural-log LSE, bad index data read in bounds
