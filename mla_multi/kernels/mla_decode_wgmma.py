@@ -1419,11 +1419,12 @@ if gluon is not None:
         """fp8_ds_mla tiles (656-byte rows: 512 e4m3 latent values, four float32 scales, one per 128 values,
         64 bfloat16 rotary values) into the bfloat16 stages both products read.  The latent part is
         dequantised once per element through the loader's registers, in 16-row quarters three ahead of the
-        one stored, as `_ws_load_fp8` does; the scales go a tile ahead through two shared buffers (as
-        bfloat16 pairs), which leaves the registers to the latent bytes; the rotary part is copied by cp.async as
-        it is.  The block-table entries are loaded a tile ahead of the rows they name, so that no load of
-        the cache waits on one (with one-token pages, as the sparse decode reads, every row has its own).
-        Needs 4-byte aligned rows and a bfloat16 query."""
+        one stored, as `_ws_load_fp8` does; the scales go a tile ahead by cp.async into two shared buffers
+        (float32, read as bfloat16 pairs as a quarter is stored), which leaves the registers to the latent
+        bytes; the rotary part is copied by cp.async as it is.  The block-table entries are loaded a tile ahead
+        of the rows they name (those of the scales two tiles ahead), so that no load of the cache waits on one
+        (with one-token pages, as the sparse decode reads, every row has its own).  ROWS_AS_M picks the scale
+        copies' layout (`_ds_scale_layout`).  Needs 4-byte aligned rows and a bfloat16 query."""
         gl.static_assert(BLOCK_N == 64, "the fp8_ds_mla loader takes 64-token tiles in four 16-row quarters")
         gl.static_assert(KV_LORA_RANK == 512 and ROPE_DIM == 64, "fp8_ds_mla rows hold 512 latent and 64 rotary values")
         gl.static_assert(kv_smem.dtype == gl.bfloat16, "fp8_ds_mla is read with a bfloat16 query")
@@ -1463,6 +1464,7 @@ if gluon is not None:
             n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, PAGE_SIZE, layout)
             _ds_scale_copy(ds_scales.index((tile + 1) % 2), KV_words, se, nxt, split_end, num_cache_blocks,
                            stride_kv_block, stride_kv_token, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, ROWS_AS_M, MASKED)
+            # (the stage's arrival below counts these copies too, issued just before its rotary copies)
             # the entries of the tile after: its scales' addresses in the next iteration wait on no load
             se = _ds_scale_entries(block_table_row, nxt + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N, ROWS_AS_M)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
