@@ -87,6 +87,7 @@ def _worker() -> None:
         report(f"decode {kv} N={heads} {batch}x{seq_len}", decode)
 
     if only in ("", "sparse"):
+        # built here, not by `mla_multi.benchmarks.sparse.random_fp8_ds_mla_cache`: older checkouts lack it
         from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
 
         rows = 1 << 18

@@ -9,16 +9,12 @@ import sys
 import torch
 
 import mla_multi as mm
-from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+from mla_multi.benchmarks.sparse import random_fp8_ds_mla_cache
 
 torch.manual_seed(0)
 heads, tokens = (int(x) for x in sys.argv[1].split(","))
 rows = 1 << 18
-cache = torch.empty(rows, 656, dtype=torch.uint8, device="cuda")
-for start in range(0, rows, 1 << 16):
-    cache[start:start + (1 << 16)] = quantize_fp8_ds_mla(torch.randn(1 << 16, 512, device="cuda"),
-                                                         torch.randn(1 << 16, 64, device="cuda"))
-cache = cache.view(rows // 64, 64, 656)
+cache = random_fp8_ds_mla_cache(rows // 64, "cuda")
 indices = torch.stack([torch.randperm(rows, device="cuda")[:2048] for _ in range(tokens)]).int()
 q = torch.randn(tokens, heads, 576, device="cuda", dtype=torch.bfloat16)
 scale = 192**-0.5

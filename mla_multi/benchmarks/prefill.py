@@ -87,7 +87,7 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _time_into(row: dict, name: str, run, reason: str, flops: float) -> None:
+def _enter(row: dict, name: str, run, reason: str) -> None:
     """Enter `run` for timing (`_time_rows`) under `name`, or note why it is missing."""
     if run is None:
         row["notes"].append(f"{name} unavailable: {reason}")
@@ -192,9 +192,9 @@ def bench_case(
     if cudnn_run is None:
         row["notes"].append(f"cudnn 192/128 refused ({reason}); V padded to 192")
         cudnn_run, cudnn_out, reason = _torch_sdpa("CUDNN_ATTENTION", q4, k4, as4(v_pad), scale, causal)
-    _time_into(row, "cudnn", cudnn_run, reason, flops)
+    _enter(row, "cudnn", cudnn_run, reason)
     flash_run, flash_out, reason = _torch_sdpa("FLASH_ATTENTION", q4, k4, as4(v_pad), scale, causal)
-    _time_into(row, "flash", flash_run, reason, flops)
+    _enter(row, "flash", flash_run, reason)
     reference = cudnn_out if cudnn_out is not None else flash_out
     del flash_out, cudnn_out
 
@@ -204,7 +204,7 @@ def bench_case(
         ref = reference[..., :HEAD_DIM_V].transpose(1, 2).reshape(total, num_heads, HEAD_DIM_V).float()
         row.setdefault("rel_err_vs_torch", {})["flashinfer"] = ((fi_out - ref).norm() / ref.norm()).item()
         del fi_out
-    _time_into(row, "flashinfer", flashinfer_run, reason, flops)
+    _enter(row, "flashinfer", flashinfer_run, reason)
 
     out = torch.empty(total, num_heads, HEAD_DIM_V, device=device, dtype=dtype)
     lse = torch.empty(num_heads, total, device=device, dtype=torch.float32)
@@ -236,7 +236,7 @@ def bench_case(
             row.setdefault("rel_err_vs_torch", {})[name] = err
             if not err < 2e-2:
                 row["notes"].append(f"{name}: rel err {err:.3g} vs PyTorch output")
-        _time_into(row, name, run, "", flops)
+        _enter(row, name, run, "")
     if row.get("_runs"):
         _time_rows(row, flops, rounds)
     results.append(row)

@@ -82,11 +82,23 @@ def _usable(phase: str, config, wanted) -> tuple[list[str], str | None, dict]:
     return usable, chosen, {r["name"]: r["reasons"] for r in rows if not r["available"]}
 
 
+def random_fp8_ds_mla_cache(num_blocks: int, device) -> torch.Tensor:
+    """An fp8_ds_mla cache [num_blocks, BLOCK_SIZE, 656] of random rows, quantised 64K rows at a time (the
+    float32 inputs of a whole cache would not fit beside it)."""
+    from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
+
+    cache = torch.empty(num_blocks * BLOCK_SIZE, 656, dtype=torch.uint8, device=device)
+    step = 1 << 16
+    for start in range(0, cache.shape[0], step):
+        stop = min(start + step, cache.shape[0])
+        cache[start:stop] = quantize_fp8_ds_mla(torch.randn(stop - start, KV_LORA_RANK, device=device),
+                                                torch.randn(stop - start, ROPE_DIM, device=device))
+    return cache.view(num_blocks, BLOCK_SIZE, 656)
+
+
 def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
     from mla_multi import ops, registry
     from mla_multi.dims import MLADims
-    from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
-
     device = torch.device("cuda")
     blocks_per_seq = -(-seq_len // BLOCK_SIZE)
     row_bytes = 656 if kv == "fp8_ds_mla" else 2 * (KV_LORA_RANK + ROPE_DIM)
@@ -94,13 +106,7 @@ def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
     copies = max(1, math.ceil(L2_FLUSH_BYTES / max(touched, batch * blocks_per_seq * BLOCK_SIZE * row_bytes)))
     num_blocks = batch * blocks_per_seq * copies
     if kv == "fp8_ds_mla":
-        cache = torch.empty(num_blocks * BLOCK_SIZE, 656, dtype=torch.uint8, device=device)
-        step = 1 << 16
-        for start in range(0, cache.shape[0], step):
-            stop = min(start + step, cache.shape[0])
-            cache[start:stop] = quantize_fp8_ds_mla(torch.randn(stop - start, KV_LORA_RANK, device=device),
-                                                    torch.randn(stop - start, ROPE_DIM, device=device))
-        cache = cache.view(num_blocks, BLOCK_SIZE, 656)
+        cache = random_fp8_ds_mla_cache(num_blocks, device)
         kv_dtype = torch.uint8
     else:
         cache = torch.randn(num_blocks, BLOCK_SIZE, KV_LORA_RANK + ROPE_DIM, device=device, dtype=torch.bfloat16)
