@@ -1,8 +1,10 @@
-"""One shape of the sm_90 prefill kernel (and, with a third argument, cuDNN's SDPA on the same inputs) called
-three times, for Nsight Compute to profile the third call:
+"""One shape of the sm_90 prefill kernel (and, named after it, cuDNN's SDPA or FlashInfer's fa3 ragged prefill on
+the same inputs) called three times each, for Nsight Compute to profile the third call:
 
     ncu --clock-control none -k regex:prefill_wgmma -s 2 -c 1 --section SpeedOfLight \\
         python3 bench/ncu_prefill.py 16,512,128      # B,S,N; causal, qk 192 / v 128, bf16
+    ncu --clock-control none -k regex:'(?i)prefill' --metrics sm__cycles_elapsed.max,dram__bytes_read.sum \\
+        python3 bench/ncu_prefill.py 1,8192,128 flashinfer     # or: cudnn
 """
 import sys
 
@@ -22,7 +24,17 @@ lse = torch.empty(heads, tokens, device="cuda", dtype=torch.float32)
 for _ in range(3):
     varlen_attention_wgmma(q, k, v, cu, cu, seqlen, seqlen, 192**-0.5, causal=True, out=out, lse=lse)
 torch.cuda.synchronize()
-if len(sys.argv) > 2:
+peers = sys.argv[2:]
+if "flashinfer" in peers:
+    from mla_multi.benchmarks.prefill import _flashinfer_prefill
+
+    run, reason = _flashinfer_prefill(q, k, v, cu, seqlen, 192**-0.5, True)
+    if run is None:
+        sys.exit(f"flashinfer: {reason}")
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+if peers and peers != ["flashinfer"]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q4, k4 = (t.view(batch, seqlen, heads, 192).transpose(1, 2) for t in (q, k))

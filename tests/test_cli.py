@@ -131,3 +131,28 @@ def test_info_names_the_sparse_decode_backend_of_a_one_token_call(monkeypatch):
     registry.default_registry.clear_cache()
     assert cli.collect_info("H200")["phases"]["sparse_decode"]["one_token"] is None
     registry.default_registry.clear_cache()
+
+
+def test_prefill_bench_reports_the_sustained_replay_beside_its_peers():
+    from mla_multi.benchmarks import prefill
+
+    row = {"num_heads": 128, "batch": 1, "seqlen": 8192, "causal": True, "notes": [],
+           "tflops": {"triton": 600.0, "flashinfer": 640.0, "cudnn": 550.0},
+           "eager_ms": {"triton": 4.5, "flashinfer": 4.3, "cudnn": 5.0},
+           "sustained": {"triton": (4.4, 1470.0, 692.0), "flashinfer": (4.3, 1490.0, 691.0)}}
+    table = prefill.format_table([row])
+    line = [text for text in table.splitlines() if text.startswith("| 128 |")][-1]
+    assert "4400.0 (1470, 692)" in line and "4300.0 (1490, 691)" in line
+    assert "| 0.977 |" in line and line.rstrip().endswith("| nan |")  # no cuDNN in the sustained runs
+    del row["sustained"]
+    assert "Sustained replay" not in prefill.format_table([row])
+
+
+def test_clock_sampler_averages_only_the_samples_of_its_window():
+    from mla_multi.benchmarks.prefill import ClockSampler
+
+    sampler = ClockSampler.__new__(ClockSampler)
+    sampler.samples = [(1.0, 1000.0, 500.0), (2.0, 1400.0, 600.0), (3.0, 1600.0, 700.0), (9.0, 1980.0, 100.0)]
+    assert sampler.means(1.5, 3.5) == (1500.0, 650.0)
+    mhz, watts = sampler.means(4.0, 5.0)
+    assert mhz != mhz and watts != watts  # no sample: NaN

@@ -19,10 +19,13 @@ included: the second table):
 FLOPs = 2 * N * (causal pairs) * (192 + 128), causal pairs = S * (S + 1) / 2 per
 sequence. With ``--rounds R`` every kernel is timed R times, in turn (one round times each once), and each
 figure is the median of its rounds: a drift of the device's clocks during the run then reaches every
-kernel alike; the ratios of each round are printed too. Usage::
+kernel alike; the ratios of each round are printed too. With ``--sustained SECONDS`` every captured kernel
+is then replayed back to back for that long, in turn, while ``nvidia-smi`` samples the SM clock and the
+power draw: the steady state of a busy server, where a long prefill runs at the clock its power draw leaves
+it (a third table: µs a call, MHz, W). Usage::
 
     mla-multi bench prefill [--heads 16,128] [--shapes 1x8192,4x2048,1x16384]
-        [--configs m128n64w8s3,m128n64w8s3tma] [--rounds 5] [--json out.json]
+        [--configs m128n64w8s3,m128n64w8s3tma] [--rounds 5] [--sustained 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -95,11 +101,71 @@ def _enter(row: dict, name: str, run, reason: str) -> None:
     row.setdefault("_runs", []).append((name, run))
 
 
-def _time_rows(row: dict, flops: float, rounds: int) -> None:
+class ClockSampler:
+    """`nvidia-smi` every 50 ms in a thread, each sample (SM MHz, W) stamped with the host's clock as it arrives;
+    without `nvidia-smi` it samples nothing (the means are then NaN)."""
+
+    def __init__(self) -> None:
+        self.samples: list = []
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "50"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                mhz, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), mhz, watts))
+
+    def means(self, start: float, end: float) -> tuple[float, float]:
+        """The mean SM clock (MHz) and power (W) of the samples taken between two `time.perf_counter` readings."""
+        rows = [s for s in self.samples if start <= s[0] <= end]
+        if not rows:
+            return float("nan"), float("nan")
+        return statistics.fmean(r[1] for r in rows), statistics.fmean(r[2] for r in rows)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+
+def sustained_replay(replay, seconds: float, sampler: ClockSampler) -> tuple[float, float, float]:
+    """`replay` called back to back for `seconds` after one second that brings the device to its steady state
+    (not counted): (ms a call, mean SM MHz, mean W over the counted calls)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        for _ in range(10):
+            replay()
+        torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    begin.record()
+    calls = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            replay()
+        calls += 10
+        torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    mhz, watts = sampler.means(t0, time.perf_counter())
+    return begin.elapsed_time(end) / calls, mhz, watts
+
+
+def _time_rows(row: dict, flops: float, rounds: int, sustained: float = 0.0) -> None:
     """Time each entered run into row["ms"][name] / row["tflops"][name] (replayed from a CUDA graph) and
     row["eager_ms"][name] (called eagerly): in `rounds` rounds that each time every run once, in turn, so that
     a drift of the device's clocks reaches every run alike; each figure is the median of its rounds, and
-    row["ms_rounds"] keeps them all. A call that cannot be captured is timed eagerly in both, with a note."""
+    row["ms_rounds"] keeps them all. A call that cannot be captured is timed eagerly in both, with a note.
+    sustained > 0: then each captured run replayed for that many seconds, in turn, `rounds` times
+    (`sustained_replay`): row["sustained"][name] = (median ms, its round's MHz, W)."""
     from mla_multi.testing import capture_graph
 
     graphs = {}
@@ -117,6 +183,15 @@ def _time_rows(row: dict, flops: float, rounds: int) -> None:
         for name, run in row["_runs"]:
             eager[name].append(_bench(run))
             captured[name].append(_bench(graphs[name].replay) if graphs[name] is not None else eager[name][-1])
+    if sustained > 0:
+        sampler = ClockSampler()
+        # FlashAttention-2 (V padded) is no peer of a 192 / 128 kernel: left out of the longest part of the run
+        steady: dict = {name: [] for name in graphs if graphs[name] is not None and name != "flash"}
+        for _ in range(rounds):
+            for name in steady:
+                steady[name].append(sustained_replay(graphs[name].replay, sustained, sampler))
+        sampler.stop()
+        row["sustained"] = {name: sorted(values)[(len(values) - 1) // 2] for name, values in steady.items()}
     for name, _ in row["_runs"]:
         row["ms"][name] = statistics.median(captured[name])
         row.setdefault("eager_ms", {})[name] = statistics.median(eager[name])
@@ -163,7 +238,7 @@ def _flashinfer_prefill(q, k, v, cu, seqlen, scale, causal):
 
 def bench_case(
     num_heads: int, batch: int, seqlen: int, configs, results: list, check: bool = True, causal: bool = True,
-    rounds: int = 1,
+    rounds: int = 1, sustained: float = 0.0,
 ) -> None:
     from mla_multi.kernels.prefill import varlen_attention
 
@@ -238,7 +313,7 @@ def bench_case(
                 row["notes"].append(f"{name}: rel err {err:.3g} vs PyTorch output")
         _enter(row, name, run, "")
     if row.get("_runs"):
-        _time_rows(row, flops, rounds)
+        _time_rows(row, flops, rounds, sustained)
     results.append(row)
 
 
@@ -330,7 +405,23 @@ def format_table(results: list) -> str:
     if spread:
         spread = ["", "TRITON's speed over each round (captured, same round):", "",
                   "| N | B x S | rounds | TRITON/FLASHINFER | TRITON/cuDNN |", "|---|---|--:|--|--|"] + spread
-    return header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(eager) + "\n".join([""] + spread)
+    steady = ["", "Sustained replay (each kernel back to back, in turn; µs a call, SM MHz, W; the median round):", "",
+              "| N | B x S | TRITON (default) | FLASHINFER | cuDNN | TRITON/FLASHINFER speed | TRITON/cuDNN speed |",
+              "|---|---|--|--|--|--:|--:|"]
+    for row in results:
+        runs = row.get("sustained")
+        if not runs:
+            continue
+        cells = [f"{runs[n][0] * 1e3:.1f} ({runs[n][1]:.0f}, {runs[n][2]:.0f})" if n in runs else "-"
+                 for n in ("triton", "flashinfer", "cudnn")]
+        ratios = [runs[n][0] / runs["triton"][0] if n in runs and "triton" in runs else float("nan")
+                  for n in ("flashinfer", "cudnn")]
+        shape = f"{row['batch']} x {row['seqlen']:>5}" + ("" if row.get("causal", True) else " full")
+        steady.append(f"| {row['num_heads']:>3} | {shape} | {cells[0]} | {cells[1]} | {cells[2]} | {ratios[0]:.3f} | "
+                      f"{ratios[1]:.3f} |")
+    steady = steady if len(steady) > 5 else []
+    return (header + "\n" + "\n".join(lines) + "\n\n" + "\n".join(eager) + "\n".join([""] + spread)
+            + "\n".join([""] + steady))
 
 
 def main(argv=None) -> int:
@@ -342,6 +433,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every kernel this many times, in turn, and report each one's median")
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="then replay every captured kernel back to back for this long, in turn, each round, "
+                        "with the SM clock and power sampled (the steady state of a busy device)")
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with PyTorch's output")
     parser.add_argument(
@@ -359,7 +453,8 @@ def main(argv=None) -> int:
     results: list = []
     for num_heads in heads:
         for batch, seqlen in shapes:
-            bench_case(num_heads, batch, seqlen, configs, results, check=not args.no_check, rounds=args.rounds)
+            bench_case(num_heads, batch, seqlen, configs, results, check=not args.no_check, rounds=args.rounds,
+                       sustained=args.sustained)
             torch.cuda.empty_cache()  # the case's tensors, freed as it returned
             row = results[-1]
             print(
