@@ -31,6 +31,11 @@ INTERPRETER_CASES = [
 ] + [
     ("float16-causal-mla-H100", "float16", True, [70, 3, 0, 129], [70, 64, 2, 140], 2, 2, 192, 128, "H100"),
     ("float16-full-mla-MI300X", "float16", False, [70, 3, 0, 129], [70, 64, 2, 140], 2, 2, 192, 128, "MI300X"),
+    ("float16-causal-mla-MI355X", "float16", True, [70, 3, 0, 129], [70, 64, 2, 140], 2, 2, 192, 128, "MI355X"),
+    # the one-dimensional launch ordered for 8 and 5 XCDs: 63 items (7 sequences x 3 heads x 3 tiles) and 48
+    # (4 x 4 x 3), which the counts do not divide, so some dies take one item more
+    ("float16-causal-mla-xcd8", "float16", True, _MLA_QLENS, _MLA_KLENS, 3, 3, 192, 128, (32, 16, "x8")),
+    ("float32-full-gqa-xcd5", "float32", False, [40, 17, 0, 5], [70, 33, 3, 0], 4, 2, 192, 128, (16, 16, "x5")),
     ("float16-causal-mla-default", "float16", True, [33, 0, 64], [40, 5, 64], 2, 2, 192, 128, None),
     # TMA descriptors for the unmasked tiles (the interpreter emulates them).
     ("float16-causal-mla-tma", "float16", True, _MLA_QLENS, _MLA_KLENS, 3, 3, 192, 128, (32, 16, "tma")),
@@ -108,8 +113,10 @@ def _run_interpreter_case(case):
     elif isinstance(tile, str):
         config = prefill_config(SPECS[tile], dqk, dv, torch.bfloat16, causal)
     else:
+        xcds = [int(option[1:]) for option in tile[2:] if option.startswith("x")]
         config = PrefillLaunchConfig(
-            block_m=tile[0], block_n=tile[1], num_warps=4, num_stages=1, use_tma="tma" in tile[2:]
+            block_m=tile[0], block_n=tile[1], num_warps=4, num_stages=1, use_tma="tma" in tile[2:],
+            xcds=xcds[0] if xcds else 1,
         )
     out = torch.full((total_q, num_heads, dv), float("nan"), dtype=dtype)
     lse = torch.full((num_heads, total_q), float("nan"), dtype=torch.float32)
@@ -186,6 +193,20 @@ def test_varlen_attention_interpreter(interpreter_results, case):
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (no launch).
+
+
+def test_amd_configs_order_their_programs_for_the_xcds():
+    from mla_multi.kernels.launch_config import PrefillLaunchConfig, prefill_config
+    from mla_multi.platforms import SPECS
+
+    for name in ("MI300X", "MI355X"):
+        config = prefill_config(SPECS[name], 192, 128, torch.bfloat16, True)
+        assert config.xcds == 8 and config.name.endswith("x8"), config
+    for name in ("H100", "A100", "RX7900XTX", "MI250X", "CPU"):
+        assert prefill_config(SPECS[name], 192, 128, torch.bfloat16, True).xcds == 1
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"xcds={bad!r}; accepted: an int >= 1"):
+            PrefillLaunchConfig(128, 64, 8, 1, xcds=bad)
 
 
 def _valid_args():

@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 import mla_multi as mm
 import mla_multi.platforms as platforms
 from mla_multi.platforms import SPECS, Platform, current_platform, override
-from mla_multi.platforms.rocm import parse_gcn_arch_name
+from mla_multi.platforms.rocm import parse_gcn_arch_name, xcds_for
 
 KIB = 1024
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -68,6 +68,9 @@ def test_spec_values(name):
         assert spec.warp_size == warp_size
         assert spec.max_shared_memory_per_block == shared
     assert spec.device_index is None
+    # the spec's XCDs are what detection finds for its arch and compute units
+    expected_xcds = xcds_for(arch, compute_units) if vendor == "rocm" else 1
+    assert spec.num_xcds == expected_xcds == (8 if name in ("MI300X", "MI325X", "MI355X") else 1)
     # Exactly one vendor predicate holds, and it is the declared vendor's.
     predicates = {"cuda": spec.is_cuda(), "rocm": spec.is_rocm(), "cpu": spec.is_cpu()}
     assert [v for v, held in predicates.items() if held] == [vendor]
@@ -242,6 +245,7 @@ def test_rocm_detection_uses_gcn_arch_name_not_capability(fresh_detection):
     assert platform.fp8_dtype == FNUZ
     assert platform.max_shared_memory_per_block == 64 * KIB
     assert platform.device_index == 0
+    assert platform.num_xcds == 8
     assert platform.triton_target() == GPUTarget("hip", "gfx942", 64)
     assert platforms.detection_error() is None
     # Detection is cached: a second call returns the same object.
@@ -266,6 +270,25 @@ def test_rocm_detection_per_arch(fresh_detection, gcn, warp_in_props, arch, warp
     assert platform.fp8_dtype == fp8
     assert platform.max_shared_memory_per_block == lds
     assert platform.num_compute_units == 77
+
+
+@pytest.mark.parametrize("gcn, compute_units, xcds", [
+    ("gfx942", 304, 8),  # MI300X, MI325X
+    ("gfx942", 228, 6),  # MI300A
+    ("gfx942", 80, 4),  # MI308X
+    ("gfx942", 152, 4), ("gfx942", 38, 1),  # MI300X in DPX and CPX compute partitions
+    ("gfx950", 256, 8), ("gfx950", 64, 2),  # MI355X, and in a partition of two XCDs
+    ("gfx942", 77, 1), ("gfx90a", 110, 1), ("gfx1100", 96, 1),  # unknown counts, one-die parts
+])
+def test_rocm_detection_counts_the_xcds(fresh_detection, gcn, compute_units, xcds):
+    fake_device(fresh_detection, rocm_props(gcn, multi_processor_count=compute_units), hip="6.3")
+    assert current_platform().num_xcds == xcds
+
+
+@pytest.mark.parametrize("value", [0, -8, 2.0, True, None])
+def test_platform_rejects_a_bad_xcd_count(value):
+    with pytest.raises(ValueError, match=f"num_xcds={value!r}; accepted: an int >= 1"):
+        Platform("MI300X", "rocm", "gfx942", 304, 64, FNUZ, 64 * KIB, num_xcds=value)
 
 
 def test_override_beats_detection(fresh_detection):

@@ -224,7 +224,7 @@ def prefill_result(args, out, lse, bits, device, scale, causal) -> dict:
     }
 
 
-def run_prefill_case(name, device="cpu", dtype=torch.float32, causal=True) -> dict:
+def run_prefill_case(name, device="cpu", dtype=torch.float32, causal=True, xcds=1) -> dict:
     from mla_multi.kernels.launch_config import PrefillLaunchConfig
     from mla_multi.kernels.prefill import varlen_attention
 
@@ -234,7 +234,8 @@ def run_prefill_case(name, device="cpu", dtype=torch.float32, causal=True) -> di
     scale = 32**-0.5
     _pending(device)
     # a 4-row tile: a sequence spans several tiles, one past the grid when max_seqlen_q is too small
-    config = PrefillLaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    # xcds > 1: the one-dimensional launch ordered for that many dies (AMD's XCDs)
+    config = PrefillLaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, xcds=xcds)
     varlen_attention(**args, scale=scale, causal=causal, out=out, lse=lse, config=config)
     return prefill_result(args, out, lse, _pending(device), device, scale, causal)
 
@@ -391,6 +392,9 @@ def _interpreter_main() -> None:
             with memcheck() as violations:
                 result = run_prefill_case(name, causal=causal)
             results[f"prefill/{name}/{'causal' if causal else 'full'}"] = dict(result, violations=violations)
+        with memcheck() as violations:
+            result = run_prefill_case(name, causal=True, xcds=3)
+        results[f"prefill/{name}/causal-xcd3"] = dict(result, violations=violations)
     for name in CONCAT_CASES:
         for cache_name in ("float16", "float8_e4m3fn"):
             with memcheck() as violations:
@@ -450,7 +454,7 @@ def test_decode_bad_indices_interpreter(interpreter_results, case, tile):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("causal", ["causal", "full"])
+@pytest.mark.parametrize("causal", ["causal", "full", "causal-xcd3"])
 @pytest.mark.parametrize("name", list(PREFILL_CASES))
 def test_prefill_bad_boundaries_interpreter(interpreter_results, name, causal):
     result = interpreter_results[f"prefill/{name}/{causal}"]

@@ -612,6 +612,10 @@ class PrefillLaunchConfig(_MatrixTileLaunch):
             from host-built descriptors (NVIDIA sm_90+ only; the launcher falls back to
             pointer loads when a tensor's alignment does not allow a descriptor).
         waves_per_eu, matrix_instr_nonkdim, kpack: AMD options (None elsewhere).
+        xcds: > 1: the launch is one-dimensional and each program takes the work item that puts the query
+            tiles of one head on one XCD (`Platform.num_xcds`: the device deals programs to its XCDs in
+            turn, each XCD with its own L2), as AMD's own attention kernels order their programs; 1: the
+            grid is (query tiles, heads, sequences).
     """
 
     block_m: int
@@ -623,6 +627,11 @@ class PrefillLaunchConfig(_MatrixTileLaunch):
     matrix_instr_nonkdim: int | None = None
     kpack: int | None = None
     warp_specialize: bool = False
+    xcds: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.xcds, bool) or not isinstance(self.xcds, int) or self.xcds < 1:
+            raise ValueError(f"PrefillLaunchConfig.xcds={self.xcds!r}; accepted: an int >= 1")
 
     @property
     def name(self) -> str:
@@ -631,7 +640,7 @@ class PrefillLaunchConfig(_MatrixTileLaunch):
             text += "tma"
         if self.warp_specialize:
             text += "ws"
-        return text + self._amd_suffix()
+        return text + self._amd_suffix() + (f"x{self.xcds}" if self.xcds > 1 else "")
 
 
 def _padded_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
@@ -670,7 +679,8 @@ def prefill_config(platform, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
       (32 KiB), ``waves_per_eu=2``, 16x16 MFMA, ``kpack=2`` on gfx942 (deprecated and
       ignored on gfx950). With 4 waves the whole 64 x 192 K tile sits in each wave's
       registers next to its 32 query rows and spills past the 256 VGPRs that two
-      waves per SIMD leave.
+      waves per SIMD leave. On both, programs are ordered for the device's XCDs (``xcds``: a head's query
+      tiles, which read the same K and V, share one XCD's L2).
     * RDNA (warp 32, 64 KiB, WMMA): 64 x 32, one stage.
     * CPU (the Triton interpreter): 32 x 16, small tiles keep it fast.
     Where a larger head dim would not fit, stages, then block_n, then block_m shrink
@@ -694,6 +704,7 @@ def prefill_config(platform, head_dim_qk: int, head_dim_v: int, dtype: torch.dty
         else:
             kpack = 2 if arch == "gfx942" else None
             config = PrefillLaunchConfig(128, 64, 8, 1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=kpack)
+        config = dataclasses.replace(config, xcds=platform.num_xcds)
     else:
         return PrefillLaunchConfig(32, 16, 4, 1)
     # Fit the model under the limit, keeping 4 KiB for the compiler's scratch.

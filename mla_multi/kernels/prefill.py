@@ -25,6 +25,10 @@ Performance notes (what the kernel does and why):
   a sequence's end; for causal attention the query tiles run in reverse order so
   the longest rows (the most keys) are scheduled first and the short ones fill
   the tail, while programs running together still share one head's K/V in L2;
+  on a device of several XCDs (MI300X, MI355X: eight dies, each with its own L2,
+  dealt the programs in turn) the launch is one-dimensional and program i takes
+  the work item that gives each XCD a contiguous range of them (`_xcd_item`), so
+  that a head's query tiles read its K and V through one L2 instead of eight;
 * on Hopper the unmasked K/V tiles can come through the tensor-memory
   accelerator (``PrefillLaunchConfig.use_tma``); it measured within noise of the
   pipelined pointer loads on an H200, so pointer loads stay the default;
@@ -209,6 +213,18 @@ def _attend_tiles(
 
 
 @triton.jit
+def _xcd_item(program, num_programs, NUM_XCDS: tl.constexpr):
+    """The work item of `program` in a one-dimensional launch of `num_programs` on a device that deals its
+    programs to NUM_XCDS dies in turn (program p to die p % NUM_XCDS): each die gets a contiguous range of
+    items, in order, the first `tall` dies one item more than the others. A bijection of [0, num_programs)."""
+    per = (num_programs + NUM_XCDS - 1) // NUM_XCDS
+    tall = num_programs - (per - 1) * NUM_XCDS
+    xcd = program % NUM_XCDS
+    local = program // NUM_XCDS
+    return tl.where(xcd < tall, xcd * per + local, tall * per + (xcd - tall) * (per - 1) + local)
+
+
+@triton.jit
 def _varlen_attention_kernel(
     Q,
     K,
@@ -240,6 +256,7 @@ def _varlen_attention_kernel(
     stride_kpe_h,
     num_m_blocks,
     num_queries_per_kv,
+    num_heads,
     HEAD_DIM_QK: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK_A: tl.constexpr,
@@ -253,14 +270,21 @@ def _varlen_attention_kernel(
     WARP_SPECIALIZE: tl.constexpr = False,
     SPLIT_K: tl.constexpr = False,
     MERGE: tl.constexpr = False,
+    NUM_XCDS: tl.constexpr = 1,
 ):
     HAS_DQK_B: tl.constexpr = BLOCK_DQK_B > 0
     PAD_DQK_B: tl.constexpr = BLOCK_DQK_A + BLOCK_DQK_B != HEAD_DIM_QK
     PAD_DV: tl.constexpr = BLOCK_DV != HEAD_DIM_V
 
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    if NUM_XCDS > 1:  # one-dimensional launch: the items in (query tile, head, sequence) order, by XCD
+        item = _xcd_item(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
+        pid_m = item % num_m_blocks
+        head = (item // num_m_blocks) % num_heads
+        seq = item // (num_m_blocks * num_heads)
+    else:
+        pid_m = tl.program_id(0)
+        head = tl.program_id(1)
+        seq = tl.program_id(2)
     if CAUSAL:
         # Heaviest (last) query tiles first: they see the most keys.
         start_m = num_m_blocks - 1 - pid_m
@@ -663,7 +687,12 @@ def varlen_attention(
     else:
         kpe_strides = (0, 0)
     num_m_blocks = max(1, triton.cdiv(max_seqlen_q, config.block_m))
-    grid = (num_m_blocks, num_heads, batch)
+    xcds = getattr(config, "xcds", 1)
+    if xcds > 1:
+        constexprs["NUM_XCDS"] = xcds
+        grid = (num_m_blocks * num_heads * batch,)
+    else:
+        grid = (num_m_blocks, num_heads, batch)
     lse_arg = lse if return_lse else out  # never written when STORE_LSE is False
     _varlen_attention_kernel[grid](
         q, k, v, out, lse_arg, k_pe if k_pe is not None else k,
@@ -677,6 +706,7 @@ def varlen_attention(
         *kpe_strides,
         num_m_blocks,
         num_heads // k.shape[1],
+        num_heads,
         **constexprs,
         **config.launch_options(),
     )  # fmt: skip
@@ -751,6 +781,7 @@ def compile_specs(platform) -> list:
                 constexprs["WARP_SPECIALIZE"] = bool(config.warp_specialize and use_tma)
                 constexprs["SPLIT_K"] = split_k
                 constexprs["MERGE"] = merge
+                constexprs["NUM_XCDS"] = config.xcds
                 ty = _TRITON_DTYPE_NAMES[dtype]
                 signature = {"Q": f"*{ty}", "K": f"*{ty}", "V": f"*{ty}", "Out": f"*{ty}", "Lse": "*fp32",
                              "K_pe": f"*{ty}"}
@@ -771,7 +802,7 @@ def compile_specs(platform) -> list:
                     "stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_o_t", "stride_o_h", "stride_lse_h", "stride_kpe_t", "stride_kpe_h",
                 ]  # fmt: skip
-                for name in strides + ["num_m_blocks", "num_queries_per_kv"]:
+                for name in strides + ["num_m_blocks", "num_queries_per_kv", "num_heads"]:
                     signature[name] = "i32"
                 for name in constexprs:
                     signature.setdefault(name, "constexpr")

@@ -33,6 +33,8 @@ class Platform:
         max_shared_memory_per_block: shared memory (NVIDIA) or LDS (AMD) in bytes
             that one program may use.
         device_index: the torch device index, None for impersonated platforms.
+        num_xcds: the dies (AMD XCDs) the device deals a launch's programs to in turn, program i to die
+            i % num_xcds, each die with its own L2 (MI300X and MI355X: 8); 1 elsewhere.
     """
 
     name: str
@@ -44,12 +46,15 @@ class Platform:
     max_shared_memory_per_block: int
     device_capability: tuple[int, int] | None = None
     device_index: int | None = None
+    num_xcds: int = 1
 
     def __post_init__(self) -> None:
         if self.vendor not in ("cuda", "rocm", "cpu"):
             raise ValueError(
                 f"Platform.vendor={self.vendor!r}; accepted: 'cuda', 'rocm', 'cpu'"
             )
+        if isinstance(self.num_xcds, bool) or not isinstance(self.num_xcds, int) or self.num_xcds < 1:
+            raise ValueError(f"Platform.num_xcds={self.num_xcds!r}; accepted: an int >= 1")
         if self.vendor != "cuda" and self.device_capability is not None:
             raise ValueError(
                 f"Platform.device_capability={self.device_capability!r} on vendor "
@@ -105,6 +110,7 @@ class Platform:
             "warp_size": self.warp_size,
             "fp8_dtype": str(self.fp8_dtype).replace("torch.", "") if self.fp8_dtype else None,
             "max_shared_memory_per_block": self.max_shared_memory_per_block,
+            "num_xcds": self.num_xcds,
         }
 
 

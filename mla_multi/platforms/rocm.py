@@ -13,6 +13,24 @@ _DEFAULT_LDS_BYTES = 64 * 1024
 _FP8_DTYPES = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 
 
+# Compute units an XCD (a die with its own L2; the device deals a launch's workgroups to its XCDs in turn):
+# MI300X / MI325X 8 x 38 (304), MI300A 6 x 38 (228), MI350X / MI355X 8 x 32 (256). ROCm has no query for
+# the count; a compute partition (DPX, QPX, CPX) shows whole XCDs, hence the CU count divided by these.
+_CUS_PER_XCD = {"gfx942": 38, "gfx950": 32}
+# parts whose XCDs hold other counts: MI308X (gfx942, 4 XCDs of 20 CUs)
+_XCDS_BY_ARCH_AND_CUS = {("gfx942", 80): 4}
+
+
+def xcds_for(arch: str, compute_units: int) -> int:
+    """The XCDs of a device of `arch` with `compute_units` (1 where the part is not known to have several)."""
+    if (arch, compute_units) in _XCDS_BY_ARCH_AND_CUS:
+        return _XCDS_BY_ARCH_AND_CUS[(arch, compute_units)]
+    per = _CUS_PER_XCD.get(arch)
+    if per is None or compute_units < per or compute_units % per:
+        return 1
+    return compute_units // per
+
+
 def parse_gcn_arch_name(gcn_arch_name: str) -> str:
     """'gfx942:sramecc+:xnack-' -> 'gfx942'."""
     arch = gcn_arch_name.split(":", 1)[0].strip()
@@ -40,14 +58,16 @@ def detect_rocm(device_index: int = 0) -> Platform:
     props = torch.cuda.get_device_properties(device_index)
     arch = parse_gcn_arch_name(str(getattr(props, "gcnArchName", "")))
     warp = int(getattr(props, "warp_size", 0) or warp_size_for_arch(arch))
+    compute_units = int(props.multi_processor_count)
     return Platform(
         name=str(props.name) or arch,
         vendor="rocm",
         arch=arch,
-        num_compute_units=int(props.multi_processor_count),
+        num_compute_units=compute_units,
         warp_size=warp,
         fp8_dtype=fp8_dtype_for_arch(arch),
         max_shared_memory_per_block=_LDS_BYTES.get(arch, _DEFAULT_LDS_BYTES),
         device_capability=None,
         device_index=device_index,
+        num_xcds=xcds_for(arch, compute_units),
     )

@@ -3,7 +3,8 @@
 Compute units, warp size, FP8 flavour and shared memory per block follow the
 vendors' documentation: LDS is 64 KiB on CDNA2/CDNA3 and RDNA3 and 160 KiB on
 CDNA4 (gfx950); an sm_90 block may opt into 227 KiB of shared memory, sm_80
-163 KiB, sm_100 227 KiB.
+163 KiB, sm_100 227 KiB. MI300X / MI325X and MI355X are eight XCDs (dies with their own
+L2) of 38 and 32 compute units.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ _KIB = 1024
 SPECS: dict[str, Platform] = {
     spec.name: spec
     for spec in (
-        Platform("MI300X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB),
-        Platform("MI325X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB),
-        Platform("MI355X", "rocm", "gfx950", 256, 64, torch.float8_e4m3fn, 160 * _KIB),
+        Platform("MI300X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB, num_xcds=8),
+        Platform("MI325X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB, num_xcds=8),
+        Platform("MI355X", "rocm", "gfx950", 256, 64, torch.float8_e4m3fn, 160 * _KIB, num_xcds=8),
         Platform("MI250X", "rocm", "gfx90a", 110, 64, None, 64 * _KIB),
         Platform("RX7900XTX", "rocm", "gfx1100", 96, 32, None, 64 * _KIB),
         Platform("A100", "cuda", "sm_80", 108, 32, None, 163 * _KIB, (8, 0)),
