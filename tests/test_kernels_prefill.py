@@ -304,7 +304,8 @@ def assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, causal):
 @pytest.mark.parametrize("num_heads", [16, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("prefix", [0, 333], ids=["self", "with-context"])
-@pytest.mark.parametrize("tile", [None, "triton", "tma", "split"], ids=["default", "triton-kernel", "tma", "split-key"])
+@pytest.mark.parametrize("tile", [None, "triton", "tma", "split", "xcd8"],
+                         ids=["default", "triton-kernel", "tma", "split-key", "xcd-order"])
 def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
     from mla_multi.kernels.launch_config import PrefillLaunchConfig, prefill_config
     from mla_multi.kernels.prefill import varlen_attention
@@ -318,6 +319,10 @@ def test_varlen_attention_gpu_bf16(num_heads, causal, prefix, tile):
             pytest.skip("tma: needs NVIDIA sm_90+")
         default = prefill_config(current_platform(), 192, 128, torch.bfloat16, causal)
         config = PrefillLaunchConfig(default.block_m, default.block_n, default.num_warps, default.num_stages, True)
+    if tile == "xcd8":  # the Triton kernel's launch ordered for 8 XCDs, as on MI300X / MI355X
+        import dataclasses
+
+        config = dataclasses.replace(prefill_config(current_platform(), 192, 128, torch.bfloat16, causal), xcds=8)
 
     q, k, v, split, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, prefix, tile == "split",
                                                                    num_heads * 7 + causal + prefix)
