@@ -77,7 +77,13 @@ def _triton_prefill_kernel(platform) -> dict:
 
     reason = wgmma_prefill_reason(platform, mm.default_dtype(platform), 192, 128)
     if reason:
-        return {"kernel": "the Triton kernel (mla_multi.kernels.prefill)", "sm90_kernel": reason}
+        from mla_multi.kernels.launch_config import prefill_config
+
+        config = prefill_config(platform, 192, 128, mm.default_dtype(platform), True)
+        order = (f", its programs ordered for {config.xcds} XCDs (a head's query tiles on one L2)"
+                 if config.xcds > 1 else "")
+        return {"kernel": f"the Triton kernel (mla_multi.kernels.prefill), causal launch {config.name}{order}",
+                "sm90_kernel": reason}
     return {"kernel": ("the sm_90 Gluon kernel in FlashAttention-3's structure (mla_multi.kernels.prefill_wgmma); "
                        "the Triton kernel for chunks merged in the kernel, tensors whose rows do not start on "
                        "16 bytes and fewer than 128 rows"),
@@ -170,7 +176,8 @@ def _print_info(info: dict) -> None:
     print(f"mla_multi {info['mla_multi']}  python {info['python']}  {info['host']}")
     print(f"platform ({title}): {p['name']}  vendor={p['vendor']} arch={p['arch']} "
           f"compute_units={p['num_compute_units']} warp_size={p['warp_size']} fp8={p['fp8_dtype']} "
-          f"shared_memory_per_block={p['max_shared_memory_per_block']}")
+          f"shared_memory_per_block={p['max_shared_memory_per_block']}"
+          + (f" xcds={p['num_xcds']}" if p.get("num_xcds", 1) > 1 else ""))
     if info["impersonated"]:
         d = info["detected_platform"]
         print(f"detected platform: {d['name']} ({d['vendor']} {d['arch']})")

@@ -109,6 +109,7 @@ def test_info_names_the_triton_prefill_kernel_and_why_not_the_sm90_one():
     for spec in ("A100", "MI300X", "B200"):
         found = collect_info(spec)["triton_prefill"]
         assert "Triton kernel" in found["kernel"] and "sm_90" in found["sm90_kernel"], (spec, found)
+        assert ("ordered for 8 XCDs" in found["kernel"]) == (spec == "MI300X"), (spec, found)
     h100 = collect_info("H100")["triton_prefill"]
     if gluon_available()[0]:
         assert h100["sm90_kernel"] == "available" and "prefill_wgmma" in h100["kernel"], h100
