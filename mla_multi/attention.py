@@ -423,18 +423,26 @@ class MLAAttention:
         if not isinstance(metadata, CommonAttentionMetadata):
             raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
         tokens = metadata.num_actual_tokens
-        checks.check_tensor("q", q, ndim=3, dtypes=(self.dtype,), shape=(tokens, n, p + r), device=self.device)
-        checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(self.dtype,), shape=(tokens, lkv), device=self.device)
-        checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(self.dtype,), shape=(tokens, r), device=self.device)
+        dtype, device = self.dtype, self.device
         width = FP8_DS_MLA_BYTES if self.kv_cache_dtype == torch.uint8 else lkv + r
-        checks.check_tensor(
-            "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, width), device=self.device
-        )
+        # every layer runs these on every call: one comparison a tensor, the messages only where one fails
+        if not (checks.matches(q, (tokens, n, p + r), dtype, device)
+                and checks.matches(kv_c_normed, (tokens, lkv), dtype, device)
+                and checks.matches(k_pe, (tokens, r), dtype, device)
+                and checks.matches(kv_cache, (None, self.block_size, width), self.kv_cache_dtype, device)):
+            checks.check_tensor("q", q, ndim=3, dtypes=(dtype,), shape=(tokens, n, p + r), device=device)
+            checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(dtype,), shape=(tokens, lkv), device=device)
+            checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(dtype,), shape=(tokens, r), device=device)
+            checks.check_tensor(
+                "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, width),
+                device=device,
+            )
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
         if output is None:
-            return torch.empty(tokens, n * v, dtype=self.dtype, device=self.device)
-        checks.check_tensor("output", output, ndim=2, dtypes=(self.dtype,), shape=(tokens, n * v), device=self.device)
+            return torch.empty(tokens, n * v, dtype=dtype, device=device)
+        if not checks.matches(output, (tokens, n * v), dtype, device):
+            checks.check_tensor("output", output, ndim=2, dtypes=(dtype,), shape=(tokens, n * v), device=device)
         return output
 
     # ------------------------------------------------------------------ forward

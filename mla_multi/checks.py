@@ -16,6 +16,8 @@ import torch
 
 from mla_multi import envs, errors
 
+_CHECK_INPUTS = envs.ENV_VARS["MLA_MULTI_CHECK_INPUTS"]  # read on every forward: its variable, looked up once
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -69,6 +71,21 @@ def check_tensor(
     return value
 
 
+def matches(value, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `value` is a plain tensor of `shape` (a leading None: any first size), `dtype` and `device` with
+    a contiguous last dimension: what `check_tensor` asks, in a few comparisons, for the checks every layer's
+    forward runs (where this is False, `check_tensor` says what is wrong, or accepts a tensor subclass)."""
+    if type(value) is not torch.Tensor or value.dtype != dtype or value.device != device:
+        return False
+    size = value.shape
+    if shape[0] is None:
+        if len(size) != len(shape) or size[1:] != shape[1:]:
+            return False
+    elif size != shape:
+        return False
+    return size[-1] <= 1 or value.stride(-1) == 1
+
+
 def check_scale(name: str, scale, required: bool) -> None:
     if scale is None:
         if required:
@@ -90,9 +107,11 @@ def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     MLA_MULTI_CHECK_INPUTS=1.  When they run, the errors the kernels recorded
     on that device since the last report are raised first.
     """
-    if envs.MLA_MULTI_CHECK_INPUTS:
+    if _CHECK_INPUTS.read():
         return True
-    return device is not None and torch.device(device).type == "cpu"
+    if device is None:
+        return False
+    return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
 
 
 def report_pending_errors(device: torch.device) -> None:

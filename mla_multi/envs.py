@@ -30,7 +30,13 @@ class EnvVar:
     def read(self) -> Any:
         # parsed once per raw value: the hot paths read a few variables on every call
         data = getattr(os.environ, "_data", None)
-        key = data.get(_encoded(self.name)) if isinstance(data, dict) else os.environ.get(self.name)
+        if isinstance(data, dict):
+            encoded = _ENCODED_KEYS.get(self.name)
+            if encoded is None:
+                encoded = _ENCODED_KEYS[self.name] = _encoded(self.name)
+            key = data.get(encoded)
+        else:
+            key = os.environ.get(self.name)
         cached = _PARSED.get(self.name)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -48,6 +54,8 @@ class EnvVar:
 
 # name -> (the raw value as last read, its parsed value)
 _PARSED: dict[str, tuple[Any, Any]] = {}
+# name -> its key in CPython's encoded copy of the environment (encoding a name costs a microsecond a read)
+_ENCODED_KEYS: dict[str, Any] = {}
 
 
 def _encoded(name: str):

@@ -142,6 +142,12 @@ def test_bad_inputs_name_the_argument():
         layer.forward(q, kv_c.double(), k_pe, cache, metadata)
     with pytest.raises(ValueError, match="kv_cache has shape"):
         layer.forward(q, kv_c, k_pe, torch.zeros((16, 8, dims.kv_cache_width)), metadata)
+    with pytest.raises(ValueError, match="k_pe has last-dimension stride 2"):
+        layer.forward(q, kv_c, torch.cat([k_pe, k_pe], -1)[:, ::2], cache, metadata)
+    with pytest.raises(ValueError, match="output has shape"):
+        layer.forward(q, kv_c, k_pe, cache, metadata, output=torch.zeros(q.shape[0], 7))
+    with pytest.raises(ValueError, match="q is on meta"):
+        layer.forward(q.to("meta"), kv_c, k_pe, cache, metadata)
     with pytest.raises(ValueError, match="kv_b_proj_weight has shape"):
         mm.MLAAttention(dims, scale, weight[1:], block_size=16, max_model_len=64, max_num_seqs=2)
     with pytest.raises(ValueError, match="block_size=0"):

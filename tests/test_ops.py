@@ -762,3 +762,40 @@ def test_planned_prefill_matches_the_op_and_refuses_other_layouts():
     with pytest.raises(ValueError, match="differ from the planned ones"):
         plan.run(q2[:5], k, v, cu, cu)
 
+
+
+def _match_cases():
+    base = torch.zeros(4, 3, 8)
+    return [
+        ("plain", base, (4, 3, 8)),
+        ("free first size", base, (None, 3, 8)),
+        ("other first size", base, (5, 3, 8)),
+        ("free first, other sizes", base, (None, 3, 9)),
+        ("rank", base, (4, 24)),
+        ("free first, rank", base, (None, 24)),
+        ("dtype", base.double(), (4, 3, 8)),
+        ("strided last dim", torch.zeros(4, 3, 16)[..., ::2], (4, 3, 8)),
+        ("strided last dim of size 1", torch.zeros(4, 3, 2)[..., ::2], (4, 3, 1)),
+        ("strided rows", torch.zeros(8, 3, 8)[::2], (4, 3, 8)),
+        ("zero size", torch.zeros(0, 3, 8), (0, 3, 8)),
+        ("0-dim", torch.zeros(()), (1,)),
+        ("parameter (a subclass)", torch.nn.Parameter(base.clone()), (4, 3, 8)),
+        ("not a tensor", [[0.0] * 8] * 3, (3, 8)),
+    ]
+
+
+@pytest.mark.parametrize("case", _match_cases(), ids=lambda c: c[0])
+def test_fast_tensor_match_never_accepts_what_check_tensor_rejects(case):
+    """`checks.matches` (the layer's per-forward fast path) says yes only where `check_tensor` accepts; where it
+    says no, `check_tensor` runs and names the problem (or accepts a subclass)."""
+    _, value, shape = case
+    try:
+        checks.check_tensor("x", value, ndim=len(shape), dtypes=(torch.float32,), shape=shape,
+                            device=torch.device("cpu"))
+        accepted = True
+    except ValueError:
+        accepted = False
+    fast = checks.matches(value, shape, torch.float32, torch.device("cpu"))
+    assert not fast or accepted
+    assert fast == (accepted and type(value) is torch.Tensor)
+    assert not checks.matches(value, shape, torch.float32, torch.device("meta"))
