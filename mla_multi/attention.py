@@ -426,23 +426,15 @@ class MLAAttention:
         dtype, device = self.dtype, self.device
         width = FP8_DS_MLA_BYTES if self.kv_cache_dtype == torch.uint8 else lkv + r
         # every layer runs these on every call: one comparison a tensor, the messages only where one fails
-        if not (checks.matches(q, (tokens, n, p + r), dtype, device)
-                and checks.matches(kv_c_normed, (tokens, lkv), dtype, device)
-                and checks.matches(k_pe, (tokens, r), dtype, device)
-                and checks.matches(kv_cache, (None, self.block_size, width), self.kv_cache_dtype, device)):
-            checks.check_tensor("q", q, ndim=3, dtypes=(dtype,), shape=(tokens, n, p + r), device=device)
-            checks.check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(dtype,), shape=(tokens, lkv), device=device)
-            checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(dtype,), shape=(tokens, r), device=device)
-            checks.check_tensor(
-                "kv_cache", kv_cache, ndim=3, dtypes=(self.kv_cache_dtype,), shape=(None, self.block_size, width),
-                device=device,
-            )
+        checks.expect_tensor("q", q, (tokens, n, p + r), dtype, device)
+        checks.expect_tensor("kv_c_normed", kv_c_normed, (tokens, lkv), dtype, device)
+        checks.expect_tensor("k_pe", k_pe, (tokens, r), dtype, device)
+        checks.expect_tensor("kv_cache", kv_cache, (None, self.block_size, width), self.kv_cache_dtype, device)
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
         if output is None:
             return torch.empty(tokens, n * v, dtype=dtype, device=device)
-        if not checks.matches(output, (tokens, n * v), dtype, device):
-            checks.check_tensor("output", output, ndim=2, dtypes=(dtype,), shape=(tokens, n * v), device=device)
+        checks.expect_tensor("output", output, (tokens, n * v), dtype, device)
         return output
 
     # ------------------------------------------------------------------ forward

@@ -86,6 +86,13 @@ def matches(value, shape: tuple, dtype: torch.dtype, device: torch.device) -> bo
     return size[-1] <= 1 or value.stride(-1) == 1
 
 
+def expect_tensor(name: str, value, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """`check_tensor` of one rank, dtype and shape (a leading None: any first size) for the checks every
+    layer's forward runs: `matches` first, the full check only where it fails (for the message)."""
+    if not matches(value, shape, dtype, device):
+        check_tensor(name, value, ndim=len(shape), dtypes=(dtype,), shape=shape, device=device)
+
+
 def check_scale(name: str, scale, required: bool) -> None:
     if scale is None:
         if required:

@@ -75,11 +75,12 @@ def _triton_prefill_kernel(platform) -> dict:
     import mla_multi as mm
     from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
 
-    reason = wgmma_prefill_reason(platform, mm.default_dtype(platform), 192, 128)
+    dtype = mm.default_dtype(platform)
+    reason = wgmma_prefill_reason(platform, dtype, 192, 128)
     if reason:
         from mla_multi.kernels.launch_config import prefill_config
 
-        config = prefill_config(platform, 192, 128, mm.default_dtype(platform), True)
+        config = prefill_config(platform, 192, 128, dtype, True)
         order = (f", its programs ordered for {config.xcds} XCDs (a head's query tiles on one L2)"
                  if config.xcds > 1 else "")
         return {"kernel": f"the Triton kernel (mla_multi.kernels.prefill), causal launch {config.name}{order}",
