@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole GPU test suite in one device call: bash bench/gpu_suite.sh OUTDIR [pytest args ...]
+# Carry .whl (FlashMLA, pytest-xdist, execnet) for FLASHMLA's tests and parallel workers; without them the
+# FLASHMLA tests skip with their reasons and the suite runs in one process.
+set -uo pipefail
+out=${1:-.}
+shift || true
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/device.txt"
+source bench/carried_wheels.sh
+workers=()
+if ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xdist .whl/pytest_xdist-*.whl \
+    .whl/execnet-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/xdist && workers=(-n "${WORKERS:-12}")
+fi
+timeout "${SUITE_S:-540}" python3 -m pytest -m gpu "${workers[@]}" -q -p no:cacheprovider -rfE tests "$@" 2>&1 \
+  | tee "$out/gpu_suite.log" | tail -25
