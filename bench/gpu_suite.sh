@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU test suite in one device call: bash bench/gpu_suite.sh OUTDIR [pytest args ...]
 # Carry .whl (FlashMLA, pytest-xdist, execnet) for FLASHMLA's tests and parallel workers; without them the
-# FLASHMLA tests skip with their reasons and the suite runs in one process.
+# FLASHMLA tests skip with their reasons and the suite runs in one process. Six workers by default: with
+# twelve, workers held up to 28 GiB each and 35 prefill and memory tests ran out of an H200's memory.
 set -uo pipefail
 out=${1:-.}
 shift || true
@@ -10,7 +11,7 @@ source bench/carried_wheels.sh
 workers=()
 if ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xdist .whl/pytest_xdist-*.whl \
-    .whl/execnet-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/xdist && workers=(-n "${WORKERS:-12}")
+    .whl/execnet-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/xdist && workers=(-n "${WORKERS:-6}")
 fi
 timeout "${SUITE_S:-540}" python3 -m pytest -m gpu "${workers[@]}" -q -p no:cacheprovider -rfE tests "$@" 2>&1 \
   | tee "$out/gpu_suite.log" | tail -25
