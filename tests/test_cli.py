@@ -157,3 +157,13 @@ def test_clock_sampler_averages_only_the_samples_of_its_window():
     assert sampler.means(1.5, 3.5) == (1500.0, 650.0)
     mhz, watts = sampler.means(4.0, 5.0)
     assert mhz != mhz and watts != watts  # no sample: NaN
+
+
+def test_sparse_bench_rejects_rounds_below_one(capsys):
+    from mla_multi.benchmarks import sparse
+
+    for phase in ("sparse_decode", "sparse_prefill"):
+        with pytest.raises(SystemExit) as raised:
+            sparse.main(["--rounds", "0"], phase=phase)
+        assert raised.value.code == 2
+        assert "--rounds 0; accepted: 1 or more" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Sparse MLA benchmarks: every installed sparse backend beside FlashMLA itself, on the same inputs.
 
     mla-multi bench sparse-decode [--cases 128x1x32768,...] [--kv fp8_ds_mla,bf16] [--backends TRITON,FLASHMLA]
-    mla-multi bench sparse-prefill [--cases 128x4096x32768,...]
+    mla-multi bench sparse-prefill [--cases 128x4096x32768,...] [--rounds 3]
 
 DeepSeek dims (512 latent + 64 rotary), bf16 queries, topk 2048 (``--topk``),
 each token's indices random among its request's tokens (decode: a request of
@@ -11,8 +11,10 @@ tokens each), a prefill case ``NxTxS_kv``.
 
 Per backend (through the package's interface, as `mm.ops` runs it) the time
 is device time from a CUDA-graph replay, the inputs rotated over copies whose
-working set is larger than L2; the eager call (host path included) is printed
-beside it. The query is one [T, N, 576] buffer passed as two slices (as
+working set is larger than L2: every column's graph is replayed in turn
+``--rounds`` times (default 3) and the median kept, so that no column owes its
+ratio to where in the run the device's clock stood. The eager call (host path
+included) is printed beside it. The query is one [T, N, 576] buffer passed as two slices (as
 `MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
 inputs (the `sgl-flash-mla` wheel, its sm_90 kernels), where installed: the
 peer every ratio is taken against. FLOPs = 2 * T * N * topk * (576 + 512).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 
 import torch
@@ -46,17 +49,24 @@ def _parse_cases(text: str) -> list[tuple[int, int, int]]:
     return cases
 
 
-def _time(fn, copies: int) -> tuple[float, float]:
-    """(µs per call replayed from a CUDA graph of all copies, eager µs of one call)."""
-    import triton
-
+def _graph(fn, copies: int):
+    """A CUDA graph of one call on each copy of the inputs."""
     from mla_multi.testing import capture_graph
 
-    graph = capture_graph(lambda: [fn(i) for i in range(copies)])
-    captured = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / copies
-    eager = triton.testing.do_bench(lambda: fn(0), warmup=10, rep=100, return_mode="median")
-    del graph
-    return captured * 1e3, eager * 1e3
+    return capture_graph(lambda: [fn(i) for i in range(copies)])
+
+
+def _replay_us(graph, copies: int) -> float:
+    """µs per call of a graph of `copies` calls (median of `triton.testing.do_bench`'s 200 ms)."""
+    import triton
+
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / copies * 1e3
+
+
+def _eager_us(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(lambda: fn(0), warmup=10, rep=100, return_mode="median") * 1e3
 
 
 def _flash_mla():
@@ -96,7 +106,7 @@ def random_fp8_ds_mla_cache(num_blocks: int, device) -> torch.Tensor:
     return cache.view(num_blocks, BLOCK_SIZE, 656)
 
 
-def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
+def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None, rounds: int = 3) -> dict:
     from mla_multi import ops, registry
     from mla_multi.dims import MLADims
     device = torch.device("cuda")
@@ -147,13 +157,11 @@ def bench_decode_case(heads, batch, seq_len, kv, topk, wanted=None) -> dict:
                                                  indices=indices[i].unsqueeze(1), use_legacy=True)[0].view(batch, heads, -1)
 
         runs = {"FlashMLA": peer, **runs}
-    _measure(row, runs, copies, flops)
-    del cache
-    torch.cuda.empty_cache()
+    _measure(row, runs, copies, flops, rounds)
     return row
 
 
-def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None) -> dict:
+def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None, rounds: int = 3) -> dict:
     from mla_multi import ops, registry
     from mla_multi.dims import MLADims
 
@@ -181,14 +189,17 @@ def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None) -> dict:
                                                use_legacy=True)[0]
 
         runs = {"FlashMLA": peer, **runs}
-    _measure(row, runs, copies, flops)
-    del kvs
-    torch.cuda.empty_cache()
+    _measure(row, runs, copies, flops, rounds)
     return row
 
 
-def _measure(row: dict, runs: dict, copies: int, flops: float) -> None:
+def _measure(row: dict, runs: dict, copies: int, flops: float, rounds: int = 3) -> None:
+    """Each column's output against the first, its eager time, and its captured time: every column's graph
+    made first, then replayed in turn `rounds` times, the median kept (one pass in column order let the
+    device's clock, falling toward its power limit over the run, decide ratios of long kernels: 0.86 for
+    one column in one pass, 0.98-1.02 alternated; bench/RESULTS.md)."""
     first = None
+    graphs = {}
     for name, run in runs.items():
         try:
             out = run(0).float()
@@ -196,14 +207,22 @@ def _measure(row: dict, runs: dict, copies: int, flops: float) -> None:
             if first is None:
                 first = out
             row["diff"][name] = ((out - first).norm() / first.norm()).item()
-            captured, eager = _time(run, copies)
-            row["us"][name] = captured
-            row["eager_us"][name] = eager
-            row["tflop_s"][name] = flops / (captured * 1e-6) / 1e12
+            row["eager_us"][name] = _eager_us(run)
+            graphs[name] = _graph(run, copies)
         except Exception as error:  # one backend failing must not hide the others
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        print(f"  {name}: {row['us'].get(name, float('nan')):.1f} µs captured, "
-              f"{row['eager_us'].get(name, float('nan')):.1f} µs eager {row['errors'].get(name, '')}", flush=True)
+            print(f"  {name}: {row['errors'][name]}", flush=True)
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(_replay_us(graph, copies))
+    for name, values in times.items():
+        row["us"][name] = statistics.median(values)
+        row["tflop_s"][name] = flops / (row["us"][name] * 1e-6) / 1e12
+        row.setdefault("rounds", {})[name] = values
+        print(f"  {name}: {row['us'][name]:.1f} µs captured (rounds {', '.join(f'{v:.1f}' for v in values)}), "
+              f"{row['eager_us'][name]:.1f} µs eager", flush=True)
+    del graphs
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -242,8 +261,12 @@ def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
     if decode:
         parser.add_argument("--kv", default="fp8_ds_mla", help="comma list of fp8_ds_mla, bf16")
     parser.add_argument("--backends", default="", help="comma list of backends (default: every installed one)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="captured times: every column replayed in turn this many times, the median kept")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}; accepted: 1 or more")
     if not torch.cuda.is_available():
         print("bench sparse: needs a CUDA or ROCm device", file=sys.stderr)
         return 2
@@ -255,9 +278,10 @@ def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
             if kv not in ("fp8_ds_mla", "bf16"):
                 raise ValueError(f"--kv {kv!r}; accepted: fp8_ds_mla, bf16")
             print(f"{phase} N={a} {'B' if decode else 'T'}={b} {'S' if decode else 'S_kv'}={c} kv={kv}", flush=True)
-            row = bench_decode_case(a, b, c, kv, args.topk, wanted) if decode else bench_prefill_case(
-                a, b, c, args.topk, wanted)
+            row = bench_decode_case(a, b, c, kv, args.topk, wanted, args.rounds) if decode else bench_prefill_case(
+                a, b, c, args.topk, wanted, args.rounds)
             rows.append(row)
+            torch.cuda.empty_cache()  # the case's inputs and graphs, freed on return
     print(format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:
