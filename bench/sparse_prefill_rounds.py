@@ -1,7 +1,7 @@
-"""FLASHMLA's sparse prefill beside FlashMLA's own call, timed in alternating rounds in one process (the
-order of `mla-multi bench sparse-prefill` times each column once, one after the other), with the adapter's
-two index launches timed alone: `PYTHONPATH=. python3 bench/sparse_prefill_rounds.py [N T S_kv] [--rounds R]`
-(FlashMLA from `sgl-flash-mla`, carried as a wheel)."""
+"""FLASHMLA's sparse prefill beside FlashMLA's own call, timed in alternating rounds in one process, with the
+adapter's index copy (its sanitize launch) timed alone:
+`PYTHONPATH=. python3 bench/sparse_prefill_rounds.py [N T S_kv] [--rounds R]` (FlashMLA from `sgl-flash-mla`,
+carried as a wheel)."""
 import argparse
 
 import torch

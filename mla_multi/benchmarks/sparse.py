@@ -14,8 +14,8 @@ is device time from a CUDA-graph replay, the inputs rotated over copies whose
 working set is larger than L2: every column's graph is replayed in turn
 ``--rounds`` times (default 3) and the median kept, so that no column owes its
 ratio to where in the run the device's clock stood. The eager call (host path
-included) is printed beside it. The query is one [T, N, 576] buffer passed as two slices (as
-`MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
+included) is printed beside it. The query is one [T, N, 576] buffer passed as
+two slices (as `MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
 inputs (the `sgl-flash-mla` wheel, its sm_90 kernels), where installed: the
 peer every ratio is taken against. FLOPs = 2 * T * N * topk * (576 + 512).
 Each output is compared with the first column's (relative difference).
