@@ -60,6 +60,23 @@ def test_wgmma_prefill_matches_float64(num_heads, causal, prefix, split, schedul
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("num_heads", [1, 3, 20, 124, 132])
+@pytest.mark.parametrize("schedule", ["dynamic", "fixed", "per-item"])
+def test_wgmma_prefill_takes_head_counts_off_sixteen(num_heads, schedule):
+    """Head counts that are not multiples of 16 (a layer takes any; tensor parallelism divides 128 heads by
+    other counts too): against float64, every poisoned row written."""
+    q, k, v, extra, cu_q, cu_k, qlens, klens, out, lse = gpu_case(num_heads, 0, True, 11 * num_heads)
+    scale = 192**-0.5
+    prefill_wgmma.varlen_attention_wgmma(
+        q, k[:, :, :128], v, cu_q, cu_k, max(qlens), max(klens), scale, causal=True, out=out, lse=lse,
+        persistent=schedule != "per-item", dynamic=schedule == "dynamic", **extra,
+    )
+    torch.cuda.synchronize()
+    assert_matches_float64(out, lse, q, k, v, cu_q, cu_k, scale, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("cu_q,max_q", [
     ([0, 150, 400], 250), ([5, 150, 400], 250), ([0, 150, 140], 250), ([0, 150, 460], 310), ([0, -3, 400], 403),
     ([0, 150, 400], 200),
