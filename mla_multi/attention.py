@@ -83,8 +83,7 @@ class MLAAttention:
             "kv_b_proj_weight", kv_b_proj_weight, ndim=2, dtypes=ops.FLOAT_DTYPES, shape=(n * (p + v), lkv)
         )
         for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}; accepted: a positive int")
+            checks.check_positive_int(name, value)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
             raise ValueError(f"scale={scale!r}; accepted: a positive float")
         self.dims = dims

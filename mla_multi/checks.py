@@ -93,6 +93,14 @@ def expect_tensor(name: str, value, shape: tuple, dtype: torch.dtype, device: to
         check_tensor(name, value, ndim=len(shape), dtypes=(dtype,), shape=shape, device=device)
 
 
+def check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    """A ValueError naming `name` and `value` unless it is an int >= 1 (not a bool), or None with allow_none."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; accepted: a positive int{' or None' if allow_none else ''}")
+
+
 def check_scale(name: str, scale, required: bool) -> None:
     if scale is None:
         if required:

@@ -178,7 +178,7 @@ def _print_info(info: dict) -> None:
     print(f"platform ({title}): {p['name']}  vendor={p['vendor']} arch={p['arch']} "
           f"compute_units={p['num_compute_units']} warp_size={p['warp_size']} fp8={p['fp8_dtype']} "
           f"shared_memory_per_block={p['max_shared_memory_per_block']}"
-          + (f" xcds={p['num_xcds']}" if p.get("num_xcds", 1) > 1 else ""))
+          + (f" xcds={p['num_xcds']}" if p["num_xcds"] > 1 else ""))
     if info["impersonated"]:
         d = info["detected_platform"]
         print(f"detected platform: {d['name']} ({d['vendor']} {d['arch']})")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mla_multi.checks import check_positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class MLADims:
@@ -24,9 +26,7 @@ class MLADims:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MLADims.{field.name}={value!r}; accepted: a positive int")
+            check_positive_int(f"MLADims.{field.name}", getattr(self, field.name))
 
     @property
     def qk_head_dim(self) -> int:

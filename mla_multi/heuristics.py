@@ -65,6 +65,8 @@ import math
 
 import torch
 
+from mla_multi.checks import check_positive_int
+
 __all__ = [
     "MIN_TOKENS_PER_SPLIT",
     "PARTIAL_WAVES",
@@ -147,8 +149,7 @@ def max_partial_rows(
     """
     for name, value in (("num_heads", num_heads), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("q_len", q_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}; accepted: an int >= 1")
+        check_positive_int(name, value)
     _, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
     max_splits = max_num_kv_splits(max_model_len, platform)
     programs = max(head_blocks * max_splits, PARTIAL_WAVES * slots)

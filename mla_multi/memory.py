@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from mla_multi.backends.base import resolve_kv_cache_dtype
+from mla_multi.checks import check_positive_int
 from mla_multi.dims import MLADims
 from mla_multi.workspace import WorkspaceManager
 
@@ -92,8 +93,7 @@ def memory_plan(
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size),
                         ("max_query_len", max_query_len), ("num_layers", num_layers)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}; accepted: a positive int")
+        check_positive_int(name, value)
     platform = current_platform()
     cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform)
     decode = select_decode_backend(dims, dtype, cache_dtype, block_size, max_query_len=max_query_len,

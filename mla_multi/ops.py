@@ -67,13 +67,6 @@ def _scale_tensor(scale, device: torch.device):
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
-def _check_positive_int(name: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}; accepted: a positive int{' or None' if allow_none else ''}")
-
-
 def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r}; accepted: a positive float")
@@ -237,7 +230,7 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(batch, None), device=device)
     checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
     checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
-    _check_positive_int("num_kv_splits", num_kv_splits)
+    checks.check_positive_int("num_kv_splits", num_kv_splits, allow_none=True)
     checks.report_pending_errors(device)
     checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
 
@@ -465,8 +458,8 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(cu_seqlens_q.shape[0],), device=device)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q is empty; accepted: [B + 1] cumulative lengths starting at 0")
-    _check_positive_int("max_seqlen_q", max_seqlen_q, allow_none=False) if max_seqlen_q else None
-    _check_positive_int("max_seqlen_k", max_seqlen_k, allow_none=False) if max_seqlen_k else None
+    checks.check_positive_int("max_seqlen_q", max_seqlen_q) if max_seqlen_q else None
+    checks.check_positive_int("max_seqlen_k", max_seqlen_k) if max_seqlen_k else None
     scale = _check_float("scale", scale)
     if qk_head_dim < 2:
         raise ValueError(f"q has head dim {qk_head_dim}; accepted: at least 2")

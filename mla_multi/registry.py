@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from mla_multi import envs
+from mla_multi.checks import check_positive_int
 from mla_multi.backends.base import (
     DecodeSelectorConfig,
     MLADecodeBackend,
@@ -460,8 +461,7 @@ def sparse_config(dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype, topk
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     for name, value in (("topk", topk), ("max_query_len", max_query_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}; accepted: a positive int")
+        check_positive_int(name, value)
     if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
         raise ValueError(f"num_tokens={num_tokens!r}; accepted: None or an int >= 0")
     return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, bool(with_lengths))

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from mla_multi import envs
+from mla_multi import checks, envs
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -630,8 +630,7 @@ class PrefillLaunchConfig(_MatrixTileLaunch):
     xcds: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.xcds, bool) or not isinstance(self.xcds, int) or self.xcds < 1:
-            raise ValueError(f"PrefillLaunchConfig.xcds={self.xcds!r}; accepted: an int >= 1")
+        checks.check_positive_int("PrefillLaunchConfig.xcds", self.xcds)
 
     @property
     def name(self) -> str:

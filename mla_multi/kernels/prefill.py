@@ -687,9 +687,8 @@ def varlen_attention(
     else:
         kpe_strides = (0, 0)
     num_m_blocks = max(1, triton.cdiv(max_seqlen_q, config.block_m))
-    xcds = getattr(config, "xcds", 1)
-    if xcds > 1:
-        constexprs["NUM_XCDS"] = xcds
+    if config.xcds > 1:
+        constexprs["NUM_XCDS"] = config.xcds
         grid = (num_m_blocks * num_heads * batch,)
     else:
         grid = (num_m_blocks, num_heads, batch)

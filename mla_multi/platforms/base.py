@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from mla_multi.checks import check_positive_int
+
 Vendor = Literal["cuda", "rocm", "cpu"]
 
 
@@ -53,8 +55,7 @@ class Platform:
             raise ValueError(
                 f"Platform.vendor={self.vendor!r}; accepted: 'cuda', 'rocm', 'cpu'"
             )
-        if isinstance(self.num_xcds, bool) or not isinstance(self.num_xcds, int) or self.num_xcds < 1:
-            raise ValueError(f"Platform.num_xcds={self.num_xcds!r}; accepted: an int >= 1")
+        check_positive_int("Platform.num_xcds", self.num_xcds)
         if self.vendor != "cuda" and self.device_capability is not None:
             raise ValueError(
                 f"Platform.device_capability={self.device_capability!r} on vendor "

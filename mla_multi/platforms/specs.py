@@ -12,15 +12,22 @@ from __future__ import annotations
 import torch
 
 from mla_multi.platforms.base import Platform
+from mla_multi.platforms.rocm import xcds_for
 
 _KIB = 1024
+
+
+def _rocm(name: str, arch: str, compute_units: int, fp8_dtype, lds: int) -> Platform:
+    """A CDNA device of wave 64, its XCDs as `rocm.detect_rocm` counts them."""
+    return Platform(name, "rocm", arch, compute_units, 64, fp8_dtype, lds, num_xcds=xcds_for(arch, compute_units))
+
 
 SPECS: dict[str, Platform] = {
     spec.name: spec
     for spec in (
-        Platform("MI300X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB, num_xcds=8),
-        Platform("MI325X", "rocm", "gfx942", 304, 64, torch.float8_e4m3fnuz, 64 * _KIB, num_xcds=8),
-        Platform("MI355X", "rocm", "gfx950", 256, 64, torch.float8_e4m3fn, 160 * _KIB, num_xcds=8),
+        _rocm("MI300X", "gfx942", 304, torch.float8_e4m3fnuz, 64 * _KIB),
+        _rocm("MI325X", "gfx942", 304, torch.float8_e4m3fnuz, 64 * _KIB),
+        _rocm("MI355X", "gfx950", 256, torch.float8_e4m3fn, 160 * _KIB),
         Platform("MI250X", "rocm", "gfx90a", 110, 64, None, 64 * _KIB),
         Platform("RX7900XTX", "rocm", "gfx1100", 96, 32, None, 64 * _KIB),
         Platform("A100", "cuda", "sm_80", 108, 32, None, 163 * _KIB, (8, 0)),
