@@ -25,6 +25,9 @@ for _ in range(3):
     varlen_attention_wgmma(q, k, v, cu, cu, seqlen, seqlen, 192**-0.5, causal=True, out=out, lse=lse)
 torch.cuda.synchronize()
 peers = sys.argv[2:]
+unknown = set(peers) - {"flashinfer", "cudnn"}
+if unknown:
+    sys.exit(f"peers {sorted(unknown)}; accepted: flashinfer, cudnn")
 if "flashinfer" in peers:
     from mla_multi.benchmarks.prefill import _flashinfer_prefill
 
@@ -34,7 +37,7 @@ if "flashinfer" in peers:
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-if peers and peers != ["flashinfer"]:
+if "cudnn" in peers:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q4, k4 = (t.view(batch, seqlen, heads, 192).transpose(1, 2) for t in (q, k))

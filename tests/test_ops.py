@@ -763,7 +763,6 @@ def test_planned_prefill_matches_the_op_and_refuses_other_layouts():
         plan.run(q2[:5], k, v, cu, cu)
 
 
-
 def _match_cases():
     base = torch.zeros(4, 3, 8)
     return [
