@@ -2,6 +2,12 @@
 the maintainer scripts in bench/ share."""
 
 
+def in_turn(runs: list, index: int) -> list:
+    """The order of round `index`: the columns' order, reversed every other round, so that no column always
+    follows the same one (the device's clock in a window depends on what ran just before it)."""
+    return runs if index % 2 == 0 else runs[::-1]
+
+
 def graph_time(fn, reps: int = 20) -> float:
     """µs per call of `fn` replayed from one CUDA graph of `reps` calls (`triton.testing.do_bench` of the
     replay, median)."""

@@ -17,7 +17,8 @@ included: the second table):
   zero-padded to 192 (it needs one head dim); the padding is done outside the timing.
 
 FLOPs = 2 * N * (causal pairs) * (192 + 128), causal pairs = S * (S + 1) / 2 per
-sequence. With ``--rounds R`` every kernel is timed R times, in turn (one round times each once), and each
+sequence. With ``--rounds R`` every kernel is timed R times, in turn (one round times each once, every
+other round in reverse order), and each
 figure is the median of its rounds: a drift of the device's clocks during the run then reaches every
 kernel alike; the ratios of each round are printed too. With ``--sustained SECONDS`` every captured kernel
 is then replayed back to back for that long, in turn, while ``nvidia-smi`` samples the SM clock and the
@@ -40,6 +41,8 @@ import threading
 import time
 
 import torch
+
+from mla_multi.benchmarks import in_turn
 
 HEAD_DIM_QK = 192
 HEAD_DIM_V = 128
@@ -161,11 +164,12 @@ def sustained_replay(replay, seconds: float, sampler: ClockSampler) -> tuple[flo
 
 def _time_rows(row: dict, flops: float, rounds: int, sustained: float = 0.0) -> None:
     """Time each entered run into row["ms"][name] / row["tflops"][name] (replayed from a CUDA graph) and
-    row["eager_ms"][name] (called eagerly): in `rounds` rounds that each time every run once, in turn, so that
-    a drift of the device's clocks reaches every run alike; each figure is the median of its rounds, and
+    row["eager_ms"][name] (called eagerly): in `rounds` rounds that each time every run once, in turn
+    (`in_turn`: every other round in reverse), so that a drift of the device's clocks reaches every run
+    alike; each figure is the median of its rounds, and
     row["ms_rounds"] keeps them all. A call that cannot be captured is timed eagerly in both, with a note.
-    sustained > 0: then each captured run replayed for that many seconds, in turn, `rounds` times
-    (`sustained_replay`): row["sustained"][name] = (median ms, its round's MHz, W)."""
+    sustained > 0: then each captured run replayed for that many seconds, in turn, `rounds` times, in the
+    same orders (`sustained_replay`): row["sustained"][name] = (median ms, its round's MHz, W)."""
     from mla_multi.testing import capture_graph
 
     graphs = {}
@@ -179,16 +183,16 @@ def _time_rows(row: dict, flops: float, rounds: int, sustained: float = 0.0) -> 
             graphs[name] = None
     captured: dict = {name: [] for name, _ in row["_runs"]}
     eager: dict = {name: [] for name, _ in row["_runs"]}
-    for _ in range(rounds):
-        for name, run in row["_runs"]:
+    for index in range(rounds):
+        for name, run in in_turn(row["_runs"], index):
             eager[name].append(_bench(run))
             captured[name].append(_bench(graphs[name].replay) if graphs[name] is not None else eager[name][-1])
     if sustained > 0:
         sampler = ClockSampler()
         # FlashAttention-2 (V padded) is no peer of a 192 / 128 kernel: left out of the longest part of the run
         steady: dict = {name: [] for name in graphs if graphs[name] is not None and name != "flash"}
-        for _ in range(rounds):
-            for name in steady:
+        for index in range(rounds):
+            for name in in_turn(list(steady), index):
                 steady[name].append(sustained_replay(graphs[name].replay, sustained, sampler))
         sampler.stop()
         row["sustained"] = {name: sorted(values)[(len(values) - 1) // 2] for name, values in steady.items()}

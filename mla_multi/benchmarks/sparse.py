@@ -12,7 +12,7 @@ tokens each), a prefill case ``NxTxS_kv``.
 Per backend (through the package's interface, as `mm.ops` runs it) the time
 is device time from a CUDA-graph replay, the inputs rotated over copies whose
 working set is larger than L2: every column's graph is replayed in turn
-``--rounds`` times (default 3) and the median kept, so that no column owes its
+``--rounds`` times (default 3; every other round in reverse order) and the median kept, so that no column owes its
 ratio to where in the run the device's clock stood. The eager call (host path
 included) is printed beside it. The query is one [T, N, 576] buffer passed as
 two slices (as `MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
@@ -30,6 +30,8 @@ import statistics
 import sys
 
 import torch
+
+from mla_multi.benchmarks import in_turn
 
 KV_LORA_RANK, ROPE_DIM = 512, 64
 BLOCK_SIZE = 64
@@ -195,9 +197,9 @@ def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None, rounds: int = 3) 
 
 def _measure(row: dict, runs: dict, copies: int, flops: float, rounds: int = 3) -> None:
     """Each column's output against the first, its eager time, and its captured time: every column's graph
-    made first, then replayed in turn `rounds` times, the median kept (one pass in column order let the
-    device's clock, falling toward its power limit over the run, decide ratios of long kernels: 0.86 for
-    one column in one pass, 0.98-1.02 alternated; bench/RESULTS.md)."""
+    made first, then replayed in turn `rounds` times (every other round in reverse, `in_turn`), the median
+    kept (one pass in column order let the device's clock, falling toward its power limit over the run,
+    decide ratios of long kernels: 0.86 for one column in one pass, 0.98-1.02 alternated; bench/RESULTS.md)."""
     first = None
     graphs = {}
     for name, run in runs.items():
@@ -213,9 +215,9 @@ def _measure(row: dict, runs: dict, copies: int, flops: float, rounds: int = 3) 
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             print(f"  {name}: {row['errors'][name]}", flush=True)
     times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            times[name].append(_replay_us(graph, copies))
+    for index in range(rounds):
+        for name in in_turn(list(graphs), index):
+            times[name].append(_replay_us(graphs[name], copies))
     for name, values in times.items():
         row["us"][name] = statistics.median(values)
         row["tflop_s"][name] = flops / (row["us"][name] * 1e-6) / 1e12
