@@ -84,8 +84,7 @@ class MLAAttention:
         )
         for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             checks.check_positive_int(name, value)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale={scale!r}; accepted: a positive float")
+        checks.check_positive_float("scale", scale)
         self.dims = dims
         self.scale = float(scale)
         self.dtype = kv_b_proj_weight.dtype

@@ -101,6 +101,13 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name}={value!r}; accepted: a positive int{' or None' if allow_none else ''}")
 
 
+def check_positive_float(name: str, value) -> float:
+    """`value` as a float, or a ValueError naming `name` and `value` unless it is a real number > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r}; accepted: a positive float")
+    return float(value)
+
+
 def check_scale(name: str, scale, required: bool) -> None:
     if scale is None:
         if required:

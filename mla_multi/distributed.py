@@ -115,8 +115,7 @@ class DecodeContextParallel:
                 "torch.distributed is not initialised; accepted: a DecodeContextParallel created after "
                 "torch.distributed.init_process_group(...)"
             )
-        if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
-            raise ValueError(f"interleave={interleave!r}; accepted: a positive int")
+        checks.check_positive_int("interleave", interleave)
         if group is None:
             group = dist.group.WORLD
         elif not isinstance(group, dist.ProcessGroup):
@@ -312,8 +311,7 @@ class DecodeContextParallel:
         ``capture_error_mode="thread_local"``.
         """
         self._check_decode_inputs(q_nope, q_pe, kv_cache, block_table, seq_lens)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale={scale!r}; accepted: a positive float")
+        checks.check_positive_float("scale", scale)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
 
         def decode(local_q_nope, local_q_pe, table, local_lens):

@@ -201,8 +201,7 @@ def num_kv_splits(
         ("max_num_kv_splits", max_num_kv_splits),
         ("q_len", q_len),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}; accepted: an int >= 1")
+        check_positive_int(name, value)
     if max_seq_len < 0:
         raise ValueError(f"max_seq_len={max_seq_len}; accepted: >= 0")
     if max_partial_rows is not None:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mla_multi.checks import check_positive_int
+
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
     """`host` (a CPU tensor) on `device` without waiting for the device. A copy from pageable memory first
@@ -138,8 +140,7 @@ class CommonAttentionMetadata:
             )
         if block_table.shape[0] != len(query_lens):
             raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size={block_size!r}; accepted: a positive int")
+        check_positive_int("block_size", block_size)
         capacity = block_table.shape[1] * block_size
         if any(map(operator.gt, query_lens, seq_lens_list)) or max(seq_lens_list, default=0) > capacity:
             for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):  # the first bad request, named

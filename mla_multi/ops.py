@@ -67,12 +67,6 @@ def _scale_tensor(scale, device: torch.device):
     return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
-def _check_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}={value!r}; accepted: a positive float")
-    return float(value)
-
-
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -103,7 +97,7 @@ def mla_decode(
             q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
             k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
         )
-    scale = _check_float("scale", scale)
+    scale = checks.check_positive_float("scale", scale)
     try:
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
@@ -325,7 +319,7 @@ def plan_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_s
                     backend=None) -> MLADecodePlan:
     """Plan `mla_decode` for tensors laid out as these (their values are not read, except by the data
     checks where they are on); `MLADecodePlan.run` then only launches. Arguments as in `mla_decode`."""
-    scale = _check_float("scale", scale)
+    scale = checks.check_positive_float("scale", scale)
     plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype, num_kv_splits, backend)
@@ -460,7 +454,7 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError("cu_seqlens_q is empty; accepted: [B + 1] cumulative lengths starting at 0")
     checks.check_positive_int("max_seqlen_q", max_seqlen_q) if max_seqlen_q else None
     checks.check_positive_int("max_seqlen_k", max_seqlen_k) if max_seqlen_k else None
-    scale = _check_float("scale", scale)
+    scale = checks.check_positive_float("scale", scale)
     if qk_head_dim < 2:
         raise ValueError(f"q has head dim {qk_head_dim}; accepted: at least 2")
     _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -507,7 +501,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
             q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink,
             backend=backend, return_lse=return_lse,
         )
-    scale = _check_float("scale", scale)
+    scale = checks.check_positive_float("scale", scale)
     try:
         key = ("sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
                _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
@@ -655,7 +649,7 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     checks.check_tensor("kv", kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, width), device=device)
     checks.check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None), device=device)
     topk = indices.shape[-1]
-    scale = _check_float("scale", scale)
+    scale = checks.check_positive_float("scale", scale)
     _check_sparse_extras(tokens, heads, topk_length, attn_sink, device)
     if topk_length is not None and checks.data_checks_enabled(device):
         lengths = topk_length.detach().cpu()

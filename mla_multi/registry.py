@@ -425,10 +425,8 @@ def decode_config(
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype={dtype!r}; accepted: a torch.dtype")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r}; accepted: a positive int")
-    if not isinstance(max_query_len, int) or max_query_len < 1:
-        raise ValueError(f"max_query_len={max_query_len!r}; accepted: a positive int")
+    check_positive_int("block_size", block_size)
+    check_positive_int("max_query_len", max_query_len)
     resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
     return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len)
 

@@ -153,3 +153,13 @@ def test_the_choice_is_kept_per_tile_count_and_follows_the_launch_table_variable
         monkeypatch.setenv("MLA_MULTI_FP8_QK", value)
         got, _, _ = heuristics._occupancy(platform, 128, 1, torch.float8_e4m3fn)
         assert got == decode_config(platform, 128, 1, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("name", ["batch_size", "num_heads", "max_num_kv_splits", "q_len"])
+@pytest.mark.parametrize("bad", [0, True, 2.0])
+def test_num_kv_splits_names_a_count_that_is_not_a_positive_int(name, bad):
+    """A bool is no count (True would read as 1), nor a float or 0: the error names the argument."""
+    args = dict(batch_size=4, num_heads=16, max_num_kv_splits=8, q_len=1)
+    args[name] = bad
+    with pytest.raises(ValueError, match=rf"{name}={bad!r}; accepted: a positive int"):
+        num_kv_splits(SPECS["H100"], max_seq_len=4096, **args)

@@ -643,3 +643,13 @@ def test_default_registry_errors(no_forced_env):
         assert "REFERENCE" in str(info.value)
         with pytest.raises(ValueError, match="dims"):
             mm.select_prefill_backend(16, BF16)
+
+
+@pytest.mark.parametrize("name", ["block_size", "max_query_len"])
+@pytest.mark.parametrize("bad", [0, True, 64.0])
+def test_decode_config_names_a_size_that_is_not_a_positive_int(name, bad):
+    from mla_multi.dims import MLADims
+    from mla_multi.registry import decode_config
+
+    with pytest.raises(ValueError, match=rf"{name}={bad!r}; accepted: a positive int"):
+        decode_config(MLADims.deepseek_v3(num_heads=16), torch.bfloat16, **{name: bad})
