@@ -1,4 +1,4 @@
-"""FLASHMLA's sparse prefill beside FlashMLA's own call, timed in alternating rounds in one process, with the
+"""FLASHMLA's sparse prefill beside FlashMLA's own call, timed in rounds in one process (every other round in reverse order), with the
 adapter's index copy (its sanitize launch) timed alone:
 `PYTHONPATH=. python3 bench/sparse_prefill_rounds.py [N T S_kv] [--rounds R]` (FlashMLA from `sgl-flash-mla`,
 carried as a wheel)."""
@@ -9,6 +9,7 @@ import triton
 
 import mla_multi as mm
 from mla_multi.backends import flashmla as fm
+from mla_multi.benchmarks import in_turn
 from mla_multi.testing import capture_graph
 
 parser = argparse.ArgumentParser()
@@ -46,10 +47,10 @@ flops = 2 * tokens * heads * args.topk * (576 + 512)
 print(f"{torch.cuda.get_device_name()}: N={heads} T={tokens} S_kv={s_kv} topk={args.topk}, captured µs (TFLOP/s) "
       f"per round, then eager")
 for r in range(args.rounds):
-    cells = []
-    for name, graph in graphs.items():
-        us = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
-        cells.append(f"{name} {us:.1f}" + (f" ({flops / us / 1e6:.0f})" if name != "sanitize" else ""))
+    times = {name: triton.testing.do_bench(graphs[name].replay, warmup=25, rep=200, return_mode="median") * 1e3
+             for name in in_turn(list(graphs), r)}  # every other round in reverse order
+    cells = [f"{name} {us:.1f}" + (f" ({flops / us / 1e6:.0f})" if name != "sanitize" else "")
+             for name, us in sorted(times.items(), key=lambda item: list(graphs).index(item[0]))]
     print(f"round {r}: " + ", ".join(cells), flush=True)
 for name, fn in runs.items():
     us = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
