@@ -162,7 +162,7 @@ class MLAAttention:
             self.context_prefill_backend, self.context_prefill_impl = self._context_prefill(
                 dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
             )
-            self.short_prefills_on_context_backend = self._short_prefills(dims)
+            self.short_prefills_on_context_backend = self._short_prefills()
             for impl in {id(i): i for i in (self.prefill_impl, self.context_prefill_impl)}.values():
                 impl.reserve_workspace(self.workspace)
             # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
@@ -204,40 +204,37 @@ class MLAAttention:
     def _context_prefill(self, dims: MLADims, forced: str | None, impl_args: tuple):
         """(backend, impl) for steps whose prefills have cached context. The chosen prefill backend, unless
         it was not forced, reads K with its rotary part repeated per head, and TRITON runs here taking that
-        part apart and merging the chunks inside its kernel: a chunk's K is then a third smaller and needs
+        part apart and merging the chunks inside its kernel (the first backend of the platform's order whose
+        impl declares `takes_split_key` and `merges_chunks`): a chunk's K is then a third smaller and needs
         no merge launch. Measured on an H100, N = 128 (bench/RESULTS.md, "Layer steps after the host-path
         work"): 16 prefills x 512 after 3584 cached, TRITON 0.88x FLASHINFER's time through the layer,
         while without context FLASHINFER's kernel is the faster (0.77x TRITON's time at 1 x 8192)."""
         from mla_multi import envs
-        from mla_multi.registry import NoBackendError
+        from mla_multi.registry import default_registry, prefill_config
 
         chosen = (self.prefill_backend, self.prefill_impl)
-        if forced is not None or envs.MLA_MULTI_PREFILL_BACKEND or self.prefill_backend.name == "TRITON":
+        if forced is not None or envs.MLA_MULTI_PREFILL_BACKEND or self.prefill_impl.takes_split_key:
             return chosen
-        if getattr(self.prefill_impl, "takes_split_key", False):
-            return chosen
-        try:
-            backend = select_prefill_backend(dims, self.dtype, backend="TRITON")
-        except NoBackendError:
-            return chosen
-        impl = backend.get_prefill_impl_cls()(*impl_args)
-        if not (getattr(impl, "takes_split_key", False) and getattr(impl, "merges_chunks", False)):
-            return chosen
-        return backend, impl
+        # the first backend of the platform's prefill order that runs here and offers both
+        for row in default_registry.explain("prefill", prefill_config(dims, self.dtype), self.platform):
+            if not row["available"] or row["name"] == self.prefill_backend.name:
+                continue
+            backend = default_registry.load("prefill", row["name"])
+            impl = backend.get_prefill_impl_cls()(*impl_args)
+            if impl.takes_split_key and impl.merges_chunks:
+                return backend, impl
+        return chosen
 
-    def _short_prefills(self, dims: MLADims) -> bool:
+    def _short_prefills(self) -> bool:
         """Whether steps without context whose prefills are all short (`SHORT_PREFILL_TOKENS`) also go to the
-        context backend: where that is TRITON on sm_90's prefill kernel. Through the layer on an H200, N =
-        128 (bench/RESULTS.md, "Prefill on sm_90: the overlap inside each warpgroup, ..."): 16 prefills x 512,
-        FLASHINFER 1.21x TRITON's time (its path repeats the rotary key per head); 1 x 8192, FLASHINFER's
-        faster kernel wins (0.95x TRITON's time)."""
-        if self.context_prefill_impl is self.prefill_impl or self.context_prefill_backend.name != "TRITON":
+        context backend: where its impl says its kernel is the faster there (`serves_short_prefills`: TRITON
+        on sm_90's prefill kernel). Through the layer on an H200, N = 128 (bench/RESULTS.md, "Prefill on
+        sm_90: the overlap inside each warpgroup, ..."): 16 prefills x 512, FLASHINFER 1.21x TRITON's time
+        (its path repeats the rotary key per head); 1 x 8192, FLASHINFER's faster kernel wins (0.95x
+        TRITON's time)."""
+        if self.context_prefill_impl is self.prefill_impl:
             return False
-        if self.device.type != "cuda":
-            return False
-        from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
-
-        return not wgmma_prefill_reason(self.platform, self.dtype, dims.qk_head_dim, dims.v_head_dim)
+        return self.context_prefill_impl.serves_short_prefills(self.dtype)
 
     def _step_prefill(self, metadata: CommonAttentionMetadata):
         """(backend, impl) of this step's prefills: `context_prefill_*` where any prefill has cached
@@ -379,7 +376,7 @@ class MLAAttention:
         row), the bound of a step's peak that TRITON's path keeps (bench/RESULTS.md). Never less than half of
         `workspace_tokens`' K and V (many small chunks cost time, and precision in their merges), nor one
         block per prefill with context."""
-        if getattr(impl, "takes_split_key", False):
+        if impl.takes_split_key:
             return self.workspace_tokens
         found = metadata.backend_plans.get("prefill_chunk_counts")
         if found is None:
@@ -391,7 +388,7 @@ class MLAAttention:
         with_context, new_tokens = found
         d = self.dims
         split_kv, whole_kv = d.qk_nope_head_dim + d.v_head_dim, d.qk_head_dim + d.v_head_dim
-        results = (1 if getattr(impl, "takes_out", False) else 2) * d.v_head_dim + 8
+        results = (1 if impl.takes_out else 2) * d.v_head_dim + 8
         room = self.workspace_tokens * split_kv - new_tokens * results
         rows = max(room // whole_kv, self.workspace_tokens * split_kv // whole_kv // 2)
         rows = max(rows // self.block_size * self.block_size, with_context * self.block_size)
@@ -562,7 +559,7 @@ class MLAAttention:
         block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
         plan = self._decode_plan(metadata, num_decodes)
         keywords = {} if plan is None else {"plan": plan}
-        if hasattr(self.decode_impl, "choose_num_kv_splits"):
+        if self.decode_impl.chooses_num_kv_splits:
             # the split count of the step, chosen by its first layer (under DCP for this rank's share: the
             # bound every rank's kernels see, so that the collectives meet equal shapes)
             bound = metadata.max_seq_len if self.dcp is None else self.dcp.local_num_tokens(metadata.max_seq_len, rank=0)
@@ -584,7 +581,7 @@ class MLAAttention:
         dtypes, heads, reservation and DCP group shape."""
         plan_key = self.decode_impl.plan_key() if self.decode_backend.requires_plan else None
         return ("decode step", self.decode_backend.name, plan_key, self.dtype, self.kv_cache_dtype,
-                getattr(self.decode_impl, "num_heads", None), getattr(self.decode_impl, "max_partial_rows", None),
+                self.decode_impl.num_heads, self.decode_impl.max_partial_rows,
                 None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave))
 
     def _decode_step_key(self, num_decodes: int) -> tuple:
@@ -635,7 +632,7 @@ class MLAAttention:
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         tokens = kv_c.shape[0]
         value = torch.matmul(kv_c, self._W_UV_rows.t()).view(tokens, n, v)
-        if getattr(self.prefill_impl if impl is None else impl, "takes_split_key", False):
+        if (self.prefill_impl if impl is None else impl).takes_split_key:
             return torch.matmul(kv_c, self._W_UK_rows.t()).view(tokens, n, p), value, k_pe
         key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
         # per head, the product written by cuBLAS straight into K's nope columns (its rows strided by the
@@ -658,7 +655,7 @@ class MLAAttention:
         # where the backend writes into a given buffer (and, with context, the merge kernel runs), the new
         # tokens' result goes straight into the step's output and the merges happen in place: no [T, N, V]
         # temporaries beside a chunk's K and V, no copy into the output
-        in_place = (getattr(impl, "takes_out", False) and output.is_contiguous()
+        in_place = (impl.takes_out and output.is_contiguous()
                     and ops._use_triton(q_prefill))
         if in_place:
             split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
@@ -672,7 +669,7 @@ class MLAAttention:
             )
             del key, value, split  # the chunks' K and V take their place: one chunk's at a time
             # where the kernel merges, each chunk's result goes into the output as it is computed
-            merges = in_place and getattr(impl, "merges_chunks", False)
+            merges = in_place and impl.merges_chunks
             merge_into = (suffix_out, suffix_lse) if merges else None
             # elsewhere on a GPU each chunk's result is merged into the new tokens' as it comes, in place, the
             # last merge writing the step's output: one chunk's result at a time beside them, no copy

@@ -157,23 +157,16 @@ def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num
 
 
 class _DecodePlan:
-    """What `mla_decode` decided for one key: the backend, its impl and (TRITON) the bound kernels.
+    """What `mla_decode` decided for one key: the backend and the impl's launch bound to the key's layout
+    (`MLADecodeImpl.bind`: for TRITON the split count and the bound kernels, whose partials an eager call
+    slices from the device's shared workspace)."""
 
-    The TRITON partials of an eager call are sliced from the device's shared
-    workspace (`shared_split_partials`); a call being captured in a CUDA
-    graph allocates its own, since the graph must not read a buffer that a
-    later, larger call reallocates.
-    """
-
-    def __init__(self, backend_cls, impl, device, data_checks: bool, k_scale) -> None:
+    def __init__(self, backend_cls, launch, device, data_checks: bool, k_scale) -> None:
         self.backend_cls = backend_cls
-        self.impl = impl
+        self.launch = launch
         self.device = device
         self.data_checks = data_checks
         self.k_scale = k_scale  # the tensor of a float k_scale, made once
-        self.num_kv_splits = None
-        self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
-        self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -183,34 +176,8 @@ class _DecodePlan:
             k_scale = self.k_scale
         if seq_lens.dtype != torch.int32:
             seq_lens = seq_lens.to(torch.int32)
-        if self.partial_dims is None:
-            impl = self.impl
-            impl.scale = float(scale)
-            result, result_lse = impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
-                                                  num_kv_splits=self.num_kv_splits)
-            if out is not None:
-                result = out.copy_(result)
-            if lse is not None and result_lse is not None:
-                result_lse = lse.copy_(result_lse)
-            return result, result_lse
-        device = q_nope.device
-        if out is None:
-            out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
-        if lse is None:
-            lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, shared_split_partials
-
-        graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
-        if attn_logits is None:
-            attn_logits = shared_split_partials(*self.partial_dims, device)
-        kernel_plan = self.kernel_plans.get(graph)
-        if kernel_plan is None:
-            kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(
-                q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
-                platform=self.impl.platform,
-            )
-        kernel_plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
-        return out, lse
+        return self.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale, out=out, lse=lse,
+                           attn_logits=attn_logits)
 
 
 def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> _DecodePlan:
@@ -238,18 +205,9 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
         num_heads, 1.0, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device
     )
     scale_tensor = None if k_scale is None or torch.is_tensor(k_scale) else _scale_tensor(k_scale, device)
-    plan = _DecodePlan(backend_cls, impl, device, checks.data_checks_enabled(device), scale_tensor)
-    from mla_multi.backends.triton import TritonDecodeImpl
-    from mla_multi.kernels import interpreter_active
-
-    if isinstance(impl, TritonDecodeImpl) and device.type == "cuda" and not interpreter_active():
-        plan.num_kv_splits = impl.choose_num_kv_splits(
-            batch, q_len, None, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
-        )
-        plan.partial_dims = (batch * q_len, num_heads, plan.num_kv_splits, dims.kv_lora_rank)
-    else:
-        plan.num_kv_splits = num_kv_splits
-    return plan
+    launch = impl.bind(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                       k_scale=k_scale if torch.is_tensor(k_scale) else scale_tensor, num_kv_splits=num_kv_splits)
+    return _DecodePlan(backend_cls, launch, device, checks.data_checks_enabled(device), scale_tensor)
 
 
 class MLADecodePlan:
@@ -272,14 +230,10 @@ class MLADecodePlan:
         self._options = (num_kv_splits, backend)  # the key's options, as asked
         self.scale = scale
         self.backend = plan.backend_cls.name
-        self.num_kv_splits = plan.num_kv_splits
+        self.num_kv_splits = plan.launch.num_kv_splits
         self._out_shape = shape
         self._dtype = dtype
-        self._attn_logits = None
-        if plan.partial_dims is not None:
-            from mla_multi.kernels.mla_decode import split_partials
-
-            self._attn_logits = split_partials(*plan.partial_dims, plan.device)
+        self._attn_logits = plan.launch.new_partials()  # the plan's own partials, where the backend keeps any
 
     def _check_output(self, name: str, tensor, shape, dtype) -> None:
         if tensor is None:
@@ -842,3 +796,10 @@ def gather_cache(
             _scale_tensor(scale, device),
         )
     return reference.gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale, out_dtype)
+
+
+library.bind_eager(
+    mla_decode=mla_decode, mla_prefill=mla_prefill, merge_attn_states=merge_attn_states,
+    concat_and_cache_mla=concat_and_cache_mla, gather_cache=gather_cache, mla_sparse_decode=mla_sparse_decode,
+    mla_sparse_prefill=mla_sparse_prefill,
+)

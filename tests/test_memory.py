@@ -4,6 +4,8 @@ heuristic keeps to, sharing across layers, and the plans the functional ops reus
 from __future__ import annotations
 
 import pytest
+from types import SimpleNamespace
+
 import torch
 
 import mla_multi as mm
@@ -88,16 +90,18 @@ def test_a_backend_that_reads_k_whole_gets_chunks_within_the_split_key_bound():
     query_lens, seq_lens = [1, 1, 100, 100, 100], [50, 60, 2100, 100, 800]
     table = torch.arange(5 * 200, dtype=torch.int32).reshape(5, 200)
     metadata = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, 16)
-    whole, split = type("Whole", (), {})(), type("Split", (), {"takes_split_key": True})()
+    # the capabilities an impl declares (`MLAPrefillImpl`): reads K whole, takes the key apart, writes `out`
+    whole = SimpleNamespace(takes_split_key=False, takes_out=False)
+    split = SimpleNamespace(takes_split_key=True, takes_out=False)
     assert layer._chunk_tokens(metadata, split) == 4096
     rows = layer._chunk_tokens(metadata, whole)
     assert rows == (4096 * 256 - 300 * 264) // 320 // 16 * 16 == 3024
     assert rows * 320 + 300 * 264 <= 4096 * 256 < (rows + 16) * 320 + 300 * 264
-    assert not getattr(layer.prefill_impl, "takes_split_key", False)  # the CPU's backend reads K whole
+    assert not layer.prefill_impl.takes_split_key  # the CPU's backend reads K whole
     chunked = layer._prefill_metadata(metadata).chunked_context
     assert max(chunked.seq_tot) <= rows and chunked.num_chunks == 2
     # a backend that writes the new tokens' result into the output has one result fewer beside the chunk
-    writes_out = type("WritesOut", (), {"takes_out": True})()
+    writes_out = SimpleNamespace(takes_split_key=False, takes_out=True)
     assert layer._chunk_tokens(metadata, writes_out) == (4096 * 256 - 300 * 136) // 320 // 16 * 16 == 3136
     # no room beside the new tokens' results: half of workspace_tokens' K and V, at least a block per prefill
     crowded = mm.CommonAttentionMetadata.from_lengths([1, 2000, 2000], [9, 2100, 2100], table[:3], 16)

@@ -64,6 +64,7 @@ import torch
 
 from mla_multi import errors
 from mla_multi.kernels.launch import BoundLaunch, alignment_key
+from mla_multi.kernels.prefill_inputs import check_inputs
 from mla_multi.kernels.mla_decode_wgmma import gluon, gluon_available
 
 if gluon is not None:
@@ -731,9 +732,7 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     are sorted by cost (None: `band_of`); False: each program walks its items in a fixed order (`_item`),
     which balances equal sequences up to `PERSISTENT_MAX_SEQLEN_Q` but leaves programs finishing apart on
     ragged batches and long sequences; None: `takes_dynamic`."""
-    from mla_multi.kernels.prefill import _check_inputs
-
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
     if merge and (out is None or lse is None or not return_lse):
         raise ValueError("merge=True needs out and lse holding the result to merge into, and return_lse=True")
     for name, tensor in (("q", q), ("k", k), ("v", v), ("k_pe", k_pe)):
