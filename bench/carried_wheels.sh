@@ -1,4 +1,4 @@
-# Sourced by the GPU check scripts: the common environment, and FlashMLA installed from a carried wheel
+# Sourced by bench/gpu_suite.sh: the common environment, and FlashMLA installed from a carried wheel
 # (.whl/sgl_flash_mla-*.whl, --no-deps: it runs on the device's torch) onto PYTHONPATH when one is there.
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
