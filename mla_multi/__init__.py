@@ -47,15 +47,23 @@ __all__ = [
 ]
 
 
-def default_dtype(platform: Platform) -> torch.dtype:
-    """The model dtype the import-time selection assumes: bfloat16 everywhere MLA models run."""
-    return torch.bfloat16
+# The model dtype the import-time selection (and `mla-multi info`) assumes: bfloat16 everywhere MLA models run.
+DEFAULT_DTYPE = torch.bfloat16
+
+
+def default_dtype(platform: Platform | None = None) -> torch.dtype:
+    """Deprecated: `DEFAULT_DTYPE` (the dtype never depended on the platform)."""
+    import warnings
+
+    warnings.warn("mla_multi.default_dtype() is deprecated; use mla_multi.DEFAULT_DTYPE", DeprecationWarning,
+                  stacklevel=2)
+    return DEFAULT_DTYPE
 
 
 def _select_defaults() -> dict[str, str]:
     platform = current_platform()
     dims = MLADims.deepseek_v3()
-    dtype = default_dtype(platform)
+    dtype = DEFAULT_DTYPE
     return {
         "prefill": select_prefill_backend(dims, dtype).name,
         "decode": select_decode_backend(dims, dtype, "auto", 64).name,

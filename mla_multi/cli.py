@@ -75,7 +75,7 @@ def _triton_prefill_kernel(platform) -> dict:
     import mla_multi as mm
     from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
 
-    dtype = mm.default_dtype(platform)
+    dtype = mm.DEFAULT_DTYPE
     reason = wgmma_prefill_reason(platform, dtype, 192, 128)
     if reason:
         from mla_multi.kernels.launch_config import prefill_config
@@ -114,7 +114,7 @@ def collect_info(as_spec: str | None = None) -> dict:
     info["impersonated"] = as_spec is not None
 
     dims = MLADims.deepseek_v3()
-    dtype = mm.default_dtype(target)
+    dtype = mm.DEFAULT_DTYPE
     with platforms.override(target):
         configs = {
             "prefill": registry.prefill_config(dims, dtype),

@@ -60,6 +60,16 @@ def _latent_dims_reasons(dims) -> list[str]:
     return []
 
 
+def _sparse_fp8_reasons(platform: Platform, kv_dtype: torch.dtype) -> list[str]:
+    """Why `platform` cannot read an FP8 or fp8_ds_mla sparse cache (the dequantising launch and the kernels'
+    FP8 reads convert float8_e4m3fn in Triton, which NVIDIA GPUs before sm_89 lack)."""
+    fp8 = kv_dtype == torch.uint8 or kv_dtype in FP8_DTYPES
+    if fp8 and platform.is_cuda() and not platform.has_device_capability(8, 9):
+        return [f"NVIDIA {platform.arch} has no float8_e4m3fn conversion in Triton (sm_89+): the FP8 and "
+                "fp8_ds_mla sparse caches need it"]
+    return []
+
+
 def _interpreted(platform: Platform) -> bool:
     """The CPU with Triton's interpreter on: the kernels run there, interpreted."""
     return platform.is_cpu() and interpreter_active()
@@ -527,11 +537,7 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
         if platform.is_cuda() and config.kv_dtype == torch.float8_e4m3fnuz:
             reasons.append("a float8_e4m3fnuz cache on NVIDIA: its FP8 flavour is float8_e4m3fn")
         if not _interpreted(platform):
-            from mla_multi.kernels.sparse_decode import fp8_reason
-
-            reason = fp8_reason(platform, config.kv_dtype)
-            if reason:
-                reasons.append(reason)
+            reasons += _sparse_fp8_reasons(platform, config.kv_dtype)
         return reasons
 
     @staticmethod
