@@ -102,10 +102,10 @@ def mla_decode(
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = None
-    plan = _DECODE_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
-        _remember(_DECODE_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
@@ -119,19 +119,20 @@ def mla_decode(
     return (out, lse) if return_lse else out
 
 
-# Plans of the functional ops: a repeated call with the same shapes, strides, dtypes, devices, alignment,
-# options and MLA_MULTI_* environment skips the checks that the first call ran, the backend selection,
-# the split heuristic, the launch configuration and Triton's argument binding.
-_DECODE_PLANS: dict = {}
+# The plans of the functional ops (the one cache they keep), by op and key: a repeated call with the same
+# shapes, strides, dtypes, devices, alignment, options and MLA_MULTI_* environment skips the checks that the
+# first call ran, the backend selection and the impl's binding (`MLADecodeImpl.bind`: for TRITON the split
+# count, the launch configuration and Triton's argument binding).
+_PLANS: dict = {}
 _PLANS_MAX = 256
 
 
-def _remember(plans: dict, key, plan) -> None:
+def _remember(key, plan) -> None:
     """Keep `plan` under `key` (None: arguments without a layout, never kept), at most _PLANS_MAX plans."""
     if key is not None:
-        if len(plans) >= _PLANS_MAX:
-            plans.clear()
-        plans[key] = plan
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
@@ -151,8 +152,8 @@ def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num
     if num_kv_splits is not None and (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)):
         raise TypeError("num_kv_splits")
     return (
-        _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(block_table), _layout(seq_lens), scale_key,
-        num_kv_splits, backend, envs.snapshot(),
+        "mla_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(block_table), _layout(seq_lens),
+        scale_key, num_kv_splits, backend, envs.snapshot(),
     )
 
 
@@ -350,24 +351,21 @@ def mla_prefill(
         )
     try:
         key = (
-            _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
-            max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
+            "mla_prefill", _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            max_seqlen_q, max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
         )
         hash(key)
     except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what was wrong
         key = None
-    plan = _PREFILL_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
-        _remember(_PREFILL_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return plan.impl.forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
     )
-
-
-_PREFILL_PLANS: dict = {}
 
 
 class _PrefillPlan:
@@ -457,14 +455,14 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         )
     scale = checks.check_positive_float("scale", scale)
     try:
-        key = ("sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
+        key = ("mla_sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
                _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
     except (AttributeError, TypeError):  # not tensors: the checks say what was wrong
         key = None
-    plan = _SPARSE_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
-        _remember(_SPARSE_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
@@ -486,11 +484,6 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         return out
     _check_sparse_lse(lse, plan.backend_cls.name)
     return out, lse
-
-
-# Plans of the sparse ops, by the layouts of their tensors, their options and the MLA_MULTI_* environment:
-# a repeated call skips the shape checks, the backend selection and the impl's construction.
-_SPARSE_PLANS: dict = {}
 
 
 def _optional_layout(tensor) -> tuple | None:
@@ -657,9 +650,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
     try:
-        key = (_layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
+        key = ("concat_and_cache_mla", _layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
                _layout(scale) if torch.is_tensor(scale) else scale, envs.snapshot())
-        plan = _CACHE_WRITE_PLANS.get(key)
+        plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
     if plan is not None:
@@ -696,7 +689,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
             plan.device = device
             plan.data_checks = checks.data_checks_enabled(device)
             plan.scale = None if torch.is_tensor(scale) else scale_tensor
-            _remember(_CACHE_WRITE_PLANS, key, plan)
+            _remember(key, plan)
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
@@ -729,10 +722,6 @@ def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     # PyTorch's write: selecting the kept tokens reads the mask on the host (a synchronisation on GPUs)
     kept = torch.nonzero(keep).flatten()
     kv_cache.view(num_slots, FP8_DS_MLA_BYTES).index_copy_(0, slots[kept], rows[kept])
-
-
-# layout key -> the checked, bound cache write (GPU tensors; see _DECODE_PLANS)
-_CACHE_WRITE_PLANS: dict = {}
 
 
 def gather_cache(

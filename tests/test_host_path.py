@@ -58,14 +58,14 @@ def _kernel_launches(fn) -> list[str]:
 
 @pytest.mark.parametrize("heads,batch,seq_len", [(16, 1, 8192), (128, 8, 4096), (128, 64, 1024)])
 def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(heads, batch, seq_len):
-    ops._DECODE_PLANS.clear()
+    ops._PLANS.clear()
     scale = 192**-0.5
     first = _decode_inputs(batch, heads, seq_len, seed=1)
     out = mm.ops.mla_decode(*first, scale)
     second = _decode_inputs(batch, heads, seq_len, seed=2)
     out2 = mm.ops.mla_decode(*second, scale)
-    assert len(ops._DECODE_PLANS) == 1
-    plan = next(iter(ops._DECODE_PLANS.values()))
+    assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 1
+    plan = next(plan for key, plan in ops._PLANS.items() if key[0] == "mla_decode")
     assert list(plan.launch._kernels) == [(False, False)]  # one eager kernel plan
     kernel_plan = plan.launch._kernels[(False, False)]
     from mla_multi.kernels.launch import direct_launch_reason

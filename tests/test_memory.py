@@ -135,7 +135,7 @@ def test_layers_share_one_workspace_per_device():
 
 
 def test_functional_decode_reuses_its_plan_and_still_checks_data():
-    ops._DECODE_PLANS.clear()
+    ops._PLANS.clear()
     generator = torch.Generator().manual_seed(3)
     heads, blocks, block_size = 4, 6, 16
     q_nope = torch.randn(2, heads, 512, generator=generator)
@@ -144,10 +144,10 @@ def test_functional_decode_reuses_its_plan_and_still_checks_data():
     block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     seq_lens = torch.tensor([40, 17], dtype=torch.int32)
     first = mm.ops.mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.1)
-    assert len(ops._DECODE_PLANS) == 1
+    assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 1
     q_nope2 = torch.randn(2, heads, 512, generator=generator)
     second = mm.ops.mla_decode(q_nope2, q_pe, cache, block_table, seq_lens, 0.2)
-    assert len(ops._DECODE_PLANS) == 1  # same key: planned once
+    assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 1  # same key: planned once
     # the plan does not freeze the data: new query, new scale, new result (float64 reference)
     keys = cache.double().view(-1, 576)
     for out, q, scale in ((first, q_nope, 0.1), (second, q_nope2, 0.2)):
@@ -163,7 +163,7 @@ def test_functional_decode_reuses_its_plan_and_still_checks_data():
         mm.ops.mla_decode(q_nope, q_pe, cache, bad, seq_lens, 0.1)
     # another shape is another plan
     mm.ops.mla_decode(q_nope[:1], q_pe[:1], cache, block_table[:1], seq_lens[:1], 0.1)
-    assert len(ops._DECODE_PLANS) == 2
+    assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 2
 
 
 def test_direct_launch_contract_of_the_installed_triton():

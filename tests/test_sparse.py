@@ -396,7 +396,7 @@ def test_compiled_sparse_layer_matches_eager_over_mixed_steps():
 def test_sparse_decode_plans_once_per_layout_and_still_checks_the_data(monkeypatch):
     from mla_multi import ops, registry as registry_module
 
-    ops._SPARSE_PLANS.clear()
+    ops._PLANS.clear()
     selections = []
     select = registry_module.select_sparse_backend
 
