@@ -190,3 +190,12 @@ def test_no_import_circle():
         if node not in index:
             visit(node)
     assert not circles, circles
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's map names every module of the package by its path inside it."""
+    package = pathlib.Path(mla_multi.__file__).parent
+    page = (package.parent / "docs" / "architecture.md").read_text()
+    missing = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+               if path.relative_to(package).as_posix() not in page and path.relative_to(package) != pathlib.Path("__init__.py")]
+    assert not missing, missing
