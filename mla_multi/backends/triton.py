@@ -401,6 +401,9 @@ class _SparseThroughDense(MLASparseImpl):
         super().__init__(*args, **kwargs)
         self._dense: dict = {}  # the pages' dtype -> the dense decode impl reading them
         self._launches: dict = {}  # which way (in place, masked, dequantised...) -> (its layout key, the launch)
+        from mla_multi.kernels.sparse_indices import Scratch
+
+        self._scratch = Scratch()  # the compacted table and lengths, reused by eager calls
 
     def _decode_pages(self, way: str, q_nope, q_pe, pages, table, lens, scale: float, k_scale=None):
         """Decode one-token `pages` [slots, 1, W] through `table` [T, n] and `lens` [T] with the dense kernels.
@@ -445,9 +448,16 @@ class _SparseThroughDense(MLASparseImpl):
         pages = kv.reshape(num_slots, 1, kv.shape[-1])
         if (in_place and lists_as_they_are and topk_length is None and not out_of_range_is_none
                 and indices.stride(-1) == 1):
-            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, _full_lengths(indices), scale)
+            tokens, topk = indices.shape
+            # every token's whole index list
+            lens = self._scratch.full("full lengths", (tokens,), topk, torch.int32, indices.device)
+            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale)
         else:
-            table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
+            tokens, topk = indices.shape
+            out = (self._scratch.get("table", (tokens, max(topk, 1)), torch.int32, indices.device),
+                   self._scratch.get("lens", (tokens,), torch.int32, indices.device))
+            table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none,
+                                          out=out)
             if not in_place and kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: rows dequantised first
                 pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
             out, lse = self._decode_pages("in place" if in_place else "pages", q_nope, q_pe, pages, table, lens,
@@ -500,24 +510,6 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
         if kv.data_ptr() % 4 or kv.stride(0) % 4 or kv.stride(1) % 4:
             return ds_mla_decode_reason(current_platform(), kv)
         return ""
-
-
-_FULL_LENGTHS: dict = {}
-
-
-def _full_lengths(indices: torch.Tensor) -> torch.Tensor:
-    """int32 [tokens] holding topk: every token's whole index list (kept per shape and device, except when made
-    during a CUDA-graph capture, whose memory the graph owns)."""
-    tokens, topk = indices.shape
-    key = (indices.device, tokens, topk)
-    lengths = _FULL_LENGTHS.get(key)
-    if lengths is None:
-        lengths = torch.full((tokens,), topk, dtype=torch.int32, device=indices.device)
-        if not (indices.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if len(_FULL_LENGTHS) >= 64:
-                _FULL_LENGTHS.clear()
-            _FULL_LENGTHS[key] = lengths
-    return lengths
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
