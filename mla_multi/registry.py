@@ -404,7 +404,8 @@ class Registry:
                 return tuple(table[key])
         return ()
 
-    def ordering(self, phase: Phase, platform: Platform, config=None) -> tuple[tuple[str, ...], tuple[SelectionRule, ...]]:
+    def ordering(self, phase: Phase, platform: Platform,
+                 config=None) -> tuple[tuple[str, ...], tuple[SelectionRule, ...]]:
         """(the order tried for `config`, the rules that changed it): the platform's list with every matching
         rule's delta applied in turn."""
         order = self.base_priority(phase, platform)
