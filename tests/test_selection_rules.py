@@ -636,3 +636,54 @@ def test_the_layer_chooses_its_decode_backend_per_step(stepwise):
             reference = scenario.reference(requests, q, scale, weight)
             for out in outs:
                 assert relative_error(out, reference) < 1e-12
+
+
+@pytest.fixture
+def fake_flash_mla(monkeypatch):
+    """tests/fake_flash_mla (FlashMLA's interface in PyTorch) imported as flash_mla, forgotten afterwards."""
+    import sys
+
+    from mla_multi.backends import flashmla
+
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "flash_mla"}
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "fake_flash_mla"))
+    flashmla.clear_caches()
+    registry.default_registry.clear_cache()
+    import flash_mla
+
+    flash_mla.CALLS.clear()
+    yield flash_mla
+    for name in [n for n in sys.modules if n.split(".")[0] == "flash_mla"]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+    flashmla.clear_caches()
+    registry.default_registry.clear_cache()
+
+
+def test_an_h200_layer_decodes_a_step_of_32_rows_through_flashmla(fake_flash_mla, sm90):
+    """Built without a batch, an H200 layer at 128 heads keeps TRITON as its decode backend, and a step of 32
+    decode rows runs (planned, then launched) through FLASHMLA, here FlashMLA's interface in PyTorch, with the
+    output of a layer forced to REFERENCE."""
+    from mla_multi.testing import PagedScenario, relative_error
+
+    dims = MLADims.deepseek_v3()
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                          generator=generator, dtype=torch.float64) / dims.kv_lora_rank**0.5).to(torch.bfloat16)
+    scale = dims.qk_head_dim**-0.5
+    with override("H200"):
+        layer = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=40,
+                                prefill_backend="REFERENCE")
+        assert layer.backends() == {"prefill": "REFERENCE", "decode": "TRITON", "decode_32_to_40_rows": "FLASHMLA"}
+        scenario = PagedScenario(dims, 64, 64, torch.device("cpu"), torch.bfloat16, seed=1)
+        cache = torch.zeros(64, 64, dims.kv_cache_width, dtype=torch.bfloat16)
+        requests = [(r, 1) for r in range(32)]  # 32 new requests of one token each: 32 decode rows
+        metadata, q, kv_c, k_pe = scenario.step(requests)
+        layer.plan(metadata)
+        out = layer.forward(q, kv_c, k_pe, cache, metadata)
+        reference = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=40,
+                                    prefill_backend="REFERENCE", decode_backend="REFERENCE")
+        expected = reference.forward(q, kv_c, k_pe, cache.clone(), metadata)
+        assert relative_error(out, expected) < 2e-2
+    calls = [call["function"] for call in fake_flash_mla.CALLS]
+    assert calls == ["get_mla_decoding_metadata", "flash_mla_with_kvcache"], calls
