@@ -687,3 +687,64 @@ def test_an_h200_layer_decodes_a_step_of_32_rows_through_flashmla(fake_flash_mla
         assert relative_error(out, expected) < 2e-2
     calls = [call["function"] for call in fake_flash_mla.CALLS]
     assert calls == ["get_mla_decoding_metadata", "flash_mla_with_kvcache"], calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [8, 32])
+def test_gpu_layer_steps_take_the_backend_of_their_batch_eager_and_captured(batch):
+    """On an sm_90 GPU with sgl-flash-mla: a 128-head layer decodes a step of 8 rows through TRITON and one of 32
+    through FLASHMLA, eager and replayed from a CUDA graph with new lengths, as a layer forced to REFERENCE."""
+    dims = MLADims.deepseek_v3()
+    config = registry.decode_config(dims, torch.bfloat16, "auto", 64, num_tokens=32)
+    reasons = registry.default_registry.reasons("decode", "FLASHMLA", mm.current_platform(), config)
+    if reasons or mm.current_platform().arch != "sm_90":
+        pytest.skip(f"FLASHMLA's dense decode cannot run here: {reasons[:1] or mm.current_platform().arch}")
+    no_warpgroup = launch_config.wgmma_decode_reason(mm.current_platform(), torch.bfloat16)
+    if no_warpgroup:  # then FLASHINFER keeps its place ahead of both where it is installed
+        pytest.skip(f"the sm_90 warpgroup kernels cannot run here: {no_warpgroup}")
+    expected_backend = "FLASHMLA" if batch >= 32 else "TRITON"
+    generator = torch.Generator().manual_seed(batch)
+    weight = (torch.randn(128 * 256, 512, generator=generator) / 512**0.5).to(torch.bfloat16).cuda()
+    scale = dims.qk_head_dim**-0.5
+    layer = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=4096, max_num_seqs=64)
+    reference = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=4096, max_num_seqs=64,
+                                decode_backend="REFERENCE")
+    assert layer.backends()["decode_32_to_64_rows"] == "FLASHMLA"
+    blocks = 4096 // 64
+    cache = torch.randn(batch * blocks, 64, 576, generator=generator).to(torch.bfloat16).cuda()
+    table = torch.randperm(batch * blocks, generator=generator).to(torch.int32).view(batch, blocks).cuda()
+    q = torch.randn(batch, 128, 192, generator=generator).to(torch.bfloat16).cuda()
+    kv_c = torch.randn(batch, 512, generator=generator).to(torch.bfloat16).cuda()
+    k_pe = torch.randn(batch, 64, generator=generator).to(torch.bfloat16).cuda()
+
+    def metadata():
+        lens = [int(n) for n in torch.randint(1, 4096, (batch,), generator=generator)]
+        return mm.CommonAttentionMetadata.from_lengths([1] * batch, lens, table, 64)
+
+    def error(out, md):
+        expected = reference.forward(q, kv_c, k_pe, cache.clone(), md)
+        return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+
+    eager_md = metadata()
+    assert layer._step_decode(eager_md, batch)[0].name == expected_backend
+    assert error(layer.forward(q, kv_c, k_pe, cache, eager_md), eager_md) < 2e-2
+    # captured at the longest lengths, replayed with new ones copied into the captured metadata, re-planned first
+    md = mm.CommonAttentionMetadata.from_lengths([1] * batch, [4096] * batch, table, 64)
+    out = torch.empty(batch, 128 * 128, device="cuda", dtype=torch.bfloat16)
+    layer.plan(md, cuda_graph=True)
+    layer.forward(q, kv_c, k_pe, cache, md, output=out)
+    layer.lock_workspace()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer.forward(q, kv_c, k_pe, cache, md, output=out)
+        for _ in range(2):
+            new_md = metadata()
+            md.seq_lens.copy_(new_md.seq_lens)
+            md.slot_mapping.copy_(new_md.slot_mapping)
+            layer.plan(new_md, cuda_graph=True)  # FLASHMLA's schedule, into the buffers the graph reads
+            graph.replay()
+            torch.cuda.synchronize()
+            assert error(out, new_md) < 2e-2
+    finally:
+        layer.workspace.unlock()
