@@ -159,6 +159,11 @@ class MLAAttention:
                 decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
             )
             self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
+            # unless forced, each step's decode backend is chosen for its decode rows (a rule may depend on the
+            # planned batch: `registry.SELECTION_RULES`); the ranges of rows whose backend differs, with theirs
+            self._decode_ranges = self._decode_by_tokens(
+                dataclasses.replace(dims, num_heads=decode_heads), block_size, decode_backend
+            )
             self.context_prefill_backend, self.context_prefill_impl = self._context_prefill(
                 dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
             )
@@ -178,6 +183,39 @@ class MLAAttention:
         from mla_multi import library
 
         self.layer_id: int = library.register_layer(self)
+
+    def _decode_by_tokens(self, dims: MLADims, block_size: int, forced: str | None) -> tuple:
+        """((low, high, backend, impl), ...): the ranges of a step's decode rows (up to max_num_seqs) whose
+        backend, chosen by the registry for that batch, is not `decode_backend`, each with its implementation
+        (made and its workspace reserved here, before any capture)."""
+        from mla_multi.registry import decode_config, default_registry
+
+        config = decode_config(dims, self.dtype, self.kv_cache_dtype, block_size, platform=self.platform)
+        ranges = default_registry.by_num_tokens("decode", config, self.platform, forced, max_tokens=self.max_num_seqs)
+        impls = {self.decode_backend: self.decode_impl}
+        others = []
+        for low, high, backend in ranges:
+            if backend is self.decode_backend:
+                continue
+            impl = impls.get(backend)
+            if impl is None:
+                impl = impls[backend] = backend.get_decode_impl_cls()(
+                    dims.num_heads, self.scale, dims.kv_lora_rank, dims.qk_rope_head_dim, self.kv_cache_dtype,
+                    block_size, self.device,
+                )
+                impl.reserve_workspace(self.workspace, self.max_num_seqs, self.max_model_len, dtype=self.dtype)
+            others.append((low, high, backend, impl))
+        return tuple(others)
+
+    def _step_decode(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
+        """(backend, impl) of this step's decodes: the range of `_decode_ranges` its decode rows fall in, else
+        the layer's `decode_backend`."""
+        if self._decode_ranges:
+            rows = self._decode_inputs(metadata, num_decodes)[0].shape[0]
+            for low, high, backend, impl in self._decode_ranges:
+                if low <= rows and (high is None or rows <= high):
+                    return backend, impl
+        return self.decode_backend, self.decode_impl
 
     def _init_sparse(self, dims: MLADims, sparse_backend: str | None, dcp) -> None:
         """The sparse phase's backend (sparse mode needs no dense backend and no workspace reservation)."""
@@ -200,6 +238,7 @@ class MLAAttention:
             num_tokens=1,
         )
         self.prefill_backend = self.decode_backend = None
+        self._decode_ranges = ()
 
     def _context_prefill(self, dims: MLADims, forced: str | None, impl_args: tuple):
         """(backend, impl) for steps whose prefills have cached context. The chosen prefill backend, unless
@@ -274,6 +313,8 @@ class MLAAttention:
                 names["sparse_decode_few_tokens"] = self.sparse_few_tokens_backend.name
             return names
         names = {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+        for low, high, backend, _ in self._decode_ranges:  # steps of these many decode rows
+            names[f"decode_{low}_to_{high}_rows"] = backend.name
         if self.context_prefill_backend is not self.prefill_backend:
             names["prefill_context"] = self.context_prefill_backend.name  # steps whose prefills have context
             if self.short_prefills_on_context_backend:  # and steps whose prefills are all short
@@ -305,9 +346,10 @@ class MLAAttention:
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
             plan = self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
-            step = metadata.backend_plans.get(self._decode_step_key(num_decodes))
+            step_key = self._decode_step_key(metadata, num_decodes)
+            step = metadata.backend_plans.get(step_key)
             if step is not None and step[2].get("plan") is not plan:  # replanned: made again from the new plan
-                del metadata.backend_plans[self._decode_step_key(num_decodes)]
+                del metadata.backend_plans[step_key]
             self._decode_step(metadata, num_decodes)  # the split count too: every forward only launches
         if num_prefills > 0:
             self._prefill_metadata(metadata)
@@ -344,9 +386,10 @@ class MLAAttention:
         return found
 
     def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
-        if not self.decode_backend.requires_plan:
+        backend, impl = self._step_decode(metadata, num_decodes)
+        if not backend.requires_plan:
             return None
-        key = ("decode",) + self.decode_impl.plan_key() + (self.dtype,)
+        key = ("decode",) + impl.plan_key() + (self.dtype,)
         if self.dcp is not None:  # planned for the local lengths
             key += ("dcp", self.dcp.world_size, self.dcp.interleave)
         plan = metadata.backend_plans.get(key)
@@ -360,7 +403,7 @@ class MLAAttention:
             if self.dcp is not None:
                 # Under DCP the backend decodes this rank's share of each sequence.
                 seq_lens_cpu = self.dcp.local_seq_lens(seq_lens_cpu)
-            plan = self.decode_impl.plan(
+            plan = impl.plan(
                 seq_lens_cpu, block_table, 1,
                 k_scale=self.k_scale_value, cuda_graph=cuda_graph,
             )
@@ -549,30 +592,31 @@ class MLAAttention:
         return output
 
     def _decode_step(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
-        """(block_table, seq_lens, keywords) of the step's decodes, shared by every layer of this decode
-        configuration: the keywords hold its plan (backends that plan) or split count (TRITON). Looked up
-        once per step, so that every later layer only launches; `plan` drops it when it replans."""
-        key = self._decode_step_key(num_decodes)
+        """(block_table, seq_lens, keywords, impl) of the step's decodes, shared by every layer of this decode
+        configuration: the keywords hold its plan (backends that plan) or split count (TRITON), impl is the
+        step's implementation (`_step_decode`). Looked up once per step, so that every later layer only
+        launches; `plan` drops it when it replans."""
+        key = self._decode_step_key(metadata, num_decodes)
         found = metadata.backend_plans.get(key)
         if found is not None:
             return found
         block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
+        _, impl = self._step_decode(metadata, num_decodes)
         plan = self._decode_plan(metadata, num_decodes)
         keywords = {} if plan is None else {"plan": plan}
-        if self.decode_impl.chooses_num_kv_splits:
+        if impl.chooses_num_kv_splits:
             # the split count of the step, chosen by its first layer (under DCP for this rank's share: the
             # bound every rank's kernels see, so that the collectives meet equal shapes)
             bound = metadata.max_seq_len if self.dcp is None else self.dcp.local_num_tokens(metadata.max_seq_len, rank=0)
-            splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype,
-                          self.decode_impl.max_partial_rows, bound)
+            splits_key = ("decode_splits", impl.num_heads, self.kv_cache_dtype, impl.max_partial_rows, bound)
             splits = metadata.backend_plans.get(splits_key)
             if splits is None:
-                splits = metadata.backend_plans[splits_key] = self.decode_impl.choose_num_kv_splits(
+                splits = metadata.backend_plans[splits_key] = impl.choose_num_kv_splits(
                     block_table.shape[0], 1, bound, self.kv_cache_dtype
                 )
             keywords["num_kv_splits"] = splits
             keywords["step_plans"] = metadata.backend_plans
-        found = metadata.backend_plans[key] = (block_table, seq_lens, keywords)
+        found = metadata.backend_plans[key] = (block_table, seq_lens, keywords, impl)
         return found
 
     @functools.cached_property
@@ -584,8 +628,8 @@ class MLAAttention:
                 self.decode_impl.num_heads, self.decode_impl.max_partial_rows,
                 None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave))
 
-    def _decode_step_key(self, num_decodes: int) -> tuple:
-        return self._decode_step_key_base + (num_decodes,)
+    def _decode_step_key(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
+        return self._decode_step_key_base + (num_decodes, self._step_decode(metadata, num_decodes)[0].name)
 
     def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
@@ -600,13 +644,13 @@ class MLAAttention:
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims
         p = d.qk_nope_head_dim
-        block_table, seq_lens, keywords = self._decode_step(metadata, num_decodes)
+        block_table, seq_lens, keywords, impl = self._decode_step(metadata, num_decodes)
         if self.dcp is None:
             # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
-            forward_mqa = self.decode_impl.forward_mqa
+            forward_mqa = impl.forward_mqa
         else:
-            forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
+            forward_mqa = functools.partial(self.dcp.forward_mqa, impl)
         # the TRITON kernels take the query's strides as they are (under DCP the query is gathered anew)
         contiguous_pe = self.dcp is not None or "num_kv_splits" not in keywords
         q_decode = q if num_decode_tokens == q.shape[0] else q.narrow(0, 0, num_decode_tokens)

@@ -200,7 +200,8 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
     dims = MLADims(num_heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
     backend_cls = select_decode_backend(
-        dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend
+        dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend,
+        num_tokens=batch * q_len,
     )
     impl = backend_cls.get_decode_impl_cls()(
         num_heads, 1.0, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device

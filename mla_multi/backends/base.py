@@ -48,6 +48,9 @@ class DecodeSelectorConfig:
     kv_cache_dtype is already resolved to a torch dtype (see
     `mla_multi.backends.base.resolve_kv_cache_dtype`); max_query_len is the
     number of query tokens per request (1, or more for speculative decoding).
+    num_tokens: the batch's query tokens where a call is planned (None where
+    unknown, as when a layer is built); a selection rule may depend on it
+    (`registry.SELECTION_RULES`).
     """
 
     dims: MLADims
@@ -55,6 +58,7 @@ class DecodeSelectorConfig:
     kv_cache_dtype: torch.dtype
     block_size: int
     max_query_len: int = 1
+    num_tokens: int | None = None
 
     def describe(self) -> str:
         d = self.dims
@@ -63,6 +67,7 @@ class DecodeSelectorConfig:
             f"qk_rope_head_dim={d.qk_rope_head_dim} dtype={dtype_name(self.dtype)} "
             f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} block_size={self.block_size} "
             f"max_query_len={self.max_query_len}"
+            + (f" num_tokens={self.num_tokens}" if self.num_tokens is not None else "")
         )
 
 

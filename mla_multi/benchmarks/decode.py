@@ -188,7 +188,8 @@ GRAPHABLE_EXCLUDED = ("REFERENCE",)
 
 
 def installed_decode_backends(config) -> tuple[list[str], str | None, dict[str, list[str]]]:
-    """(backends that can run `config` here, the registry's choice, reasons of the others)."""
+    """(backends that can run `config` here, the registry's choice for it (for its `num_tokens` where the
+    config was planned with one), reasons of the others)."""
     from mla_multi import registry
 
     rows = registry.default_registry.explain("decode", config)
@@ -213,7 +214,9 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
     from mla_multi.workspace import WorkspaceManager
 
     dims = MLADims.deepseek_v3(num_heads=heads)
-    config = registry.decode_config(dims, torch.bfloat16, cache_dtype, block_size, q_len)
+    # planned with its batch, as `ops.mla_decode` and the layer's step plan it: "chosen" is the registry's
+    # choice at this batch (a rule may depend on it)
+    config = registry.decode_config(dims, torch.bfloat16, cache_dtype, block_size, q_len, num_tokens=batch * q_len)
     usable, chosen, _ = installed_decode_backends(config)
     if backends:
         usable = [b for b in usable if b in backends]
