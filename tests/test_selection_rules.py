@@ -522,7 +522,7 @@ def test_the_functional_op_plans_with_its_batch(monkeypatch):
         return select(*args, **kwargs)
 
     monkeypatch.setattr(ops, "select_decode_backend", spy)
-    monkeypatch.setattr(ops, "_DECODE_PLANS", {})
+    monkeypatch.setattr(ops, "_PLANS", {})
     generator = torch.Generator().manual_seed(0)
     cache = torch.randn(8, 16, 80, generator=generator, dtype=torch.float64)
     table = torch.arange(6, dtype=torch.int32).view(3, 2)
