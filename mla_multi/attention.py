@@ -20,6 +20,7 @@ from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES, dtype_name, resolve_kv_cache_dtype
 from mla_multi.dims import MLADims
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
+from mla_multi.kernels import rows_of_heads
 from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills, to_device
 from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
@@ -837,13 +838,22 @@ class MLAAttention(torch.nn.Module):
         key[:, :, p:] = k_pe.unsqueeze(1)
         return key, value, None
 
+    @staticmethod
+    def _prefill_query(q_prefill: torch.Tensor) -> torch.Tensor:
+        """The prefill rows of q as every prefill call of the step reads them: q itself where each token's heads
+        lie side by side in its row (`mla_multi.kernels.rows_of_heads`), else a contiguous copy made once for
+        the new tokens' call and every context chunk's. A query whose heads lie T rows apart (transformers'
+        [T, N, P + R] view of [1, N, T, P + R]) cannot be read by the TMA descriptors of the sm_90 prefill
+        kernel, which `prefill.varlen_attention` would then skip for the slower Triton kernel."""
+        return q_prefill if rows_of_heads(q_prefill) else q_prefill.contiguous()
+
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
         from mla_multi.kernels.merge import merge_attn_states as merge_kernel
 
         d = self.dims
         prefill_metadata = self._prefill_metadata(metadata)
         _, impl = self._step_prefill(metadata)
-        q_prefill = q[num_decode_tokens:]
+        q_prefill = self._prefill_query(q[num_decode_tokens:])
         key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:], impl)
         split = {} if key_pe is None else {"k_pe": key_pe}
         chunked = prefill_metadata.chunked_context
