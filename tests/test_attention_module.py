@@ -177,6 +177,45 @@ def test_the_constructor_keeps_its_signature_and_call_runs_forward():
     assert "num_heads=4" in repr(layer) and "REFERENCE" in repr(layer)
 
 
+def test_a_compiled_model_calls_the_layer_as_its_submodule():
+    """torch.compile(fullgraph=True) of a model that holds the layer as a submodule and calls it (nn.Module's
+    __call__): one opaque op that finds the layer by its layer_id; equal to the eager call, cache included."""
+    import torch._dynamo
+
+    from mla_multi import library
+
+    weight = make_weight(dtype=torch.float32)
+    layer = make_layer(weight)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, q, kv_c, k_pe, kv_cache):
+            return self.attn(q, kv_c, k_pe, kv_cache, None) * 2
+
+    model = Model()
+    assert list(model.state_dict()) == ["attn.kv_b_proj_weight"]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    scenario, cache = scenario_and_cache(torch.float32)
+    try:
+        with torch.inference_mode():
+            for requests in STEPS:
+                metadata, q, kv_c, k_pe = scenario.step(requests)
+                eager_cache = cache.clone()
+                layer.plan(metadata)
+                out = compiled(q, kv_c, k_pe, cache)
+                expected = 2 * layer(q, kv_c, k_pe, eager_cache, metadata)
+                torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(cache, eager_cache, rtol=0, atol=0, equal_nan=True)
+                assert relative_error(out / 2, scenario.reference(requests, q, layer.scale, weight)) < 1e-5
+    finally:
+        torch._dynamo.reset()
+        library.set_current_metadata(torch.device("cpu"), None)
+
+
 # --------------------------------------------------------------------------- autograd
 
 
