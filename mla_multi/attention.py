@@ -49,7 +49,7 @@ class _InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output, *inputs):
-        return output.view_as(output)
+        return output.detach()  # the same memory, not a view in autograd's sense: in-place ops after it work
 
     @staticmethod
     def backward(ctx, *grads):
@@ -90,9 +90,9 @@ class MLAAttention(torch.nn.Module):
     forward; `process_weights_after_loading()` (vLLM's name) does it at once and checks the weight.
 
     Autograd: inference only. Under grad mode the forward runs under `torch.no_grad()` itself: the cache is
-    written as in inference (it never requires grad, it gets no grad_fn), and where an input requires grad the
-    output does too, through a node whose backward raises RuntimeError (`NO_BACKWARD`) rather than giving a
-    gradient that silently leaves the attention out.
+    written as in inference (it never requires grad, it gets no grad_fn), and where an input or the weight
+    requires grad the output does too, through a node whose backward raises RuntimeError (`NO_BACKWARD`) rather
+    than giving a gradient that silently leaves the attention out.
 
     Args:
         dims: the layer's `MLADims` (heads on this device).
@@ -631,8 +631,9 @@ class MLAAttention(torch.nn.Module):
             # cache is written and the output computed without autograd, and a backward says why it cannot be
             with torch.no_grad():
                 out = self._forward_eager(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
-            if q.requires_grad or kv_c_normed.requires_grad or k_pe.requires_grad:
-                out = _InferenceOnly.apply(out, q, kv_c_normed, k_pe)
+            weight = self._parameters["kv_b_proj_weight"]
+            if q.requires_grad or kv_c_normed.requires_grad or k_pe.requires_grad or weight.requires_grad:
+                out = _InferenceOnly.apply(out, q, kv_c_normed, k_pe, weight)
             return out
         return self._forward_eager(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
 

@@ -241,9 +241,17 @@ def test_grad_mode_runs_without_autograd_and_a_backward_says_why_not(steps):
     assert out.requires_grad
     with pytest.raises(RuntimeError, match=r"inference-only.*torch\.inference_mode\(\)"):
         out.sum().backward()
+    out.mul_(2)  # in-place ops on the output still work (a model may scale it in place)
     # inputs that do not require grad: a plain tensor, nothing to raise
     metadata, q, kv_c, k_pe = scenario.step([(0, 1)])
     assert not layer(q, kv_c, k_pe, cache, metadata).requires_grad
+    # a weight that requires grad (a model's trainable kv_b_proj.weight): the backward raises too
+    layer.kv_b_proj_weight.requires_grad_(True)
+    metadata, q, kv_c, k_pe = scenario.step([(1, 1)])
+    out = layer(q, kv_c, k_pe, cache, metadata)
+    assert not cache.requires_grad and cache.grad_fn is None
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
 
 
 def _interpreter_main() -> None:
