@@ -67,12 +67,15 @@ def test_served_attention_modules_hold_no_copy_of_kv_b_proj(example):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_gpu_bf16_logits_within_transformers_own_bf16_error(example, kv_cache_dtype):
     """bf16 with the registry's kernels: under teacher forcing, the logits' error against transformers' float32
-    model is within 2x transformers' own bf16 model's error (and 5e-2; FP8 cache: 3x and 1.5e-1); the tokens
-    beside transformers' float32 and bf16 greedy tokens are printed."""
+    model is within 2x transformers' own bf16 model's error and 5e-2 (FP8 cache, scale 0.05: 2e-1), and the
+    top-1 agreement with the float32 logits within 5 points of transformers' bf16 model's (FP8: 10); the tokens,
+    beside transformers' float32 and bf16 greedy tokens, are printed."""
     results = example.run("cuda", kv_cache_dtype=kv_cache_dtype, num_heads=16)
     print(json.dumps(results))
     if kv_cache_dtype == "auto":
         assert results["ok"], results
+        slack = 0.05
     else:
-        assert results["rel_logit_err"] <= min(0.15, 3 * results["transformers_bf16_rel_logit_err"]), results
-    assert results["top1_agreement"] >= 0.9, results
+        assert results["rel_logit_err"] <= 0.2, results
+        slack = 0.10
+    assert results["top1_agreement"] >= results["transformers_bf16_top1_agreement"] - slack, results
