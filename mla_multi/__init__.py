@@ -12,7 +12,9 @@ import torch
 from mla_multi import envs
 from mla_multi.attention import MLAAttention
 from mla_multi.dims import MLADims
+from mla_multi.kv_cache import allocate_kv_cache
 from mla_multi.metadata import (
+    BatchOrder,
     CommonAttentionMetadata,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
@@ -31,12 +33,14 @@ __version__ = "0.1.0"
 __all__ = [
     "MLAAttention",
     "MLADims",
+    "BatchOrder",
     "CommonAttentionMetadata",
     "NoBackendError",
     "Platform",
     "UnknownBackendError",
     "WorkspaceLockedError",
     "WorkspaceManager",
+    "allocate_kv_cache",
     "current_platform",
     "ops",
     "reorder_batch_to_split_decodes_and_prefills",

@@ -571,10 +571,13 @@ def varlen_attention(
     if batch == 0 or num_heads == 0:
         return out, (lse if return_lse else None)
     if config is None:
-        if _sm90_kernel(q, k, v, k_pe):  # checked above; `takes` holds, so there are tokens
+        # checked above; `takes` holds, so there are tokens (a query in a layout TMA cannot read, transformers'
+        # [T, N, 192] view of [1, N, T, 192], is copied once: `prefill_wgmma.query_for_kernel`)
+        fast_q = _sm90_kernel(q, k, v, k_pe)
+        if fast_q is not None:
             from mla_multi.kernels.prefill_wgmma import launch
 
-            launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, out,
+            launch(fast_q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, out,
                    lse if return_lse else None, error_flag, k_pe, merge)
             return out, (lse if return_lse else None)
         config = _config_for(q, head_dim_v, causal)
@@ -626,16 +629,18 @@ def varlen_attention(
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _sm90_kernel(q, k, v, k_pe) -> bool:
-    """Whether the default launch takes `prefill_wgmma`'s kernel (sm_90, MLA head dims, 16-byte rows, at
-    least a tile; the in-kernel merge too): 1.14-1.27x this kernel's speed on an H100 (bench/RESULTS.md)."""
+def _sm90_kernel(q, k, v, k_pe) -> torch.Tensor | None:
+    """The query with which the default launch takes `prefill_wgmma`'s kernel (sm_90, MLA head dims, 16-byte
+    rows, at least a tile; the in-kernel merge too): 1.14-1.27x this kernel's speed on an H100
+    (bench/RESULTS.md). q itself, or a contiguous copy of a q whose layout alone kept the kernel from it
+    (`prefill_wgmma.query_for_kernel`); None where that kernel does not run."""
     from mla_multi.kernels import interpreter_active, prefill_wgmma
 
     if q.device.type != "cuda" or interpreter_active():
-        return False
+        return None
     from mla_multi.platforms import current_platform
 
-    return prefill_wgmma.takes(q, k, v, k_pe, current_platform())
+    return prefill_wgmma.query_for_kernel(q, k, v, k_pe, current_platform())
 
 
 def split_key_reason(platform) -> str:
