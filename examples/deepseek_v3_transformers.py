@@ -42,8 +42,9 @@ DEEPSEEK_V3_ROPE_SCALING = {
 }
 CPU_TOLERANCE = 1e-6  # float64: largest relative logit error of a token against transformers' float64 SDPA
 CPU_ATTENTION_TOLERANCE = 1e-12  # float64: the same for the first layer's attention output
-GPU_RELATIVE_TO_TRANSFORMERS_BF16 = 2.0  # bf16: at most this many times transformers' own bf16 error
-GPU_TOLERANCE = 5e-2  # and at most this, relative to the float32 logits
+# bf16: at most this many times transformers' own bf16 model's error against its float32 logits (a random-weight
+# model's bf16 logits stray by some 7e-2 in transformers itself: the bound is relative to that, not absolute)
+GPU_RELATIVE_TO_TRANSFORMERS_BF16 = 1.5
 
 
 def tiny_config(num_heads: int = 8, num_layers: int = 2):
@@ -355,7 +356,7 @@ def run(device: str = "cpu", dtype: torch.dtype | None = None, num_heads: int = 
         bf16_cat = torch.cat(bf16_all)
         results["transformers_bf16_rel_logit_err"] = float((bf16_cat - ref_cat).norm() / ref_cat.norm())
         results["transformers_bf16_top1_agreement"] = float((bf16_cat.argmax(-1) == ref_cat.argmax(-1)).double().mean())
-        results["tolerance"] = min(GPU_TOLERANCE, GPU_RELATIVE_TO_TRANSFORMERS_BF16 * results["transformers_bf16_rel_logit_err"])
+        results["tolerance"] = GPU_RELATIVE_TO_TRANSFORMERS_BF16 * results["transformers_bf16_rel_logit_err"]
         results["ok"] = results["rel_logit_err"] <= results["tolerance"]
     else:
         results["tolerance"] = CPU_TOLERANCE

@@ -67,7 +67,7 @@ def test_served_attention_modules_hold_no_copy_of_kv_b_proj(example):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_gpu_bf16_logits_within_transformers_own_bf16_error(example, kv_cache_dtype):
     """bf16 with the registry's kernels: under teacher forcing, the logits' error against transformers' float32
-    model is within 2x transformers' own bf16 model's error and 5e-2 (FP8 cache, scale 0.05: 2e-1), and the
+    model is within 1.5x transformers' own bf16 model's error (FP8 cache, scale 0.05: 2e-1), and the
     top-1 agreement with the float32 logits within 5 points of transformers' bf16 model's (FP8: 10); the tokens,
     beside transformers' float32 and bf16 greedy tokens, are printed."""
     results = example.run("cuda", kv_cache_dtype=kv_cache_dtype, num_heads=16)

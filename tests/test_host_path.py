@@ -61,9 +61,9 @@ def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(hea
     ops._PLANS.clear()
     scale = 192**-0.5
     first = _decode_inputs(batch, heads, seq_len, seed=1)
-    out = mm.ops.mla_decode(*first, scale)
+    out = mm.ops.mla_decode(*first, scale, backend="TRITON")
     second = _decode_inputs(batch, heads, seq_len, seed=2)
-    out2 = mm.ops.mla_decode(*second, scale)
+    out2 = mm.ops.mla_decode(*second, scale, backend="TRITON")
     assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 1
     plan = next(plan for key, plan in ops._PLANS.items() if key[0] == "mla_decode")
     assert list(plan.launch._kernels) == [(False, False)]  # one eager kernel plan
@@ -79,7 +79,7 @@ def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(hea
         expected = _reference(*inputs, scale)
         error = ((result.double() - expected).norm() / expected.norm()).item()
         assert error < 1e-2, error
-    launches = _kernel_launches(lambda: mm.ops.mla_decode(*second, scale))
+    launches = _kernel_launches(lambda: mm.ops.mla_decode(*second, scale, backend="TRITON"))
     assert 1 <= len(launches) <= 2, launches  # the split kernel, and the merge when it splits
 
 
