@@ -47,7 +47,10 @@ class DecodeSelectorConfig:
 
     kv_cache_dtype is already resolved to a torch dtype (see
     `mla_multi.backends.base.resolve_kv_cache_dtype`); max_query_len is the
-    number of query tokens per request (1, or more for speculative decoding).
+    number of query tokens per request (1, or more for speculative decoding);
+    needs_lse: the caller uses the decode LSE (a merge across ranks or
+    chunks, an attention sink), so a backend whose kernel for the
+    configuration writes none must decline it.
     """
 
     dims: MLADims
@@ -55,6 +58,7 @@ class DecodeSelectorConfig:
     kv_cache_dtype: torch.dtype
     block_size: int
     max_query_len: int = 1
+    needs_lse: bool = False
 
     def describe(self) -> str:
         d = self.dims
@@ -62,7 +66,7 @@ class DecodeSelectorConfig:
             f"phase=decode num_heads={d.num_heads} kv_lora_rank={d.kv_lora_rank} "
             f"qk_rope_head_dim={d.qk_rope_head_dim} dtype={dtype_name(self.dtype)} "
             f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} block_size={self.block_size} "
-            f"max_query_len={self.max_query_len}"
+            f"max_query_len={self.max_query_len}" + (" needs_lse" if self.needs_lse else "")
         )
 
 

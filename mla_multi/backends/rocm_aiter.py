@@ -153,6 +153,8 @@ FLASH_ATTN_VARLEN_FUNC = AiterCall(
         "causal",
         "return_lse",
     ),
+    # the attention sink, where the caller gives one (one logit a head)
+    optional_keywords=("sink_ptr",),
 )
 
 # Sparse MLA: the same function with one request per query token over the
@@ -1103,16 +1105,26 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         max_seqlen_k: int,
         causal: bool,
         return_softmax_lse: bool,
+        sink: torch.Tensor | None = None,
     ):
-        """q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (float16 / bfloat16), cu_seqlens int32 [B + 1].
+        """q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (float16 / bfloat16), cu_seqlens int32 [B + 1];
+        sink float32 [N] (one logit a head that joins every row's softmax denominator), through aiter's
+        `sink_ptr`.
 
-        Returns out [Tq, N, Dv] and, with `return_softmax_lse`, lse [N, Tq] float32.
+        Returns out [Tq, N, Dv] and, with `return_softmax_lse`, lse [N, Tq] float32 (the keys' own; aiter
+        picks its v3 assembly kernel on gfx942 / gfx950 when the LSE is asked for).
         """
         probe = probe_aiter()
         if probe.error:
             raise RuntimeError(probe.error)
         import aiter
 
+        keywords: dict[str, Any] = {}
+        if sink is not None:
+            if not probe.prefill_has("sink_ptr"):
+                raise ValueError(f"a sink with ROCM_AITER prefill on {probe.label}: its flash_attn_varlen_func "
+                                 "takes no sink_ptr; accepted: sink=None, or aiter v0.1.20 or later")
+            keywords["sink_ptr"] = sink.to(device=q.device, dtype=torch.float32).contiguous()
         result = aiter.flash_attn_varlen_func(
             q=q,
             k=k,
@@ -1124,6 +1136,7 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
             softmax_scale=self.scale,
             causal=causal,
             return_lse=return_softmax_lse,
+            **keywords,
         )
         if not return_softmax_lse:
             return result[0] if isinstance(result, (tuple, list)) else result
