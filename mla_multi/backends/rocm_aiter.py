@@ -728,7 +728,7 @@ class AiterMLADecodeImpl(MLADecodeImpl):
     def _work_buffers(self, route: AiterDecodeRoute, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Metadata buffers for `route`, shared by every layer of this configuration; grown (never under a
         graph capture) only when a batch exceeds the reservation."""
-        key = ("work", device, self.plan_key(), route.heads, route.query_len)
+        key = ("work", device, self.plan_key(), route)
         with _plan_lock:
             found = _plan_buffers.get(key)
             if found is None or found[0] < batch:
@@ -753,7 +753,7 @@ class AiterMLADecodeImpl(MLADecodeImpl):
             seq_lens = to_device(torch.as_tensor(seq_lens_cpu).to(torch.int32), device)
         _, kv_indptr, kv_indices, kv_last_page_lens = paged_kv_indices(block_table, seq_lens, self.block_size)
         qo_indptr = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device=device)
-        key = ("indices", device, self.plan_key(), batch, query_len, max_blocks)
+        key = ("indices", device, self.plan_key(), route, batch, max_blocks)
         with _plan_lock:
             buffers = _plan_buffers.get(key)
             if buffers is None:
