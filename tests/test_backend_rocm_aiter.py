@@ -55,16 +55,16 @@ def _published_function(wheel: pathlib.Path, source: str, function: str) -> ast.
     return found[-1] if found else None
 
 
-def test_an_aiter_without_the_persistent_path_is_a_reason(aiter_wheel):
-    """The index's wheel (aiter of 2025-11) has no get_mla_metadata_v1: the adapter, which follows
-    v0.1.20.post1 (tests/test_backend_rocm_aiter_contract.py), declares itself unavailable there."""
-    if os.environ.get("MLA_MULTI_AITER_WHEEL") and _published_function(
-            aiter_wheel, "aiter/ops/attention.py", "get_mla_metadata_v1") is not None:
-        pytest.skip("MLA_MULTI_AITER_WHEEL names an aiter with the persistent path")
+def test_the_index_aiter_lacks_what_the_adapter_passes(aiter_wheel):
+    """The index's wheel (aiter of 2025-11) has the persistent buffers but no page_size, nhead_kv, causal or
+    return_lse: the adapter, which follows v0.1.20.post1 (tests/test_backend_rocm_aiter_contract.py), names the
+    missing parameters as its reason there instead of calling it."""
     decode = _published_function(aiter_wheel, "aiter/mla.py", "mla_decode_fwd")
     names, _ = published_parameters(decode)
-    assert "return_lse" not in names and "work_meta_data" in names
-    assert _published_function(aiter_wheel, "aiter/ops/attention.py", "get_mla_metadata_v1") is None
+    if os.environ.get("MLA_MULTI_AITER_WHEEL") and "causal" in names:
+        pytest.skip("MLA_MULTI_AITER_WHEEL names an aiter with the current signature")
+    assert "work_meta_data" in names and "return_lse" not in names
+    assert rocm_aiter._missing_keywords(rocm_aiter.MLA_DECODE_FWD, tuple(names)) == ["page_size", "nhead_kv", "causal"]
 
 
 def test_published_aiter_ships_mla_kernels_for_gfx942_and_gfx950(aiter_wheel):

@@ -351,6 +351,15 @@ class AiterDecodeRoute:
         return f"{path}, {lse} ({heads}, {self.query_len} query tokens, {self.q_type} query, {self.kv_type} cache)"
 
 
+def _runtime_arch() -> str:
+    """The architecture whose kernel tables a call follows: the current platform's, or gfx942 where the current
+    platform is none of aiter's (a CPU test run against the stand-in aiter; selection never gets there)."""
+    from mla_multi.platforms import current_platform
+
+    arch = current_platform().arch
+    return arch if arch in AITER_DECODE_KERNELS else AITER_ARCHS[0]
+
+
 def _head_candidates(num_heads: int) -> list[int]:
     found = [num_heads] if num_heads in AITER_DECODE_NATIVE_NUM_HEADS or num_heads in range(48, 113, 16) else []
     padded = AITER_DECODE_PADDED_NUM_HEADS if num_heads < 16 else -(-num_heads // 16) * 16
@@ -557,7 +566,7 @@ def _decode_shape_reasons(dims, where: str, arch: str) -> list[str]:
     """The head counts and latent widths the sparse path's `mla_decode_fwd` kernels take."""
     reasons = []
     num_heads = dims.num_heads
-    if _sparse_heads(arch, num_heads) is None:
+    if arch in AITER_DECODE_KERNELS and _sparse_heads(arch, num_heads) is None:
         reasons.append(
             f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd (split-KV, one bfloat16 query "
             f"token a request); supported: {_decode_num_heads_text(arch)}"
@@ -682,9 +691,7 @@ class AiterMLADecodeImpl(MLADecodeImpl):
 
     def route(self, query_len: int) -> AiterDecodeRoute:
         """The route of this layer's decode with `query_len` tokens a request on the current platform."""
-        from mla_multi.platforms import current_platform
-
-        arch = current_platform().arch
+        arch = _runtime_arch()
         found = aiter_decode_route(arch, self.num_heads, query_len, self.kv_cache_dtype)
         if found is None:
             raise ValueError(
@@ -1338,9 +1345,7 @@ class _AiterSparseImpl(MLASparseImpl):
         device = q_nope.device
         index = sparse_kv_indices(indices, kv_buffer.shape[0], topk_length,
                                   out_of_range_is_bad=self.out_of_range_is_bad)
-        from mla_multi.platforms import current_platform
-
-        arch = current_platform().arch
+        arch = _runtime_arch()
         heads = _sparse_heads(arch, num_heads)
         if heads is None:
             raise ValueError(f"num_heads {num_heads} is not supported by ROCM_AITER {self.phase} on {arch}; "

@@ -1,7 +1,7 @@
 """What the stand-in aiter models of the real one (v0.1.20.post1, see ../contract.json).
 
 * `get_gfx()` / `get_cu_num()`: the architecture of the platform mla_multi runs
-  on (impersonated in tests), or FAKE_AITER_GFX.
+  on (impersonated in tests; gfx942 on a CPU), or FAKE_AITER_GFX.
 * `decode_kernel(...)`: which assembly kernel `mla_decode_fwd` reaches for a
   configuration, or the error aiter raises: the Python gate of
   `mla_decode_fwd` (native head counts, the fold of 32..128 heads into groups
@@ -47,7 +47,8 @@ def get_gfx() -> str:
         return forced
     from mla_multi.platforms import current_platform
 
-    return current_platform().arch
+    arch = current_platform().arch
+    return arch if arch in CU_NUM else "gfx942"  # a CPU run stands in for an MI300X
 
 
 def get_cu_num() -> int:
