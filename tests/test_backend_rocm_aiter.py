@@ -552,6 +552,9 @@ def test_selection_table(fake_aiter, platform, kv):
     assert info["aiter_source"].startswith("v0.1.20.post1 (de07f3885ee5")
     assert set(info["routes"]) == {"bfloat16", dtype_name(SPECS[platform].fp8_dtype)}
     assert info["routes"][dtype_name(kv_dtype)][128][1].startswith("persistent")
+    table = rocm_aiter.route_table(SPECS[platform], (16, 32, 64, 128))["routes"][dtype_name(kv_dtype)]
+    assert {h: " ".join(("P" if t.startswith("persistent") else "S") + ("+LSE" if ", LSE" in t else "") for t in row.values())
+            for h, row in table.items()} == SELECTION_TABLE[(platform, kv)]
 
 
 def test_lse_reason_names_the_tokens_and_cache(fake_aiter):
@@ -695,3 +698,20 @@ def test_probe_is_cached(fake_aiter, monkeypatch):
     monkeypatch.setattr(rocm_aiter.importlib, "import_module", lambda name: calls.append(name))
     assert rocm_aiter.probe_aiter() is first and calls == []
     assert rocm_aiter.AiterMLADecodeBackend.info()["aiter_version"] == "0.1.20.post1+fake"
+
+
+def test_info_as_mi300x_and_mi355x_shows_the_routes(capsys):
+    """`mla-multi info --as MI300X / MI355X` prints the routes per cache dtype, head count and query tokens from
+    aiter's kernel tables, aiter installed or not."""
+    from mla_multi import cli
+
+    for spec, fp8 in (("MI300X", "float8_e4m3fnuz"), ("MI355X", "float8_e4m3fn")):
+        assert cli.main(["info", "--as", spec]) == 0
+        printed = capsys.readouterr().out
+        assert "ROCM_AITER decode routes (aiter v0.1.20.post1 (de07f3885ee5) kernel tables" in printed
+        lines = [line for line in printed.splitlines() if " heads  1: " in line]
+        assert len(lines) == 10 and any(line.split()[0] == fp8 for line in lines)
+    last_128_fp8 = [line for line in lines if line.split()[:2] == [fp8, "128"]]
+    assert last_128_fp8 == ["  float8_e4m3fn    128 heads  1: persistent, LSE | 2: persistent, LSE | 3: persistent, LSE | "
+                            "4: persistent, LSE"]
+    assert cli.collect_info("H100")["rocm_aiter_decode"] is None

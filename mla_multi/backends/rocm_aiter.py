@@ -929,6 +929,32 @@ def _routes_text(arch: str, query_len: int, kv_cache_dtype: torch.dtype) -> str:
     return "num_heads " + ", ".join(parts) + "; others padded to a multiple of 16 where that runs"
 
 
+def route_table(platform: Platform, num_heads: tuple[int, ...] = (8, 16, 32, 64, 128),
+                query_lens: tuple[int, ...] = (1, 2, 3, 4)) -> dict | None:
+    """How aiter's decode kernel tables (AITER_SOURCE_TAG) run DeepSeek decodes on `platform`, per cache dtype,
+    head count and query tokens: "persistent, LSE", "split-KV" ... or the reason it falls back. None off gfx942 /
+    gfx950. Read from the tables only: it holds whether or not aiter is installed (`mla-multi info`)."""
+    if platform.arch not in AITER_DECODE_KERNELS:
+        return None
+    kv_dtypes = [torch.bfloat16] + ([platform.fp8_dtype] if platform.fp8_dtype is not None else [])
+    table = {}
+    for kv in kv_dtypes:
+        rows = {}
+        for heads in num_heads:
+            row = {}
+            for query_len in query_lens:
+                route = aiter_decode_route(platform.arch, heads, query_len, kv)
+                if route is None:
+                    row[query_len] = "falls back: no kernel in aiter's tables"
+                else:
+                    row[query_len] = (("persistent" if route.persistent else "split-KV")
+                                      + (", LSE" if route.lse else ", no LSE")
+                                      + (f", padded to {route.heads}" if route.padded else ""))
+            rows[heads] = row
+        table[dtype_name(kv)] = rows
+    return {"aiter_source": f"{AITER_SOURCE_TAG} ({AITER_SOURCE_COMMIT[:12]})", "routes": table}
+
+
 class AiterMLADecodeBackend(MLADecodeBackend):
     """`aiter.mla.mla_decode_fwd`: bfloat16 (or a8w8 fp8) decode on gfx942 / gfx950, persistent where aiter has
     the kernel."""
@@ -1063,19 +1089,6 @@ class AiterMLADecodeBackend(MLADecodeBackend):
         return reasons
 
     @classmethod
-    def routes(cls, platform: Platform, kv_cache_dtype: torch.dtype,
-               num_heads: tuple[int, ...] = (16, 32, 64, 128), query_lens: tuple[int, ...] = (1, 2, 3, 4)) -> dict:
-        """{num_heads: {query_len: route text or "falls back"}} on `platform` (`mla-multi info`)."""
-        table = {}
-        for heads in num_heads:
-            row = {}
-            for query_len in query_lens:
-                route = aiter_decode_route(platform.arch, heads, query_len, kv_cache_dtype)
-                row[query_len] = route.describe() if route is not None else "falls back (no aiter kernel)"
-            table[heads] = row
-        return table
-
-    @classmethod
     def info(cls) -> dict[str, Any]:
         info = super().info()
         probe = probe_aiter()
@@ -1089,9 +1102,9 @@ class AiterMLADecodeBackend(MLADecodeBackend):
             returns_lse=cls.provides_decode_lse(platform),
             kernel_archs=list(probe.kernel_archs) if probe.kernel_archs is not None else "unknown",
         )
-        if platform.arch in AITER_DECODE_KERNELS:
-            kv_types = [torch.bfloat16] + ([platform.fp8_dtype] if platform.fp8_dtype is not None else [])
-            info["routes"] = {dtype_name(kv): cls.routes(platform, kv) for kv in kv_types}
+        table = route_table(platform, (16, 32, 64, 128))
+        if table is not None:
+            info["routes"] = table["routes"]
         return info
 
 
