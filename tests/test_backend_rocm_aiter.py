@@ -715,3 +715,39 @@ def test_info_as_mi300x_and_mi355x_shows_the_routes(capsys):
     assert last_128_fp8 == ["  float8_e4m3fn    128 heads  1: persistent, LSE | 2: persistent, LSE | 3: persistent, LSE | "
                             "4: persistent, LSE"]
     assert cli.collect_info("H100")["rocm_aiter_decode"] is None
+
+
+@pytest.mark.parametrize("platform, num_heads", [("MI300X", 16), ("MI355X", 128), ("MI355X", 20)])
+def test_layer_decodes_through_the_plan(fake_aiter, platform, num_heads):
+    """MLAAttention with ROCM_AITER decode on an impersonated GPU: `plan` builds the indexing and aiter's
+    metadata once a step, every layer only launches; the steps match naive float64 MLA."""
+    import aiter.ops.attention as attention
+
+    import mla_multi as mm
+    from mla_multi.testing import PagedScenario
+
+    dims = MLADims.deepseek_v3(num_heads=num_heads)
+    generator = torch.Generator().manual_seed(num_heads)
+    weight = (torch.randn(num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
+                          generator=generator) / dims.kv_lora_rank**0.5).to(torch.bfloat16)
+    scale = dims.qk_head_dim**-0.5
+    with override(platform):
+        layers = [mm.MLAAttention(dims, scale, weight, block_size=16, max_model_len=512, max_num_seqs=8,
+                                  decode_backend="ROCM_AITER", prefill_backend="REFERENCE",
+                                  workspace=WorkspaceManager("cpu")) for _ in range(2)]
+        assert layers[0].backends()["decode"] == "ROCM_AITER"
+        scenario = PagedScenario(dims, 16, 64, torch.device("cpu"), torch.bfloat16, seed=1)
+        cache = torch.zeros(64, 16, dims.kv_cache_width, dtype=torch.bfloat16)
+        for requests in ([(0, 40), (1, 7)], [(0, 1), (1, 1)], [(1, 1), (0, 1), (2, 1)]):
+            metadata, q, kv_c, k_pe = scenario.step(requests)
+            attention.CALLS.clear()
+            fake_aiter.mla.CALLS.clear()
+            layers[0].plan(metadata)
+            outs = [layer.forward(q, kv_c, k_pe, cache, metadata) for layer in layers]
+            reference = scenario.reference(requests, q, scale, weight)
+            assert all(relative_error(out, reference) < 2e-2 for out in outs)
+            decodes = sum(1 for _, n in requests if n == 1) == len(requests)
+            metadata_calls = [c for c in attention.CALLS if c["function"] == "get_mla_metadata_v1"]
+            route = layers[0].decode_impl.route(1)
+            assert len(metadata_calls) == (1 if decodes and route.persistent else 0), "once a step, for both layers"
+            assert len(fake_aiter.mla.CALLS) == (2 if decodes else 0)
