@@ -361,10 +361,14 @@ def _runtime_arch() -> str:
 
 
 def _head_candidates(num_heads: int) -> list[int]:
+    """The head counts tried for `num_heads`, in order: the count itself where aiter's tables or its fold take
+    it, the next multiple of 16 (16 for fewer), then the next count of its tables (48 -> 64, 80-112 -> 128)."""
     found = [num_heads] if num_heads in AITER_DECODE_NATIVE_NUM_HEADS or num_heads in range(48, 113, 16) else []
     padded = AITER_DECODE_PADDED_NUM_HEADS if num_heads < 16 else -(-num_heads // 16) * 16
-    if padded not in found and padded <= AITER_DECODE_MAX_NUM_HEADS:
-        found.append(padded)
+    native = [h for h in AITER_DECODE_NATIVE_NUM_HEADS if h >= max(num_heads, AITER_DECODE_PADDED_NUM_HEADS)]
+    for heads in [padded] + native[:1]:
+        if heads not in found and heads <= AITER_DECODE_MAX_NUM_HEADS:
+            found.append(heads)
     return found
 
 
