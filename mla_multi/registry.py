@@ -420,6 +420,7 @@ def decode_config(
     block_size: int = 64,
     max_query_len: int = 1,
     platform: Platform | None = None,
+    needs_lse: bool = False,
 ) -> DecodeSelectorConfig:
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -428,7 +429,7 @@ def decode_config(
     check_positive_int("block_size", block_size)
     check_positive_int("max_query_len", max_query_len)
     resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
-    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len)
+    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, bool(needs_lse))
 
 
 def select_prefill_backend(
@@ -447,9 +448,11 @@ def select_decode_backend(
     max_query_len: int = 1,
     backend: str | None = None,
     platform: Platform | None = None,
+    needs_lse: bool = False,
 ) -> type[MLADecodeBackend]:
-    """The decode backend class for the configuration on the current platform; raises `NoBackendError`."""
-    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform)
+    """The decode backend class for the configuration on the current platform; raises `NoBackendError`.
+    `needs_lse`: the caller uses the decode LSE (a backend whose kernel writes none declines)."""
+    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform, needs_lse)
     return default_registry.select("decode", config, platform, backend)
 
 

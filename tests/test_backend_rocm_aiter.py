@@ -752,3 +752,20 @@ def test_layer_decodes_through_the_plan(fake_aiter, platform, num_heads):
             route = layers[0].decode_impl.route(1)
             assert len(metadata_calls) == (1 if decodes and route.persistent else 0), "once a step, for both layers"
             assert len(fake_aiter.mla.CALLS) == (2 if decodes else 0)
+
+
+@pytest.mark.parametrize("platform, expected", [("MI300X", "TRITON"), ("MI355X", "ROCM_AITER")])
+def test_callers_that_need_the_lse_get_a_backend_that_writes_it(fake_aiter, platform, expected):
+    """mm.ops.mla_decode(return_lse=True) and a layer under decode context parallelism select with
+    needs_lse: on MI300X bf16 aiter writes no decode LSE, so the registry takes the next backend."""
+    from mla_multi import registry as registry_module
+
+    registry_module.default_registry.clear_cache()
+    try:
+        with override(platform):
+            plain = registry_module.select_decode_backend(MLADims.deepseek_v3(128), torch.bfloat16, torch.bfloat16, 64)
+            needs = registry_module.select_decode_backend(MLADims.deepseek_v3(128), torch.bfloat16, torch.bfloat16, 64,
+                                                          needs_lse=True)
+    finally:
+        registry_module.default_registry.clear_cache()
+    assert (plain.name, needs.name) == ("ROCM_AITER", expected)
