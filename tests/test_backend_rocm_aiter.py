@@ -769,3 +769,30 @@ def test_callers_that_need_the_lse_get_a_backend_that_writes_it(fake_aiter, plat
     finally:
         registry_module.default_registry.clear_cache()
     assert (plain.name, needs.name) == ("ROCM_AITER", expected)
+
+
+def test_folded_routes_with_several_tokens_never_write_into_the_workspace(fake_aiter, monkeypatch):
+    """aiter hands a folded multi-token output back with `o.set_`, which would detach a workspace view."""
+    import functools
+
+    base = fake_aiter.mla.mla_decode_fwd
+    outputs = []
+
+    @functools.wraps(base)
+    def recording(q, kv_buffer, o, *args, **kwargs):
+        outputs.append(o.untyped_storage().data_ptr())
+        return base(q, kv_buffer, o, *args, **kwargs)
+
+    monkeypatch.setattr(fake_aiter.mla, "mla_decode_fwd", recording)
+    workspace = WorkspaceManager("cpu")
+    q_nope, q_pe, kv_cache, block_table, seq_lens = _decode_case(48, 16, [33, 5], query_len=2)
+    with override("MI300X"):
+        impl = _decode_impl(48, 16)
+        impl.reserve_workspace(workspace, max_num_seqs=4, max_model_len=256, max_query_len=2)
+        route = impl.route(2)
+        impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, workspace_manager=workspace)
+        impl.forward_mqa(q_nope[:, 0], q_pe[:, 0], kv_cache, block_table, seq_lens, workspace_manager=workspace)
+    assert route.folded and not route.padded
+    buffer = workspace._buffer.untyped_storage().data_ptr()
+    # two tokens: an output of its own; one token (aiter folds in place): the workspace's
+    assert outputs[0] != buffer and outputs[1] == buffer

@@ -344,6 +344,13 @@ class AiterDecodeRoute:
     def padded(self) -> bool:
         return self.heads != self.num_heads
 
+    @property
+    def folded(self) -> bool:
+        """aiter folds the heads into groups of 16 (persistent path), and with several query tokens hands the
+        output back in a tensor of its own (`o.set_`): such a call's output is never a workspace view."""
+        return self.persistent and not _persistent_heads_as_is(self.arch, self.q_type, self.kv_type, self.heads,
+                                                               self.query_len)
+
     def describe(self) -> str:
         path = "persistent" if self.persistent else "split-KV"
         lse = "LSE" if self.lse else "no LSE"
@@ -859,8 +866,9 @@ class AiterMLADecodeImpl(MLADecodeImpl):
             query = padded
         query = query.reshape(batch * query_len, heads, width)
         rows = batch * query_len
-        if workspace_manager is not None and self._reserved is not None and rows * heads <= (
-                self._reserved[0] * self._reserved[1] * heads):
+        if (workspace_manager is not None and self._reserved is not None and query_len <= self._reserved[1]
+                and not (route.folded and query_len > 1)
+                and rows <= self._reserved[0] * self._reserved[1]):
             output = workspace_manager.get_simultaneous(((rows, heads, kv_lora_rank), q_nope.dtype))[0]
         else:
             output = torch.empty(rows, heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
