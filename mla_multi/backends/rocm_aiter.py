@@ -1,42 +1,55 @@
 """ROCM_AITER: AMD's aiter kernels for MLA on MI300 (gfx942) and MI350 (gfx950).
 
+This module follows aiter v0.1.20.post1 (AITER_SOURCE_COMMIT): the functions
+it calls (`AITER_CALLS`) and aiter's MLA decode kernel tables
+(`AITER_DECODE_KERNELS`, from `hsa/<arch>/mla/mla_asm.csv`).
+
 * Decode calls `aiter.mla.mla_decode_fwd`, whose assembly kernels read the
   latent cache with a page size of 1: the paged cache
-  `[num_blocks, block_size, 576]` is viewed as `[num_blocks * block_size, 1, 1, 576]`
-  and each request's block-table row is expanded, on the device, into one
-  `kv_indices` entry per cached token (`kv_indptr` delimits the requests,
-  `kv_last_page_lens` is all ones, `qo_indptr` counts one query per request).
-  The expansion has static shapes and reads nothing back to the host, so a
-  decode step that uses it can be captured in a graph.
+  `[num_blocks, block_size, 576]` is viewed as `[num_blocks * block_size, 1, 1, 576]`.
+  `aiter_decode_route` decides, from the kernel tables and aiter's dispatch
+  of heads and query tokens onto them, how a configuration runs: on the
+  persistent path where aiter has a persistent kernel (as vLLM's
+  ROCM_AITER_MLA), else on the split-KV path; with the heads as they are
+  (8, 16, 32, 64, 128; aiter folds 48-112 into groups of 16) or padded with
+  zero queries; with the LSE only where the kernel writes it. `plan` builds,
+  once per step for every layer, the page-1 token indices over the valid
+  tokens (fixed buffers, -1 past them, nothing read back from the device)
+  and aiter's persistent metadata (`get_mla_metadata_v1`), into buffers
+  sized once at reservation (`get_mla_metadata_info_v1`).
 * Prefill calls `aiter.flash_attn_varlen_func` (CK / assembly flash attention)
-  with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`.
+  with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`; a
+  sink goes to aiter as `sink_ptr`.
 
-What the installed aiter can run is decided from the installed aiter itself:
-the parameters of its functions (`inspect.signature`) and the architectures
-it ships MLA kernel objects for. Every configuration it cannot run is a
-reason naming the aiter version and the platform, so the registry falls back
-to the next backend instead of crashing inside aiter.
+What the installed aiter can run is decided from the installed aiter itself
+(the parameters of its functions, `inspect.signature`, and the architectures
+it ships MLA kernel objects for) and from the kernel tables. Every
+configuration it cannot run is a reason naming the aiter version and the
+platform, so the registry falls back to the next backend instead of
+crashing inside aiter.
 
 The softmax scale is always passed: aiter defaults to 1/sqrt(576), which is
 wrong for MLA (the scale belongs to the 192-wide qk head of the model).
 
-Decode LSE: aiter versions whose `mla_decode_fwd` has no `return_lse`
-parameter return a final-LSE buffer they never write, so the decode impl
-returns None for the LSE there and the backend declares
-`provides_decode_lse() == False`; callers that need the decode LSE must pick
-another backend.
+Decode LSE: aiter's one-split paths (the split-KV kernel with one split
+returns the output early, or its second stage copies it) leave the final LSE
+unwritten, and a persistent call with `return_lse` needs an LSE kernel in the
+tables. The adapter asks for the LSE only on a route whose kernel writes it
+(`AiterDecodeRoute.lse`; the split-KV path with at least two splits), returns
+None elsewhere, and declines a `DecodeSelectorConfig(needs_lse=True)` there.
 
 Sparse MLA (DeepSeek Sparse Attention, phases sparse_decode and
-sparse_prefill) also runs on `mla_decode_fwd`: every query token is a request
-of its own (`qo_indptr = arange(T + 1)`), the cache is viewed with page size 1
-and a token's valid indices, compacted in order on the device, are its
-`kv_indices` (`sparse_kv_indices`). bfloat16 caches only. The LSE and the
-attention sink need an aiter whose `mla_decode_fwd` has `return_lse`; a sink
-passed to an older one is a ValueError at the call. See `AiterSparseDecodeImpl`.
+sparse_prefill) also runs on `mla_decode_fwd`'s split-KV path: every query
+token is a request of its own (`qo_indptr = arange(T + 1)`), the cache is
+viewed with page size 1 and a token's valid indices, compacted in order on
+the device, are its `kv_indices` (`sparse_kv_indices`); at least two splits,
+so the LSE (and the attention sink applied from it) is written. bfloat16
+caches only. A sink passed to an aiter without `return_lse` is a ValueError
+at the call. See `AiterSparseDecodeImpl`.
 
 `AITER_CALLS` records, declaratively, every aiter function this module calls
-and the keyword arguments it passes; the test suite checks it against the
-published aiter sources.
+and the keyword arguments it passes; the test suite checks it against aiter's
+source (tests/fake_aiter/contract.json, or a wheel or checkout given).
 """
 
 from __future__ import annotations
