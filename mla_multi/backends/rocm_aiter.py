@@ -773,8 +773,10 @@ class AiterMLADecodeImpl(MLADecodeImpl):
 
         seq_lens_cpu [B] on the host (or None, with `seq_lens` on the device), block_table [B, max_blocks] on
         the device. Nothing is read back from the device; the indices cover the valid tokens only, the rest of
-        the fixed buffer holds -1. The persistent path's metadata comes from aiter's get_mla_metadata_v1 into
-        buffers sized at reservation."""
+        the list holds -1. A `cuda_graph` plan writes the indexing into buffers fixed per (configuration,
+        batch, block-table width), so that a graph captured after it replays after the next plan; an eager
+        plan's list is cut to the step's tokens (aiter's split-KV heuristic reads its length). The persistent
+        path's metadata comes from aiter's get_mla_metadata_v1 into buffers sized at reservation."""
         import aiter
 
         route = self.route(query_len)
@@ -784,16 +786,17 @@ class AiterMLADecodeImpl(MLADecodeImpl):
             seq_lens = to_device(torch.as_tensor(seq_lens_cpu).to(torch.int32), device)
         _, kv_indptr, kv_indices, kv_last_page_lens = paged_kv_indices(block_table, seq_lens, self.block_size)
         qo_indptr = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device=device)
-        key = ("indices", device, self.plan_key(), route, batch, max_blocks)
-        with _plan_lock:
-            buffers = _plan_buffers.get(key)
-            if buffers is None:
-                buffers = _plan_buffers[key] = (torch.empty_like(qo_indptr), torch.empty_like(kv_indptr),
-                                                torch.empty_like(kv_indices), torch.empty_like(kv_last_page_lens))
-        for buffer, value in zip(buffers, (qo_indptr, kv_indptr, kv_indices, kv_last_page_lens)):
-            buffer.copy_(value)
-        qo_indptr, kv_indptr, kv_indices, kv_last_page_lens = buffers
-        if seq_lens_cpu is not None and not cuda_graph:
+        if cuda_graph:  # fixed per shape, rewritten by every plan: a captured graph reads them at replay
+            key = ("indices", device, self.plan_key(), route, batch, max_blocks)
+            with _plan_lock:
+                buffers = _plan_buffers.get(key)
+                if buffers is None:
+                    buffers = _plan_buffers[key] = (torch.empty_like(qo_indptr), torch.empty_like(kv_indptr),
+                                                    torch.empty_like(kv_indices), torch.empty_like(kv_last_page_lens))
+            for buffer, value in zip(buffers, (qo_indptr, kv_indptr, kv_indices, kv_last_page_lens)):
+                buffer.copy_(value)
+            qo_indptr, kv_indptr, kv_indices, kv_last_page_lens = buffers
+        elif seq_lens_cpu is not None:
             # aiter's split-KV heuristic reads the index list's length: the step's tokens, known on the host
             kv_indices = kv_indices[: max(1, int(torch.as_tensor(seq_lens_cpu).sum()))]
         work = None
