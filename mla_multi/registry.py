@@ -429,7 +429,7 @@ def decode_config(
     check_positive_int("block_size", block_size)
     check_positive_int("max_query_len", max_query_len)
     resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
-    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, bool(needs_lse))
+    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, needs_lse=bool(needs_lse))
 
 
 def select_prefill_backend(

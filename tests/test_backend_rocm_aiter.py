@@ -509,7 +509,8 @@ def _registry() -> Registry:
 def _decode_config(platform: str, num_heads: int, kv_cache_dtype, dtype=torch.bfloat16, block_size=64,
                    max_query_len=1, needs_lse=False):
     resolved = SPECS[platform].fp8_dtype if kv_cache_dtype == "fp8" else kv_cache_dtype
-    return DecodeSelectorConfig(MLADims.deepseek_v3(num_heads), dtype, resolved, block_size, max_query_len, needs_lse)
+    return DecodeSelectorConfig(MLADims.deepseek_v3(num_heads), dtype, resolved, block_size, max_query_len,
+                                needs_lse=needs_lse)
 
 
 FAKE_LABEL = "aiter 0.1.20.post1+fake"
