@@ -119,7 +119,7 @@ def test_adapter_kernel_tables_are_aiters(contract, arch):
                             f"{sorted(ours - theirs)}")
 
 
-def test_lse_kernels_are_where_the_issue_says(contract):
+def test_the_decode_kernels_that_write_the_lse(contract):
     """gfx942 has one decode kernel that writes the LSE (FP8, 64 heads, one query token, persistent)."""
     with_lse = [r for r in contract["mla_kernels"]["gfx942"] if r["lse"] and not r["prefill"]]
     assert [(r["q"], r["kv"], r["gqa"], r["ps"], r["qlen"]) for r in with_lse] == [("fp8", "fp8", 64, 1, 1)]
