@@ -229,7 +229,7 @@ class MLAAttention(torch.nn.Module):
             self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
             self.decode_backend = select_decode_backend(
                 dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, self.block_size,
-                backend=decode_backend,
+                backend=decode_backend, needs_lse=dcp is not None,  # DCP merges the ranks' partials by their LSE
             )
             self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
                 n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device

@@ -148,9 +148,19 @@ def collect_info(as_spec: str | None = None) -> dict:
                     row["declares"] = _guarded(backend.info)
         info["phases"] = phases
         info["workspace"] = _guarded(lambda: _workspace_plans(dtype))
+    info["rocm_aiter_decode"] = _guarded(lambda: _rocm_aiter_routes(target))
     info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
     info["triton_prefill"] = _guarded(lambda: _triton_prefill_kernel(target))
     return info
+
+
+def _rocm_aiter_routes(target) -> dict | None:
+    """ROCM_AITER's decode routes on a gfx942 / gfx950 target, from aiter's kernel tables (None elsewhere)."""
+    if target.vendor != "rocm":
+        return None
+    from mla_multi.backends.rocm_aiter import route_table
+
+    return route_table(target)
 
 
 def _one_token_choice(config, target) -> dict | None:
@@ -238,6 +248,12 @@ def _print_info(info: dict) -> None:
             print(f"  {row['name']:<16} {state}" + (f"  (uses {uses})" if uses else ""))
             for reason in row["reasons"]:
                 print(f"      - {reason}")
+    aiter = info.get("rocm_aiter_decode")
+    if isinstance(aiter, dict):
+        print(f"\nROCM_AITER decode routes (aiter {aiter['aiter_source']} kernel tables; query tokens 1-4):")
+        for kv, rows in aiter["routes"].items():
+            for heads, row in rows.items():
+                print(f"  {kv:<16} {heads:>3} heads  " + " | ".join(f"{q}: {text}" for q, text in row.items()))
     plans = info.get("workspace")
     if isinstance(plans, list):
         print("\nShared workspace (one per device, every layer; DeepSeek-V3, max_num_seqs 256, max_model_len 32768):")

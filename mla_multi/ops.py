@@ -100,11 +100,13 @@ def mla_decode(
     scale = checks.check_positive_float("scale", scale)
     try:
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+        key += (bool(return_lse),)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
+        plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend,
+                            needs_lse=bool(return_lse))
         _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
@@ -181,7 +183,8 @@ class _DecodePlan:
                            attn_logits=attn_logits)
 
 
-def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend) -> _DecodePlan:
+def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend,
+                 needs_lse: bool = False) -> _DecodePlan:
     """Check the inputs of `mla_decode` (all of them, once per key) and decide how to run them."""
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
@@ -201,7 +204,7 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     dims = MLADims(num_heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
     backend_cls = select_decode_backend(
         dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend,
-        num_tokens=batch * q_len,
+        num_tokens=batch * q_len, needs_lse=needs_lse,
     )
     impl = backend_cls.get_decode_impl_cls()(
         num_heads, 1.0, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device

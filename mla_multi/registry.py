@@ -591,6 +591,7 @@ def decode_config(
     max_query_len: int = 1,
     platform: Platform | None = None,
     num_tokens: int | None = None,
+    needs_lse: bool = False,
 ) -> DecodeSelectorConfig:
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -600,7 +601,8 @@ def decode_config(
     check_positive_int("max_query_len", max_query_len)
     _check_num_tokens(num_tokens)
     resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
-    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, num_tokens)
+    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, num_tokens,
+                                needs_lse=bool(needs_lse))
 
 
 def _check_num_tokens(num_tokens) -> None:
@@ -625,11 +627,14 @@ def select_decode_backend(
     backend: str | None = None,
     platform: Platform | None = None,
     num_tokens: int | None = None,
+    needs_lse: bool = False,
 ) -> type[MLADecodeBackend]:
     """The decode backend class for the configuration on the current platform; raises `NoBackendError`.
     num_tokens: the planned call's query tokens (batch x query length; None where unknown, as when a layer is
-    built): a rule may depend on it (`nvidia-sm90-decode-flashmla-from-32-tokens`)."""
-    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform, num_tokens)
+    built): a rule may depend on it (`nvidia-sm90-decode-flashmla-from-32-tokens`). needs_lse: the caller uses
+    the decode LSE (a backend whose kernel writes none declines)."""
+    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform, num_tokens,
+                           needs_lse)
     return default_registry.select("decode", config, platform, backend)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import math
 import pathlib
 import re
@@ -30,7 +31,7 @@ from mla_multi.testing import relative_error
 AITER_PUBLISHED = "amd-aiter==0.1.7.post2.dev18"
 FAKE_AITER = pathlib.Path(__file__).parent / "fake_aiter"
 ADAPTER_SOURCE = pathlib.Path(rocm_aiter.__file__)
-FAKE_LABEL = "aiter 0.1.7.post2.dev18+fake"
+FAKE_LABEL = "aiter 0.1.20.post1+fake"
 LKV, ROPE = 512, 64
 PLATFORMS = ["MI300X", "MI355X"]
 
@@ -81,20 +82,19 @@ def missing_aiter(aiter_on_path, monkeypatch):
 
 @pytest.fixture
 def recorded(fake_aiter, monkeypatch):
-    """The fake's mla_decode_fwd behind a recorder: each call's index tensors are kept, and `o` is
-    poisoned with NaN before the fake writes it (aiter's output buffer holds whatever was there)."""
+    """The fake's mla_decode_fwd (aiter v0.1.20.post1's signature) behind a recorder: each call's index tensors
+    are kept, and `o` is poisoned with NaN before the fake writes it (aiter's output buffer holds whatever was
+    there)."""
     base = fake_aiter.mla.mla_decode_fwd
     calls = []
 
-    def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                       sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
-                       work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
-                       reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None):
+    @functools.wraps(base)
+    def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, **kwargs):
         calls.append(dict(kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(), qo_indptr=qo_indptr.clone(),
-                          num_rows=kv_buffer.shape[0], nhead=o.shape[1], max_seqlen_q=max_seqlen_q))
+                          num_rows=kv_buffer.shape[0], nhead=o.shape[1], max_seqlen_q=max_seqlen_q,
+                          num_kv_splits=kwargs.get("num_kv_splits"), return_lse=kwargs.get("return_lse", False)))
         o.fill_(float("nan"))
-        return base(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                    sm_scale=sm_scale, num_kv_splits=num_kv_splits, q_scale=q_scale, kv_scale=kv_scale)
+        return base(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, **kwargs)
 
     monkeypatch.setattr(fake_aiter.mla, "mla_decode_fwd", mla_decode_fwd)
     rocm_aiter.clear_probe_cache()
@@ -102,33 +102,28 @@ def recorded(fake_aiter, monkeypatch):
 
 
 @pytest.fixture
-def aiter_with_lse(fake_aiter, monkeypatch):
-    """The fake behind the newer mla_decode_fwd signature (page_size, nhead_kv, return_lse: aiter's main
-    branch), returning (logits, final_lse [T, N]) with the natural-log LSE; a request without tokens gets a
-    NaN LSE (undefined in aiter) and `o` is poisoned before the fake writes it."""
-    base = fake_aiter.mla.mla_decode_fwd
+def aiter_with_lse(recorded, fake_aiter):
+    """aiter v0.1.20.post1 returns the LSE (`return_lse`); the split-KV path writes it with two or more splits."""
+    assert rocm_aiter.AiterSparseDecodeBackend.provides_lse()
+    return fake_aiter
+
+
+@pytest.fixture
+def legacy_aiter(fake_aiter, monkeypatch):
+    """An aiter whose mla_decode_fwd has no return_lse (amd-aiter 0.1.7's signature)."""
+    calls = []
 
     def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                       page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None,
-                       num_kv_splits_indptr=None, work_meta_data=None, work_indptr=None, work_info_set=None,
-                       reduce_indptr=None, reduce_final_map=None, reduce_partial_map=None, q_scale=None,
-                       kv_scale=None, intra_batch_mode=False, return_logits=False, return_lse=False):
-        o.fill_(float("nan"))
-        logits, _ = base(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                         sm_scale=sm_scale, num_kv_splits=num_kv_splits, q_scale=q_scale, kv_scale=kv_scale)
-        keys = kv_buffer.reshape(kv_buffer.shape[0], -1).double()
-        lse = torch.full(o.shape[:2], float("nan"))
-        for b in range(qo_indptr.numel() - 1):
-            rows = keys[kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].long()]
-            if rows.shape[0]:
-                for t in range(int(qo_indptr[b]), int(qo_indptr[b + 1])):
-                    lse[t] = torch.logsumexp(q[t].double() @ rows.T * sm_scale, dim=-1).float()
-        return logits, (lse if return_lse else None)
+                       sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
+                       work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
+                       reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None):
+        calls.append(max_seqlen_q)
+        raise AssertionError("not called in these tests")
 
     monkeypatch.setattr(fake_aiter.mla, "mla_decode_fwd", mla_decode_fwd)
     rocm_aiter.clear_probe_cache()
-    assert rocm_aiter.AiterSparseDecodeBackend.provides_lse()
-    return fake_aiter
+    assert not rocm_aiter.AiterSparseDecodeBackend.provides_lse()
+    return calls
 
 
 @pytest.fixture(autouse=True)
@@ -276,20 +271,23 @@ def test_sparse_decode_matches_reference(recorded, fake_aiter, platform, block_s
         with override(platform):
             out, lse = impl.forward(q_nope, q_pe, poisoned if topk_length is not None else cache, indices, scale,
                                     topk_length=topk_length)
-        ref, _ = _reference(q_nope, q_pe, cache.view(-1, LKV + ROPE), indices, scale, topk_length)
+        ref, ref_lse = _reference(q_nope, q_pe, cache.view(-1, LKV + ROPE), indices, scale, topk_length)
         assert out.shape == (tokens, num_heads, LKV) and out.dtype == torch.bfloat16
         assert relative_error(out, ref) < 1e-2
         assert torch.equal(out[1], torch.zeros_like(out[1])), "a token with no valid index gives 0"
         if topk_length is not None:
             assert torch.equal(out[3], torch.zeros_like(out[3])), "topk_length 0 gives 0"
-        # this aiter release returns no usable LSE: the adapter says so instead of passing garbage on
-        assert lse is None
-        # one request per query token, page size 1, heads padded to 16
+        # the LSE, written by aiter's second stage (at least two splits are asked for)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
+        # one request per query token, page size 1, the heads of a kernel of aiter's tables
         (call,) = recorded
         assert call["qo_indptr"].tolist() == list(range(tokens + 1))
         assert call["max_seqlen_q"] == 1 and call["num_rows"] == num_slots
-        assert call["nhead"] == max(num_heads, 16)
-    assert not rocm_aiter.AiterSparseDecodeBackend.provides_lse()
+        assert call["nhead"] == num_heads and call["num_kv_splits"] == rocm_aiter.AITER_NON_PERSISTENT_SPLITS
+        assert fake_aiter.mla.CALLS[-1]["lse_written"] and not fake_aiter.mla.CALLS[-1]["persistent"]
+    assert rocm_aiter.AiterSparseDecodeBackend.provides_lse()
     assert errors.pending_errors("cpu") == 0
     # the scale is always passed (aiter's default 1/sqrt(576) is wrong for MLA)
     assert [c["sm_scale"] for c in fake_aiter.mla.CALLS] == [scale, scale]
@@ -339,7 +337,7 @@ def test_sparse_decode_lse_and_sink_where_aiter_returns_the_lse(aiter_with_lse, 
             assert torch.equal(out[:, 1], plain[:, 1]) and torch.equal(out[:, 6], plain[:, 6])
 
 
-def test_a_sink_without_an_lse_is_a_value_error(recorded):
+def test_a_sink_without_an_lse_is_a_value_error(legacy_aiter):
     generator = torch.Generator().manual_seed(2)
     cache = _cache_case(generator, 64, 16)
     q_nope, q_pe = _queries(generator, 2, 16)
@@ -349,10 +347,10 @@ def test_a_sink_without_an_lse_is_a_value_error(recorded):
         expected = rf"attn_sink with ROCM_AITER sparse_\w+ on {re.escape(FAKE_LABEL)}.*no return_lse"
         with pytest.raises(ValueError, match=expected):
             _impl(cls, 16).forward(q_nope, q_pe, kv, indices, 0.1, attn_sink=torch.zeros(16))
-    assert recorded == [], "refused before aiter is called"
+    assert legacy_aiter == [], "refused before aiter is called"
     info = rocm_aiter.AiterSparseDecodeBackend.info()
     assert info["returns_lse"] is False and info["attn_sink"].startswith("needs an aiter with return_lse")
-    assert info["cuda_graphs"] is True and info["aiter_version"] == "0.1.7.post2.dev18+fake"
+    assert info["cuda_graphs"] is True and info["aiter_version"] == "0.1.20.post1+fake"
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -503,7 +501,7 @@ def test_tokens_without_entries_skip_aiter(recorded):
     q_nope, q_pe = _queries(generator, 0, 16)
     out, lse = _impl(rocm_aiter.AiterSparseDecodeImpl, 16).forward(q_nope, q_pe, cache,
                                                                    torch.zeros(0, 8, dtype=torch.int32), 0.1)
-    assert out.shape == (0, 16, LKV) and lse is None and recorded == []
+    assert out.shape == (0, 16, LKV) and lse.shape == (0, 16) and recorded == []
 
 
 # --------------------------------------------------------------------------- prefill
@@ -525,8 +523,11 @@ def test_sparse_prefill_matches_reference(recorded, platform, num_heads):
         recorded.clear()
         with override(platform):
             out, lse = impl.forward(q_nope, q_pe, kv, indices, scale, topk_length=topk_length)
-        ref, _ = _reference(q_nope, q_pe, kv, indices, scale, topk_length, decode=False)
-        assert out.shape == (tokens, num_heads, LKV) and lse is None
+        ref, ref_lse = _reference(q_nope, q_pe, kv, indices, scale, topk_length, decode=False)
+        assert out.shape == (tokens, num_heads, LKV) and lse.shape == (tokens, num_heads)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
         assert relative_error(out, ref) < 1e-2
         assert torch.equal(out[4], torch.zeros_like(out[4]))
         (call,) = recorded
@@ -597,18 +598,22 @@ def _fallback(phase, config, spec) -> str:
 def test_selection_picks_rocm_aiter_for_bfloat16(fake_aiter, platform, phase):
     spec = SPECS[platform]
     assert registry.default_registry.priority(phase, spec)[0] == "ROCM_AITER"
-    for heads in (8, 16, 128):
+    for heads in (4, 8, 16, 20, 32, 128) + ((48, 64) if spec.arch == "gfx950" else ()):
         for max_query_len in (1, 4):
             config = _config(heads, torch.bfloat16, max_query_len=max_query_len)
             assert registry.default_registry.select(phase, config, spec).name == "ROCM_AITER"
             assert registry.default_registry.reasons(phase, "ROCM_AITER", spec, config) == []
-    # 32 heads: aiter's mla_decode_fwd has no kernel; the next backend in the list
-    config = _config(32, torch.bfloat16)
-    assert registry.default_registry.select(phase, config, spec).name == _fallback(phase, config, spec)
-    assert registry.default_registry.reasons(phase, "ROCM_AITER", spec, config) == [
-        f"num_heads 32 is not supported by {FAKE_LABEL} on {platform} ({spec.arch})'s mla_decode_fwd; "
-        "supported: 1-15 (padded to 16), 16, 128"
-    ]
+    # 48 and 64 heads on gfx942: aiter's split-KV mla_decode_fwd has no kernel (gfx950 pads 48 to 64); the next
+    # backend in the list
+    supported = "8, 16, 32, 128 on gfx942"
+    for heads in (48, 64) if spec.arch == "gfx942" else ():
+        config = _config(heads, torch.bfloat16)
+        assert registry.default_registry.select(phase, config, spec).name == _fallback(phase, config, spec)
+        assert registry.default_registry.reasons(phase, "ROCM_AITER", spec, config) == [
+            f"num_heads {heads} is not supported by {FAKE_LABEL} on {platform} ({spec.arch})'s mla_decode_fwd "
+            f"(split-KV, one bfloat16 query token a request); supported: {supported}; other counts padded to a "
+            "multiple of 16 that runs"
+        ]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -618,7 +623,7 @@ def test_fp8_and_fp8_ds_mla_caches_are_reasons(fake_aiter, platform):
     future = ("possible future paths in aiter's source: hk_mla_v32_decode_fwd, HipKittens' DeepSeek V3.2 decode kernel "
               "(FP8 query and cache, heads x query tokens = 128, or 64 on gfx950; gfx942 / gfx950; experimental, behind "
               "mla_decode_fwd's persistent metadata), and mla_decode_fwd_ds32 (gfx950; FP8 NoPE with E8M0 block scales "
-              f"and bf16 RoPE in separate buffers); none of them is in {FAKE_LABEL}")
+              f"and bf16 RoPE in separate buffers); present in {FAKE_LABEL}: mla_decode_fwd_ds32")
     fp8 = spec.fp8_dtype
     config = _config(128, fp8)
     chosen = registry.default_registry.select("sparse_decode", config, spec)
@@ -648,7 +653,7 @@ def test_the_fp8_reason_names_a_kernel_the_installed_aiter_has(fake_aiter, monke
     monkeypatch.setattr(fake_aiter, "hk_mla_v32_decode_fwd", lambda *args: None, raising=False)
     rocm_aiter.clear_probe_cache()
     reasons = rocm_aiter.AiterSparseDecodeBackend.validate_configuration(SPECS["MI355X"], _config(128, torch.uint8))
-    assert reasons[-1].endswith(f"present in {FAKE_LABEL}: hk_mla_v32_decode_fwd")
+    assert reasons[-1].endswith(f"present in {FAKE_LABEL}: hk_mla_v32_decode_fwd, mla_decode_fwd_ds32")
 
 
 def test_platforms_and_aiter_versions_without_the_sparse_path(fake_aiter, monkeypatch):

@@ -50,7 +50,9 @@ class DecodeSelectorConfig:
     number of query tokens per request (1, or more for speculative decoding).
     num_tokens: the batch's query tokens where a call is planned (None where
     unknown, as when a layer is built); a selection rule may depend on it
-    (`registry.SELECTION_RULES`).
+    (`registry.SELECTION_RULES`). needs_lse: the caller uses the decode LSE
+    (a merge across ranks or chunks, an attention sink), so a backend whose
+    kernel for the configuration writes none must decline it.
     """
 
     dims: MLADims
@@ -59,6 +61,7 @@ class DecodeSelectorConfig:
     block_size: int
     max_query_len: int = 1
     num_tokens: int | None = None
+    needs_lse: bool = False
 
     def describe(self) -> str:
         d = self.dims
@@ -68,6 +71,7 @@ class DecodeSelectorConfig:
             f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} block_size={self.block_size} "
             f"max_query_len={self.max_query_len}"
             + (f" num_tokens={self.num_tokens}" if self.num_tokens is not None else "")
+            + (" needs_lse" if self.needs_lse else "")
         )
 
 

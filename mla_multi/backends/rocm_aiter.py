@@ -1,42 +1,55 @@
 """ROCM_AITER: AMD's aiter kernels for MLA on MI300 (gfx942) and MI350 (gfx950).
 
+This module follows aiter v0.1.20.post1 (AITER_SOURCE_COMMIT): the functions
+it calls (`AITER_CALLS`) and aiter's MLA decode kernel tables
+(`AITER_DECODE_KERNELS`, from `hsa/<arch>/mla/mla_asm.csv`).
+
 * Decode calls `aiter.mla.mla_decode_fwd`, whose assembly kernels read the
   latent cache with a page size of 1: the paged cache
-  `[num_blocks, block_size, 576]` is viewed as `[num_blocks * block_size, 1, 1, 576]`
-  and each request's block-table row is expanded, on the device, into one
-  `kv_indices` entry per cached token (`kv_indptr` delimits the requests,
-  `kv_last_page_lens` is all ones, `qo_indptr` counts one query per request).
-  The expansion has static shapes and reads nothing back to the host, so a
-  decode step that uses it can be captured in a graph.
+  `[num_blocks, block_size, 576]` is viewed as `[num_blocks * block_size, 1, 1, 576]`.
+  `aiter_decode_route` decides, from the kernel tables and aiter's dispatch
+  of heads and query tokens onto them, how a configuration runs: on the
+  persistent path where aiter has a persistent kernel (as vLLM's
+  ROCM_AITER_MLA), else on the split-KV path; with the heads as they are
+  (8, 16, 32, 64, 128; aiter folds 48-112 into groups of 16) or padded with
+  zero queries; with the LSE only where the kernel writes it. `plan` builds,
+  once per step for every layer, the page-1 token indices over the valid
+  tokens (fixed buffers, -1 past them, nothing read back from the device)
+  and aiter's persistent metadata (`get_mla_metadata_v1`), into buffers
+  sized once at reservation (`get_mla_metadata_info_v1`).
 * Prefill calls `aiter.flash_attn_varlen_func` (CK / assembly flash attention)
-  with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`.
+  with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`; a
+  sink goes to aiter as `sink_ptr`.
 
-What the installed aiter can run is decided from the installed aiter itself:
-the parameters of its functions (`inspect.signature`) and the architectures
-it ships MLA kernel objects for. Every configuration it cannot run is a
-reason naming the aiter version and the platform, so the registry falls back
-to the next backend instead of crashing inside aiter.
+What the installed aiter can run is decided from the installed aiter itself
+(the parameters of its functions, `inspect.signature`, and the architectures
+it ships MLA kernel objects for) and from the kernel tables. Every
+configuration it cannot run is a reason naming the aiter version and the
+platform, so the registry falls back to the next backend instead of
+crashing inside aiter.
 
 The softmax scale is always passed: aiter defaults to 1/sqrt(576), which is
 wrong for MLA (the scale belongs to the 192-wide qk head of the model).
 
-Decode LSE: aiter versions whose `mla_decode_fwd` has no `return_lse`
-parameter return a final-LSE buffer they never write, so the decode impl
-returns None for the LSE there and the backend declares
-`provides_decode_lse() == False`; callers that need the decode LSE must pick
-another backend.
+Decode LSE: aiter's one-split paths (the split-KV kernel with one split
+returns the output early, or its second stage copies it) leave the final LSE
+unwritten, and a persistent call with `return_lse` needs an LSE kernel in the
+tables. The adapter asks for the LSE only on a route whose kernel writes it
+(`AiterDecodeRoute.lse`; the split-KV path with at least two splits), returns
+None elsewhere, and declines a `DecodeSelectorConfig(needs_lse=True)` there.
 
 Sparse MLA (DeepSeek Sparse Attention, phases sparse_decode and
-sparse_prefill) also runs on `mla_decode_fwd`: every query token is a request
-of its own (`qo_indptr = arange(T + 1)`), the cache is viewed with page size 1
-and a token's valid indices, compacted in order on the device, are its
-`kv_indices` (`sparse_kv_indices`). bfloat16 caches only. The LSE and the
-attention sink need an aiter whose `mla_decode_fwd` has `return_lse`; a sink
-passed to an older one is a ValueError at the call. See `AiterSparseDecodeImpl`.
+sparse_prefill) also runs on `mla_decode_fwd`'s split-KV path: every query
+token is a request of its own (`qo_indptr = arange(T + 1)`), the cache is
+viewed with page size 1 and a token's valid indices, compacted in order on
+the device, are its `kv_indices` (`sparse_kv_indices`); at least two splits,
+so the LSE (and the attention sink applied from it) is written. bfloat16
+caches only. A sink passed to an aiter without `return_lse` is a ValueError
+at the call. See `AiterSparseDecodeImpl`.
 
 `AITER_CALLS` records, declaratively, every aiter function this module calls
-and the keyword arguments it passes; the test suite checks it against the
-published aiter sources.
+and the keyword arguments it passes; the test suite checks it against aiter's
+source (tests/fake_aiter/contract.json, or a wheel or checkout given).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import pathlib
+import threading
 from typing import Any, ClassVar
 
 import torch
@@ -67,6 +81,7 @@ from mla_multi.backends.base import (
     dtype_name,
     prefill_lse_heads_tokens,
 )
+from mla_multi.metadata import to_device
 from mla_multi.platforms import Platform
 
 # --------------------------------------------------------------------------- the calls made into aiter
@@ -102,11 +117,37 @@ MLA_DECODE_FWD = AiterCall(
         "kv_indices",
         "kv_last_page_lens",
         "max_seqlen_q",
+        "page_size",
+        "nhead_kv",
         "sm_scale",
         "num_kv_splits",
+        "causal",
     ),
-    # q_scale / kv_scale arrived with the fp8 (a8w8) kernels; return_lse later.
-    optional_keywords=("q_scale", "kv_scale", "return_lse"),
+    # the persistent path's buffers (get_mla_metadata_v1 fills them), the a8w8 scales, and the LSE where a kernel
+    # writes it
+    optional_keywords=(
+        "work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map",
+        "q_scale", "kv_scale", "return_lse",
+    ),
+)
+
+GET_MLA_METADATA_INFO_V1 = AiterCall(
+    module="aiter",
+    function="get_mla_metadata_info_v1",
+    source="aiter/ops/attention.py",
+    keywords=("batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse", "fast_mode"),
+)
+
+GET_MLA_METADATA_V1 = AiterCall(
+    module="aiter",
+    function="get_mla_metadata_v1",
+    source="aiter/ops/attention.py",
+    keywords=(
+        "seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k", "num_heads_k",
+        "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr", "reduce_indptr", "reduce_final_map",
+        "reduce_partial_map", "page_size", "kv_granularity", "max_seqlen_qo", "uni_seqlen_qo", "fast_mode",
+        "dtype_q", "dtype_kv",
+    ),
 )
 
 FLASH_ATTN_VARLEN_FUNC = AiterCall(
@@ -125,30 +166,49 @@ FLASH_ATTN_VARLEN_FUNC = AiterCall(
         "causal",
         "return_lse",
     ),
+    # the attention sink, where the caller gives one (one logit a head)
+    optional_keywords=("sink_ptr",),
 )
 
 # Sparse MLA: the same function with one request per query token over the
-# page-size-1 cache; the split count is left to aiter, the LSE asked for where
-# the signature has `return_lse`.
+# page-size-1 cache, non-persistent, at least two splits (so that aiter's
+# second stage writes the LSE: see `_non_persistent_splits`).
 SPARSE_MLA_DECODE_FWD = dataclasses.replace(
     MLA_DECODE_FWD,
-    keywords=tuple(k for k in MLA_DECODE_FWD.keywords if k != "num_kv_splits"),
+    keywords=("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
+              "sm_scale", "num_kv_splits"),
     optional_keywords=("return_lse",),
 )
 
-AITER_CALLS: tuple[AiterCall, ...] = (MLA_DECODE_FWD, FLASH_ATTN_VARLEN_FUNC, SPARSE_MLA_DECODE_FWD)
+AITER_CALLS: tuple[AiterCall, ...] = (
+    MLA_DECODE_FWD, GET_MLA_METADATA_INFO_V1, GET_MLA_METADATA_V1, FLASH_ATTN_VARLEN_FUNC, SPARSE_MLA_DECODE_FWD,
+)
+
+# The aiter release whose source this module follows (its kernel tables below, its signatures above).
+AITER_SOURCE_TAG = "v0.1.20.post1"
+AITER_SOURCE_COMMIT = "de07f3885ee5f2030ba72b6cc5940d674fd457cf"
 
 # Architectures aiter builds its MLA and flash-attention kernels for; used when
 # the installed package's kernel inventory cannot be located.
 AITER_ARCHS: tuple[str, ...] = ("gfx942", "gfx950")
-# Head counts `mla_decode_fwd` runs natively (its split-KV path has assembly
-# kernels for 16 and 128 query heads per latent head); fewer than 16 heads are
-# padded with zero queries up to 16, which costs compute but no KV traffic.
-AITER_DECODE_NATIVE_NUM_HEADS: tuple[int, ...] = (16, 128)
+# Head counts aiter's decode kernel tables hold; any other count is padded with
+# zero queries up to a multiple of 16 (fewer than 16: to 16), which costs compute
+# but no KV traffic; aiter's persistent path folds 48, 80, 96 and 112 heads into
+# groups of 16 itself.
+AITER_DECODE_NATIVE_NUM_HEADS: tuple[int, ...] = (8, 16, 32, 64, 128)
 AITER_DECODE_PADDED_NUM_HEADS = 16
+AITER_DECODE_MAX_NUM_HEADS = 128
+# Query tokens a request: aiter's tables hold 1, 2 and 4 (3 runs on the 4-token
+# kernels), and on gfx950 the persistent path folds longer ones onto them.
+AITER_DECODE_MAX_QUERY_LEN = 8
 # The kernels compute a 576-wide qk (512 latent + 64 rope) and a 512-wide v.
 AITER_DECODE_KV_LORA_RANK = 512
 AITER_DECODE_QK_ROPE_HEAD_DIM = 64
+# The split count passed to the non-persistent kernel (vLLM's choice before the
+# persistent path): at least two, so that aiter's second stage merges the
+# splits and writes the LSE (with one split it copies the output, or returns
+# it early, and leaves the LSE unwritten).
+AITER_NON_PERSISTENT_SPLITS = 16
 # CK flash attention handles head dims up to 256.
 AITER_PREFILL_MAX_HEAD_DIM = 256
 # kv_indices are int32 slot numbers of the page-size-1 view.
@@ -160,6 +220,201 @@ _MAX_INT32 = 2**31 - 1
 # `hk_mla_decode_fwd` in older sources) and the gfx950 DSA V3.2 decode over
 # separate FP8 NoPE / bf16 RoPE buffers with E8M0 block scales.
 AITER_SPARSE_FP8_KERNELS: tuple[str, ...] = ("hk_mla_v32_decode_fwd", "hk_mla_decode_fwd", "mla_decode_fwd_ds32")
+
+# --------------------------------------------------------------------------- aiter's decode kernel tables
+
+# hsa/<arch>/mla/mla_asm.csv at AITER_SOURCE_COMMIT, the decode rows without context-parallel variants:
+# (query type, cache type, heads a kernel runs (Gqa), persistent, query tokens (0: any), causal, writes the LSE)
+AITER_DECODE_KERNELS: dict[str, frozenset[tuple[str, str, int, int, int, int, int]]] = {
+    "gfx942": frozenset((
+        ('bf16', 'bf16', 128, 0, 0, 1, 0), ('bf16', 'bf16', 16, 1, 4, 1, 0), ('bf16', 'bf16', 16, 0, 1, 1, 0),
+        ('bf16', 'bf16', 16, 0, 4, 1, 0), ('bf16', 'bf16', 16, 0, 8, 1, 0), ('bf16', 'fp8', 16, 1, 4, 1, 0),
+        ('bf16', 'byte', 16, 1, 4, 1, 0), ('fp8', 'fp8', 16, 1, 1, 1, 0), ('fp8', 'fp8', 64, 1, 1, 1, 0),
+        ('fp8', 'fp8', 64, 1, 1, 1, 1), ('fp8', 'fp8', 16, 1, 2, 1, 0), ('fp8', 'fp8', 16, 1, 4, 1, 0),
+        ('fp8', 'fp8', 16, 0, 1, 1, 0), ('fp8', 'fp8', 16, 0, 2, 1, 0), ('fp8', 'fp8', 16, 0, 4, 1, 0),
+        ('fp8', 'fp8', 128, 0, 0, 1, 0), ('fp8', 'fp8', 128, 1, 0, 1, 0), ('bf16', 'bf16', 32, 0, 0, 1, 0),
+        ('bf16', 'bf16', 64, 0, 0, 1, 0), ('bf16', 'bf16', 8, 0, 1, 1, 0), ('fp8', 'fp8', 8, 0, 1, 1, 0),
+        ('bf16', 'bf16', 8, 1, 2, 1, 0),
+    )),
+    "gfx950": frozenset((
+        ('bf16', 'bf16', 128, 0, 0, 1, 0), ('bf16', 'bf16', 16, 1, 4, 1, 0), ('bf16', 'bf16', 16, 1, 4, 1, 1),
+        ('bf16', 'bf16', 16, 0, 1, 1, 0), ('bf16', 'bf16', 16, 0, 4, 1, 0), ('bf16', 'bf16', 16, 0, 8, 1, 0),
+        ('bf16', 'fp8', 16, 1, 4, 1, 0), ('fp8', 'fp8', 16, 1, 1, 1, 0), ('fp8', 'fp8', 16, 1, 1, 1, 1),
+        ('fp8', 'fp8', 16, 1, 2, 1, 0), ('fp8', 'fp8', 16, 1, 4, 1, 0), ('fp8', 'fp8', 16, 1, 4, 1, 1),
+        ('fp8', 'fp8', 16, 0, 1, 1, 0), ('fp8', 'fp8', 16, 0, 2, 1, 0), ('fp8', 'fp8', 16, 0, 4, 1, 0),
+        ('fp8', 'fp8', 32, 1, 4, 1, 0), ('fp8', 'fp8', 32, 1, 4, 1, 1), ('fp8', 'fp8', 32, 1, 1, 1, 0),
+        ('fp8', 'fp8', 32, 1, 1, 1, 1), ('fp8', 'fp8', 128, 0, 0, 1, 0), ('bf16', 'bf16', 32, 0, 0, 1, 0),
+        ('bf16', 'bf16', 64, 0, 0, 1, 0), ('bf16', 'bf16', 64, 0, 1, 1, 0), ('bf16', 'bf16', 8, 0, 1, 1, 0),
+        ('bf16', 'bf16', 8, 0, 2, 1, 0), ('fp8', 'fp8', 8, 0, 1, 1, 0),
+        ('fp8', 'fp8', 8, 1, 4, 1, 0), ('fp8', 'fp8', 8, 1, 4, 1, 1), ('bf16', 'bf16', 32, 1, 4, 1, 0),
+        ('bf16', 'bf16', 32, 1, 4, 1, 1), ('bf16', 'bf16', 32, 1, 4, 0, 0), ('bf16', 'bf16', 32, 1, 4, 0, 1),
+        ('bf16', 'bf16', 64, 1, 1, 1, 0), ('bf16', 'bf16', 64, 1, 1, 1, 1), ('bf16', 'bf16', 64, 1, 1, 0, 0),
+        ('bf16', 'bf16', 64, 1, 1, 0, 1), ('fp8', 'fp8', 8, 1, 4, 0, 0), ('fp8', 'fp8', 8, 1, 4, 0, 1),
+        ('fp8', 'fp8', 16, 0, 1, 0, 0), ('fp8', 'fp8', 16, 0, 4, 0, 0), ('fp8', 'fp8', 16, 1, 1, 0, 0),
+        ('fp8', 'fp8', 16, 1, 1, 0, 1), ('fp8', 'fp8', 16, 1, 4, 0, 0), ('fp8', 'fp8', 16, 1, 4, 0, 1),
+        ('fp8', 'fp8', 32, 1, 4, 0, 0), ('fp8', 'fp8', 32, 1, 4, 0, 1), ('fp8', 'fp8', 128, 0, 0, 0, 0),
+    )),
+}
+
+
+def _persistent_heads_as_is(arch: str, q: str, kv: str, heads: int, q_len: int) -> bool:
+    """Whether mla_decode_fwd's persistent path hands `heads` to its kernels as they are (else it folds a
+    multiple of 16 from 32 to 128 into groups of 16, and refuses any other count); aiter's experimental
+    kernels (AITER_ENABLE_EXPERIMENTAL) are left out."""
+    same = q == kv
+    if heads == 16 or (arch == "gfx950" and same and q == "bf16"):
+        return True
+    if not (same and q == "fp8"):
+        return arch == "gfx942" and heads == 8 and same and q_len == 2
+    if arch == "gfx942":
+        return heads == 128 or (heads == 64 and q_len == 1)
+    return heads in (32, 64, 128) or (heads == 8 and q_len == 4)
+
+
+def _kernel_key(arch: str, q: str, kv: str, heads: int, q_len: int, persistent: bool) -> tuple | None:
+    """The (Gqa, persistent, query tokens) key mla_decode_stage1_asm_fwd looks its kernel up by, or None
+    where it raises before the lookup."""
+    ps = int(persistent)
+    key_heads, key_len = heads, q_len
+    bf16, fp8 = q == kv == "bf16", q == kv == "fp8"
+    if heads == 128:
+        key_len = 0
+        ps = 0 if (bf16 and arch == "gfx942") else ps
+    elif heads == 16 and bf16:
+        key_len = (4 if q_len <= 4 else q_len) if persistent else (1 if q_len == 1 else 4 if q_len <= 4 else 8)
+    elif heads == 16 and q == "bf16":  # bf16 query over an fp8 (or byte) cache
+        key_len = 4 if persistent and q_len <= 4 else q_len
+    elif heads == 16 and q == "fp8":
+        if q_len == 3:
+            key_len = 4
+        elif q_len > 4:
+            if not (persistent and arch == "gfx950"):
+                return None
+            key_heads, key_len = 32, 4
+    elif heads == 32 and bf16:
+        key_len = q_len if persistent else 0
+    elif heads == 32 and fp8:
+        if q_len >= 3 and not (persistent and arch == "gfx950"):
+            return None
+        if q_len == 2 and not persistent:
+            return None
+        key_len = 4 if q_len >= 3 else q_len
+    elif heads == 64 and bf16:
+        key_len = q_len if persistent else (1 if q_len == 1 else 0)
+    elif heads == 64 and fp8:
+        if not persistent:
+            return None
+        key_len = 1 if q_len == 1 else 4
+    if arch == "gfx950" and persistent:  # gfx950 runs these persistent shapes on the 32- or 64-head kernels
+        product = heads * q_len
+        if bf16 and (product >= 128 or heads > 64) and heads != 48:
+            key_heads, key_len = 32, 4
+        elif bf16 and (product >= 64 or heads >= 16):
+            key_heads, key_len = 64, 1
+        elif fp8 and ((heads == 32 and q_len >= 4) or (heads == 64 and q_len >= 2) or heads == 128):
+            key_heads, key_len = 32, 4
+        elif fp8 and ((heads == 16 and q_len in (3, 4)) or (heads == 32 and q_len in (2, 3))
+                      or (heads == 64 and q_len == 1)):
+            key_heads, key_len = 16, 4
+    return key_heads, ps, key_len
+
+
+def aiter_decode_kernel(arch: str, q: str, kv: str, heads: int, q_len: int, persistent: bool,
+                        lse: bool) -> tuple[int, int] | None:
+    """(heads the kernel runs, its query tokens) of the kernel `mla_decode_fwd` launches for a causal decode of
+    `heads` query heads (aiter folds 48-112 into 16 where its persistent path does), or None where it has none.
+    `lse`: with `return_lse` (only the persistent path looks for a kernel that writes the LSE)."""
+    table = AITER_DECODE_KERNELS.get(arch)
+    if table is None:
+        return None
+    if persistent and not _persistent_heads_as_is(arch, q, kv, heads, q_len):
+        if heads not in range(32, 129, 16):
+            return None
+        heads = 16
+    key = _kernel_key(arch, q, kv, heads, q_len, persistent)
+    if key is None:
+        return None
+    key_heads, ps, key_len = key
+    row = (q, kv, key_heads, ps, key_len, 1, int(lse and persistent))
+    return (key_heads, key_len) if row in table else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AiterDecodeRoute:
+    """How a decode configuration runs on aiter: the heads passed (the model's, or padded with zero queries),
+    the persistent path or the split-KV one, and whether the LSE is asked for (only where it is written)."""
+
+    arch: str
+    num_heads: int
+    heads: int
+    query_len: int
+    q_type: str
+    kv_type: str
+    persistent: bool
+    lse: bool
+
+    @property
+    def padded(self) -> bool:
+        return self.heads != self.num_heads
+
+    @property
+    def folded(self) -> bool:
+        """aiter folds the heads into groups of 16 (persistent path), and with several query tokens hands the
+        output back in a tensor of its own (`o.set_`): such a call's output is never a workspace view."""
+        return self.persistent and not _persistent_heads_as_is(self.arch, self.q_type, self.kv_type, self.heads,
+                                                               self.query_len)
+
+    def describe(self) -> str:
+        path = "persistent" if self.persistent else "split-KV"
+        lse = "LSE" if self.lse else "no LSE"
+        heads = f"{self.num_heads} heads" + (f" padded to {self.heads}" if self.padded else "")
+        return f"{path}, {lse} ({heads}, {self.query_len} query tokens, {self.q_type} query, {self.kv_type} cache)"
+
+
+def _runtime_arch() -> str:
+    """The architecture whose kernel tables a call follows: the current platform's, or gfx942 where the current
+    platform is none of aiter's (a CPU test run against the stand-in aiter; selection never gets there)."""
+    from mla_multi.platforms import current_platform
+
+    arch = current_platform().arch
+    return arch if arch in AITER_DECODE_KERNELS else AITER_ARCHS[0]
+
+
+def _head_candidates(num_heads: int) -> list[int]:
+    """The head counts tried for `num_heads`, in order: the count itself where aiter's tables or its fold take
+    it, the next multiple of 16 (16 for fewer), then the next count of its tables (48 -> 64, 80-112 -> 128)."""
+    found = [num_heads] if num_heads in AITER_DECODE_NATIVE_NUM_HEADS or num_heads in range(48, 113, 16) else []
+    padded = AITER_DECODE_PADDED_NUM_HEADS if num_heads < 16 else -(-num_heads // 16) * 16
+    native = [h for h in AITER_DECODE_NATIVE_NUM_HEADS if h >= max(num_heads, AITER_DECODE_PADDED_NUM_HEADS)]
+    for heads in [padded] + native[:1]:
+        if heads not in found and heads <= AITER_DECODE_MAX_NUM_HEADS:
+            found.append(heads)
+    return found
+
+
+def _types(kv_cache_dtype: torch.dtype) -> tuple[str, str] | None:
+    if kv_cache_dtype == torch.bfloat16:
+        return "bf16", "bf16"
+    if kv_cache_dtype in FP8_DTYPES:
+        return "fp8", "fp8"  # the a8w8 kernels: the query is quantised to the cache's type
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def aiter_decode_route(arch: str, num_heads: int, query_len: int, kv_cache_dtype: torch.dtype) -> AiterDecodeRoute | None:
+    """The route of a decode on `arch`, or None where aiter has no kernel for it: the persistent path where it has
+    a kernel (vLLM's ROCM_AITER_MLA), asking for the LSE where that kernel writes it; else the split-KV path with
+    at least two splits (its second stage then writes the LSE; an FP8 split count aiter may cut to one, so no LSE
+    there). Heads aiter's tables lack are padded to a multiple of 16."""
+    types = _types(kv_cache_dtype)
+    if types is None or not 1 <= num_heads <= AITER_DECODE_MAX_NUM_HEADS or query_len < 1:
+        return None
+    q, kv = types
+    for heads in _head_candidates(num_heads):
+        for persistent, lse in ((True, True), (True, False), (False, q == "bf16")):
+            if aiter_decode_kernel(arch, q, kv, heads, query_len, persistent, lse) is not None:
+                return AiterDecodeRoute(arch, num_heads, heads, query_len, q, kv, persistent, lse)
+    return None
 
 
 # --------------------------------------------------------------------------- probing the installed aiter
@@ -177,6 +432,8 @@ class AiterProbe:
     kernel_archs: tuple[str, ...] | None = None
     # Which of AITER_SPARSE_FP8_KERNELS the installed package defines.
     sparse_fp8_kernels: tuple[str, ...] = ()
+    # Whether it has get_mla_metadata_info_v1 and get_mla_metadata_v1 (the persistent path's metadata).
+    has_metadata: bool = False
 
     @property
     def label(self) -> str:
@@ -264,6 +521,8 @@ def probe_aiter() -> AiterProbe:
         prefill_parameters=_parameters(prefill_function) if prefill_function is not None else (),
         kernel_archs=_kernel_archs(aiter_module),
         sparse_fp8_kernels=fp8_kernels,
+        has_metadata=all(getattr(aiter_module, call.function, None) is not None
+                         for call in (GET_MLA_METADATA_INFO_V1, GET_MLA_METADATA_V1)),
     )
 
 
@@ -309,20 +568,32 @@ def _rocm_platform_reasons(platform: Platform) -> list[str]:
     return []
 
 
-def _decode_num_heads_text() -> str:
-    return f"1-{AITER_DECODE_PADDED_NUM_HEADS - 1} (padded to {AITER_DECODE_PADDED_NUM_HEADS}), " + ", ".join(
-        map(str, AITER_DECODE_NATIVE_NUM_HEADS)
-    )
+def _sparse_heads(arch: str, num_heads: int) -> int | None:
+    """The heads the sparse path passes for `num_heads` on `arch` (split-KV, one bf16 query token a request):
+    the count itself where aiter's tables have its kernel, else padded to a multiple of 16; None where neither."""
+    for heads in _head_candidates(num_heads):
+        if aiter_decode_kernel(arch, "bf16", "bf16", heads, 1, False, False) is not None:
+            return heads
+    return None
 
 
-def _decode_shape_reasons(dims, where: str) -> list[str]:
-    """The head counts and latent widths `mla_decode_fwd`'s kernels take (dense and sparse decode)."""
+def _decode_num_heads_text(arch: str | None = None) -> str:
+    archs = (arch,) if arch in AITER_DECODE_KERNELS else tuple(AITER_DECODE_KERNELS)
+    parts = []
+    for each in archs:
+        native = [h for h in AITER_DECODE_NATIVE_NUM_HEADS if _sparse_heads(each, h) == h]
+        parts.append(f"{', '.join(map(str, native))} on {each}")
+    return "; ".join(parts) + "; other counts padded to a multiple of 16 that runs"
+
+
+def _decode_shape_reasons(dims, where: str, arch: str) -> list[str]:
+    """The head counts and latent widths the sparse path's `mla_decode_fwd` kernels take."""
     reasons = []
     num_heads = dims.num_heads
-    if not (num_heads < AITER_DECODE_PADDED_NUM_HEADS or num_heads in AITER_DECODE_NATIVE_NUM_HEADS):
+    if arch in AITER_DECODE_KERNELS and _sparse_heads(arch, num_heads) is None:
         reasons.append(
-            f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd; "
-            f"supported: {_decode_num_heads_text()}"
+            f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd (split-KV, one bfloat16 query "
+            f"token a request); supported: {_decode_num_heads_text(arch)}"
         )
     if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (AITER_DECODE_KV_LORA_RANK, AITER_DECODE_QK_ROPE_HEAD_DIM):
         reasons.append(
@@ -332,12 +603,12 @@ def _decode_shape_reasons(dims, where: str) -> list[str]:
     return reasons
 
 
-def _padded_query(query: torch.Tensor) -> torch.Tensor:
-    """query [T, N, D] with zero queries on extra heads up to AITER_DECODE_PADDED_NUM_HEADS (their outputs are dropped)."""
+def _padded_query(query: torch.Tensor, heads: int) -> torch.Tensor:
+    """query [T, N, D] with zero queries on extra heads up to `heads` (their outputs are dropped)."""
     tokens, num_heads, width = query.shape
-    if num_heads >= AITER_DECODE_PADDED_NUM_HEADS:
+    if num_heads >= heads:
         return query
-    padded = query.new_zeros(tokens, AITER_DECODE_PADDED_NUM_HEADS, width)
+    padded = query.new_zeros(tokens, heads, width)
     padded[:, :num_heads] = query
     return padded
 
@@ -346,7 +617,7 @@ def _padded_query(query: torch.Tensor) -> torch.Tensor:
 
 
 def paged_kv_indices(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, fill: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """aiter's page-size-1 indexing of a paged cache, built on the device.
 
@@ -356,11 +627,11 @@ def paged_kv_indices(
     of seq_lens), kv_indices [B * max_blocks * block_size] (request b's token
     j is entry kv_indptr[b] + j and holds the cache row
     block_table[b, j // block_size] * block_size + j % block_size; the tail
-    past kv_indptr[B] is zero and never read) and kv_last_page_lens [B] (ones).
+    past kv_indptr[B] holds `fill` and is never read) and kv_last_page_lens [B] (ones).
 
     Shapes depend only on the input shapes and nothing is read back to the
     host, so the construction can be captured in a graph; the price is
-    O(B * max_blocks * block_size) temporary index memory.
+    O(B * max_blocks * block_size) temporary index memory, once a step (the plan).
     """
     device = block_table.device
     batch, max_blocks = block_table.shape
@@ -377,8 +648,8 @@ def paged_kv_indices(
     destination = torch.where(
         valid, kv_indptr[:-1].unsqueeze(1).long() + positions.unsqueeze(0).long(), torch.full_like(valid, spare, dtype=torch.long)
     )
-    kv_indices = torch.zeros(spare + 1, dtype=torch.int32, device=device)
-    kv_indices.scatter_(0, destination.reshape(-1), slots.reshape(-1))
+    kv_indices = torch.full((spare + 1,), fill, dtype=torch.int32, device=device)
+    kv_indices.scatter_(0, destination.reshape(-1), torch.where(valid, slots, fill).reshape(-1))
     qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
     kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)
     return qo_indptr, kv_indptr, kv_indices[:spare], kv_last_page_lens
@@ -390,8 +661,172 @@ def _scale_tensor(value, device: torch.device) -> torch.Tensor:
     return torch.tensor([float(value)], dtype=torch.float32, device=device)
 
 
+_TORCH_TYPES = {"bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class AiterDecodePlan:
+    """One decode step on aiter, made once per step (`AiterMLADecodeImpl.plan`) and shared by every layer:
+    the page-size-1 indexing over the step's valid tokens and, on the persistent path, aiter's work metadata.
+
+    Every tensor lives in buffers fixed per (device, configuration, batch, query tokens, block-table width):
+    a graph captured after one plan replays correctly after the next."""
+
+    batch: int
+    query_len: int
+    route: AiterDecodeRoute
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_lens: torch.Tensor
+    work: dict[str, torch.Tensor] | None
+    cuda_graph: bool
+
+
+_plan_buffers: dict = {}
+_plan_lock = threading.Lock()
+
+
+def _metadata_buffers(route: AiterDecodeRoute, batch: int, device: torch.device, q_dtype: torch.dtype,
+                      kv_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The persistent path's six buffers, shaped by aiter's get_mla_metadata_info_v1 for `batch` requests."""
+    import aiter
+
+    specs = aiter.get_mla_metadata_info_v1(
+        batch_size=batch, max_seqlen_qo=route.query_len, num_head_qo=route.heads, q_dtype=q_dtype,
+        kv_dtype=kv_dtype, is_sparse=False, fast_mode=True,
+    )
+    names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+             "reduce_partial_map")
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+
+
 class AiterMLADecodeImpl(MLADecodeImpl):
-    """Decode through `aiter.mla.mla_decode_fwd` on the page-size-1 view of the cache."""
+    """Decode through `aiter.mla.mla_decode_fwd` on the page-size-1 view of the cache, persistent where aiter
+    has a persistent kernel for the configuration (`aiter_decode_route`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reserved: tuple[int, int] | None = None  # (max_num_seqs, max_query_len) of reserve_workspace
+
+    def plan_key(self) -> tuple:
+        return ("ROCM_AITER", "decode", self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                self.kv_cache_dtype, self.block_size)
+
+    def route(self, query_len: int) -> AiterDecodeRoute:
+        """The route of this layer's decode with `query_len` tokens a request on the current platform."""
+        arch = _runtime_arch()
+        found = aiter_decode_route(arch, self.num_heads, query_len, self.kv_cache_dtype)
+        if found is None:
+            raise ValueError(
+                f"ROCM_AITER has no mla_decode_fwd kernel on {arch} for {self.num_heads} heads, {query_len} query "
+                f"tokens a request and a {dtype_name(self.kv_cache_dtype)} cache; accepted here: "
+                + _routes_text(arch, query_len, self.kv_cache_dtype)
+            )
+        return found
+
+    def _dtypes(self, route: AiterDecodeRoute) -> tuple[torch.dtype, torch.dtype]:
+        if route.q_type == "fp8":
+            return self.kv_cache_dtype, self.kv_cache_dtype
+        return torch.bfloat16, torch.bfloat16
+
+    def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
+        """The output rows in the shared workspace; the persistent path's metadata buffers, which must outlive
+        the layers of a step (the workspace is scratch), sized once here by aiter for the largest batch."""
+        self._reserved = (max_num_seqs, max_query_len)
+        routes = []
+        for query_len in range(1, max_query_len + 1):
+            try:
+                routes.append(self.route(query_len))
+            except ValueError:
+                continue
+        if not routes:
+            return
+        heads = max(r.heads for r in routes)
+        workspace_manager.reserve(
+            ((max_num_seqs * max_query_len, heads, self.kv_lora_rank), dtype or torch.bfloat16),
+            purpose="decode: ROCM_AITER output",
+            what=f"max_num_seqs={max_num_seqs} x max_query_len={max_query_len} rows of {heads} heads",
+        )
+        device = self.device if self.device is not None else torch.device("cpu")
+        if device.type == "meta" or probe_aiter().error:
+            return
+        for route in routes:
+            if route.persistent:
+                self._work_buffers(route, max_num_seqs, device)
+
+    def _work_buffers(self, route: AiterDecodeRoute, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Metadata buffers for `route`, shared by every layer of this configuration; grown (never under a
+        graph capture) only when a batch exceeds the reservation."""
+        key = ("work", device, self.plan_key(), route)
+        with _plan_lock:
+            found = _plan_buffers.get(key)
+            if found is None or found[0] < batch:
+                size = max(batch, self._reserved[0] if self._reserved else 0)
+                found = _plan_buffers[key] = (size, _metadata_buffers(route, size, device, *self._dtypes(route)))
+        return found[1]
+
+    def plan(self, seq_lens_cpu: torch.Tensor | None, block_table: torch.Tensor, query_len: int = 1, *,
+             k_scale=None, cuda_graph: bool = False, seq_lens: torch.Tensor | None = None) -> AiterDecodePlan:
+        """Build one step's indexing and metadata on the device, once for every layer.
+
+        seq_lens_cpu [B] on the host (or None, with `seq_lens` on the device), block_table [B, max_blocks] on
+        the device. Nothing is read back from the device; the indices cover the valid tokens only, the rest of
+        the list holds -1. A `cuda_graph` plan writes the indexing into buffers fixed per (configuration,
+        batch, block-table width), so that a graph captured after it replays after the next plan; an eager
+        plan's list is cut to the step's tokens (aiter's split-KV heuristic reads its length). The persistent
+        path's metadata comes from aiter's get_mla_metadata_v1 into buffers sized at reservation."""
+        import aiter
+
+        route = self.route(query_len)
+        device = block_table.device
+        batch, max_blocks = block_table.shape
+        if seq_lens is None:
+            seq_lens = to_device(torch.as_tensor(seq_lens_cpu).to(torch.int32), device)
+        _, kv_indptr, kv_indices, kv_last_page_lens = paged_kv_indices(block_table, seq_lens, self.block_size)
+        qo_indptr = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device=device)
+        if cuda_graph:  # fixed per shape, rewritten by every plan: a captured graph reads them at replay
+            key = ("indices", device, self.plan_key(), route, batch, max_blocks)
+            with _plan_lock:
+                buffers = _plan_buffers.get(key)
+                if buffers is None:
+                    buffers = _plan_buffers[key] = (torch.empty_like(qo_indptr), torch.empty_like(kv_indptr),
+                                                    torch.empty_like(kv_indices), torch.empty_like(kv_last_page_lens))
+            for buffer, value in zip(buffers, (qo_indptr, kv_indptr, kv_indices, kv_last_page_lens)):
+                buffer.copy_(value)
+            qo_indptr, kv_indptr, kv_indices, kv_last_page_lens = buffers
+        elif seq_lens_cpu is not None:
+            # aiter's split-KV heuristic reads the index list's length: the step's tokens, known on the host
+            kv_indices = kv_indices[: max(1, int(torch.as_tensor(seq_lens_cpu).sum()))]
+        work = None
+        if route.persistent:
+            work = self._work_buffers(route, batch, device)
+            q_dtype, kv_dtype = self._dtypes(route)
+            aiter.get_mla_metadata_v1(
+                seqlens_qo_indptr=qo_indptr,
+                seqlens_kv_indptr=kv_indptr,
+                kv_last_page_lens=kv_last_page_lens,
+                num_heads_per_head_k=route.heads,
+                num_heads_k=1,
+                is_causal=True,
+                work_metadata_ptrs=work["work_meta_data"],
+                work_info_set=work["work_info_set"],
+                work_indptr=work["work_indptr"],
+                reduce_indptr=work["reduce_indptr"],
+                reduce_final_map=work["reduce_final_map"],
+                reduce_partial_map=work["reduce_partial_map"],
+                page_size=1,
+                # aiter's 64-head FP8 kernel produces partials of 32 tokens
+                kv_granularity=32 if (route.heads == 64 and route.q_type == "fp8") else 16,
+                max_seqlen_qo=query_len,
+                uni_seqlen_qo=query_len,
+                fast_mode=True,
+                dtype_q=q_dtype,
+                dtype_kv=kv_dtype,
+            )
+        return AiterDecodePlan(batch, query_len, route, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, work,
+                               cuda_graph)
 
     def forward_mqa(
         self,
@@ -405,17 +840,17 @@ class AiterMLADecodeImpl(MLADecodeImpl):
         num_kv_splits: int | None = None,
         workspace_manager=None,
         max_seq_len: int | None = None,
+        plan: AiterDecodePlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q_nope [B, N, Lkv] (or [B, 1, N, Lkv]), q_pe [B, (1,) N, R] bfloat16;
-        kv_cache [num_blocks, block_size, Lkv + R] bfloat16 or fp8 (with
-        k_scale); block_table [B, max_blocks] int32; seq_lens [B] int32.
+        """q_nope [B, N, Lkv] or [B, Q, N, Lkv] (causal within the request), q_pe [B, (Q,) N, R] bfloat16;
+        kv_cache [num_blocks, block_size, Lkv + R] bfloat16 or fp8 (with k_scale); block_table [B, max_blocks]
+        int32; seq_lens [B] int32.
 
-        Returns out with q_nope's shape (bfloat16) and the LSE [B, (1,) N]
-        float32 when the installed aiter returns one, else None.
-        `num_kv_splits=None` leaves the split count to aiter's own heuristic,
-        which is tuned for its kernels (mla_multi.heuristics models the Triton
-        kernel's launch); it sees the static length of kv_indices, the
-        per-request capacity of the block table, so `max_seq_len` is not needed.
+        Returns out with q_nope's shape (bfloat16) and the LSE [B, (Q,) N] float32 where the route's kernel
+        writes it (`AiterDecodeRoute.lse`), else None. `plan` (from `plan`, once a step) carries the indexing
+        and metadata; without it they are built here. On the persistent path the split count is aiter's (its
+        batch gate may send a large batch to the split-KV kernel); on the split-KV path `num_kv_splits`
+        (default AITER_NON_PERSISTENT_SPLITS) is raised to at least 2 so that the LSE is written.
         """
         probe = probe_aiter()
         if probe.error:
@@ -423,13 +858,9 @@ class AiterMLADecodeImpl(MLADecodeImpl):
         from aiter.mla import mla_decode_fwd
 
         single_token = q_nope.dim() == 3
-        if not single_token:
-            if q_nope.shape[1] != 1:
-                raise ValueError(
-                    f"q_nope has {q_nope.shape[1]} query tokens per request; accepted by ROCM_AITER: 1"
-                )
-            q_nope, q_pe = q_nope.squeeze(1), q_pe.squeeze(1)
-        batch, num_heads, kv_lora_rank = q_nope.shape
+        if single_token:
+            q_nope, q_pe = q_nope.unsqueeze(1), q_pe.unsqueeze(1)
+        batch, query_len, num_heads, kv_lora_rank = q_nope.shape
         num_blocks, block_size, width = kv_cache.shape
         if num_blocks * block_size > _MAX_INT32:
             raise ValueError(
@@ -437,15 +868,38 @@ class AiterMLADecodeImpl(MLADecodeImpl):
             )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache is not contiguous; accepted by ROCM_AITER: a contiguous cache (viewed with page size 1)")
+        if plan is None:
+            plan = self.plan(None, block_table, query_len, seq_lens=seq_lens)
+        elif (plan.batch, plan.query_len) != (batch, query_len):
+            raise ValueError(f"the ROCM_AITER plan is for {plan.batch} requests of {plan.query_len} tokens; "
+                             f"q_nope has {batch} of {query_len}")
+        route = plan.route
+        heads = route.heads
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        if heads != num_heads:  # zero queries on the padding heads; their outputs are dropped
+            padded = query.new_zeros(batch, query_len, heads, width)
+            padded[:, :, :num_heads] = query
+            query = padded
+        query = query.reshape(batch * query_len, heads, width)
+        rows = batch * query_len
+        if (workspace_manager is not None and self._reserved is not None and query_len <= self._reserved[1]
+                and not (route.folded and query_len > 1)
+                and rows <= self._reserved[0] * self._reserved[1]):
+            output = workspace_manager.get_simultaneous(((rows, heads, kv_lora_rank), q_nope.dtype))[0]
+        else:
+            output = torch.empty(rows, heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
 
-        query = _padded_query(torch.cat([q_nope, q_pe], dim=-1))
-        padded_heads = query.shape[1]
-        kv_buffer = kv_cache.view(num_blocks * block_size, 1, 1, width)
-        qo_indptr, kv_indptr, kv_indices, kv_last_page_lens = paged_kv_indices(block_table, seq_lens, block_size)
-        output = torch.empty(batch, padded_heads, kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-
-        keywords: dict[str, Any] = dict(sm_scale=self.scale, num_kv_splits=num_kv_splits)
-        if kv_cache.dtype != query.dtype:
+        keywords: dict[str, Any] = dict(sm_scale=self.scale)
+        if route.persistent:
+            work = plan.work
+            keywords.update(
+                num_kv_splits=None, work_meta_data=work["work_meta_data"], work_indptr=work["work_indptr"],
+                work_info_set=work["work_info_set"], reduce_indptr=work["reduce_indptr"],
+                reduce_final_map=work["reduce_final_map"], reduce_partial_map=work["reduce_partial_map"],
+            )
+        else:
+            keywords["num_kv_splits"] = max(2, num_kv_splits or AITER_NON_PERSISTENT_SPLITS)
+        if route.q_type == "fp8":
             # aiter's fp8 cache kernels are a8w8: the query is quantised to the
             # cache's fp8 type with a per-tensor scale computed on the device.
             if k_scale is None:
@@ -454,45 +908,94 @@ class AiterMLADecodeImpl(MLADecodeImpl):
             q_scale = (query.abs().amax().float() / finite_max).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
             query = (query.float() / q_scale).clamp(-finite_max, finite_max).to(kv_cache.dtype)
             keywords.update(q_scale=q_scale, kv_scale=_scale_tensor(k_scale, query.device))
-        wants_lse = probe.decode_has("return_lse")
-        if wants_lse:
+        if route.lse:
             keywords["return_lse"] = True
 
         result = mla_decode_fwd(
             q=query,
-            kv_buffer=kv_buffer,
+            kv_buffer=kv_cache.view(num_blocks * block_size, 1, 1, width),
             o=output,
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
-            kv_last_page_lens=kv_last_page_lens,
-            max_seqlen_q=1,
+            qo_indptr=plan.qo_indptr,
+            kv_indptr=plan.kv_indptr,
+            kv_indices=plan.kv_indices,
+            kv_last_page_lens=plan.kv_last_page_lens,
+            max_seqlen_q=query_len,
+            page_size=1,
+            nhead_kv=1,
+            causal=True,
             **keywords,
         )
-        # aiter leaves requests without tokens undefined; the convention is 0 / -inf.
-        has_tokens = (seq_lens > 0).unsqueeze(1)
-        out = torch.where(has_tokens.unsqueeze(2), output[:, :num_heads], torch.zeros((), dtype=output.dtype, device=output.device))
+        # A query token that sees no cached token (seq_len 0, or fewer tokens than the query's position needs)
+        # is left undefined by aiter; the convention is 0 / -inf.
+        visible = seq_lens.to(torch.int32).unsqueeze(1) - query_len + 1 + torch.arange(
+            query_len, device=seq_lens.device, dtype=torch.int32)
+        empty = (visible <= 0).to(output.device).unsqueeze(2)  # [B, Q, 1]
+        out = output.view(batch, query_len, heads, kv_lora_rank)[:, :, :num_heads]
+        out = out.masked_fill(empty.unsqueeze(3), 0)
         lse = None
-        if wants_lse and isinstance(result, (tuple, list)) and len(result) > 1 and result[1] is not None:
-            lse = result[1].reshape(batch, padded_heads)[:, :num_heads].float()
-            lse = torch.where(has_tokens, lse, torch.full((), float("-inf"), device=lse.device))
-        if not single_token:
-            out = out.unsqueeze(1)
-            lse = lse.unsqueeze(1) if lse is not None else None
+        if route.lse:
+            raw = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+            if raw is None:
+                raise RuntimeError(f"{probe.label}'s mla_decode_fwd(return_lse=True) returned no LSE")
+            lse = raw.reshape(batch, query_len, heads)[:, :, :num_heads].float().masked_fill(empty, float("-inf"))
+        if single_token:
+            out = out.squeeze(1)
+            lse = lse.squeeze(1) if lse is not None else None
         return out, lse
 
 
+def _routes_text(arch: str, query_len: int, kv_cache_dtype: torch.dtype) -> str:
+    """What runs on `arch` with `query_len` tokens and this cache: heads and how."""
+    parts = []
+    for heads in (8, 16, 32, 48, 64, 80, 96, 112, 128):
+        route = aiter_decode_route(arch, heads, query_len, kv_cache_dtype)
+        if route is not None and not route.padded:
+            parts.append(f"{heads} ({'persistent' if route.persistent else 'split-KV'}"
+                         f"{', LSE' if route.lse else ''})")
+    if not parts:
+        return "no head count"
+    return "num_heads " + ", ".join(parts) + "; others padded to a multiple of 16 where that runs"
+
+
+def route_table(platform: Platform, num_heads: tuple[int, ...] = (8, 16, 32, 64, 128),
+                query_lens: tuple[int, ...] = (1, 2, 3, 4)) -> dict | None:
+    """How aiter's decode kernel tables (AITER_SOURCE_TAG) run DeepSeek decodes on `platform`, per cache dtype,
+    head count and query tokens: "persistent, LSE", "split-KV" ... or the reason it falls back. None off gfx942 /
+    gfx950. Read from the tables only: it holds whether or not aiter is installed (`mla-multi info`)."""
+    if platform.arch not in AITER_DECODE_KERNELS:
+        return None
+    kv_dtypes = [torch.bfloat16] + ([platform.fp8_dtype] if platform.fp8_dtype is not None else [])
+    table = {}
+    for kv in kv_dtypes:
+        rows = {}
+        for heads in num_heads:
+            row = {}
+            for query_len in query_lens:
+                route = aiter_decode_route(platform.arch, heads, query_len, kv)
+                if route is None:
+                    row[query_len] = "falls back: no kernel in aiter's tables"
+                else:
+                    row[query_len] = (("persistent" if route.persistent else "split-KV")
+                                      + (", LSE" if route.lse else ", no LSE")
+                                      + (f", padded to {route.heads}" if route.padded else ""))
+            rows[heads] = row
+        table[dtype_name(kv)] = rows
+    return {"aiter_source": f"{AITER_SOURCE_TAG} ({AITER_SOURCE_COMMIT[:12]})", "routes": table}
+
+
 class AiterMLADecodeBackend(MLADecodeBackend):
-    """`aiter.mla.mla_decode_fwd`: bfloat16 (or a8w8 fp8) decode on gfx942 / gfx950."""
+    """`aiter.mla.mla_decode_fwd`: bfloat16 (or a8w8 fp8) decode on gfx942 / gfx950, persistent where aiter has
+    the kernel."""
 
     name: ClassVar[str] = "ROCM_AITER"
     vendors = frozenset({"rocm"})
     supported_dtypes = (torch.bfloat16,)
     supported_kv_cache_dtypes = (torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e4m3fn)
-    max_num_heads = 128
-    max_query_len = 1
-    # Index construction is on the device with static shapes (see paged_kv_indices).
+    max_num_heads = AITER_DECODE_MAX_NUM_HEADS
+    max_query_len = AITER_DECODE_MAX_QUERY_LEN
+    # Index construction and metadata are on the device into fixed buffers (see AiterMLADecodeImpl.plan).
     supports_cuda_graphs = True
+    requires_plan: ClassVar[bool] = True
 
     @staticmethod
     def get_decode_impl_cls():
@@ -500,17 +1003,33 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def availability_reasons(cls) -> list[str]:
-        return _call_reasons(MLA_DECODE_FWD, "decode")
+        reasons = _call_reasons(MLA_DECODE_FWD, "decode")
+        probe = probe_aiter()
+        if not reasons and not probe.error and not probe.has_metadata:
+            reasons.append(f"{probe.label} has no get_mla_metadata_info_v1 / get_mla_metadata_v1 (aiter's "
+                           f"persistent MLA decode, in aiter since 2025-12; this adapter follows {AITER_SOURCE_TAG})")
+        return reasons
 
     @classmethod
-    def provides_decode_lse(cls) -> bool:
-        """Whether forward_mqa returns an LSE (aiter's mla_decode_fwd has `return_lse`)."""
+    def provides_decode_lse(cls, platform: Platform | None = None, config: DecodeSelectorConfig | None = None) -> bool:
+        """Whether forward_mqa returns an LSE: for `config` on `platform` (the current one by default), its
+        route's kernel writes it; without a config, for the DeepSeek-V3 configurations of 16 and 128 heads
+        with a bf16 cache."""
         probe = probe_aiter()
-        return probe.error is None and probe.decode_has("return_lse")
+        if probe.error or not probe.decode_has("return_lse"):
+            return False
+        from mla_multi.platforms import current_platform
+
+        platform = platform or current_platform()
+        if config is None:
+            return all(getattr(aiter_decode_route(platform.arch, n, 1, torch.bfloat16), "lse", False) for n in (16, 128))
+        return all(getattr(aiter_decode_route(platform.arch, config.dims.num_heads, q, config.kv_cache_dtype),
+                           "lse", False) for q in range(1, config.max_query_len + 1))
 
     @classmethod
     def supported_num_heads_text(cls) -> str:
-        return _decode_num_heads_text()
+        return (f"{', '.join(map(str, AITER_DECODE_NATIVE_NUM_HEADS))} natively, 48-112 folded by aiter, others "
+                "padded to a multiple of 16, where aiter's kernel tables have a kernel")
 
     @classmethod
     def fp8_kv_cache_reasons(cls, probe: AiterProbe, platform: Platform, kv_cache_dtype: torch.dtype) -> list[str]:
@@ -530,6 +1049,42 @@ class AiterMLADecodeBackend(MLADecodeBackend):
         return []
 
     @classmethod
+    def route_reasons(cls, platform: Platform, config: DecodeSelectorConfig, where: str) -> list[str]:
+        """Why aiter's kernel tables cannot run `config` (each query length up to its max_query_len), and, where
+        the config needs the LSE, which of them write none."""
+        reasons = []
+        num_heads = config.dims.num_heads
+        kv = dtype_name(config.kv_cache_dtype)
+        missing, no_lse = [], []
+        for query_len in range(1, config.max_query_len + 1):
+            route = aiter_decode_route(platform.arch, num_heads, query_len, config.kv_cache_dtype)
+            if route is None:
+                missing.append(query_len)
+            elif not route.lse:
+                no_lse.append(query_len)
+        if num_heads > AITER_DECODE_MAX_NUM_HEADS:
+            return [f"num_heads {num_heads} is not supported by {where}'s mla_decode_fwd; accepted: 1-"
+                    f"{AITER_DECODE_MAX_NUM_HEADS} ({cls.supported_num_heads_text()})"]
+        if config.max_query_len > AITER_DECODE_MAX_QUERY_LEN:
+            reasons.append(f"max_query_len {config.max_query_len} is not supported by {where}'s mla_decode_fwd; "
+                           f"accepted: 1-{AITER_DECODE_MAX_QUERY_LEN} where its kernel tables have a kernel")
+        for query_len in missing:
+            if query_len > AITER_DECODE_MAX_QUERY_LEN:
+                break
+            reasons.append(
+                f"num_heads {num_heads} with {query_len} query token{'s' if query_len > 1 else ''} and a {kv} cache "
+                f"is not supported by {where}: aiter's kernel tables ({AITER_SOURCE_TAG}) have no mla_decode_fwd "
+                f"kernel for it; accepted with {query_len}: {_routes_text(platform.arch, query_len, config.kv_cache_dtype)}"
+            )
+        if getattr(config, "needs_lse", False) and no_lse:
+            reasons.append(
+                f"the LSE with num_heads {num_heads}, {', '.join(map(str, no_lse))} query tokens and a {kv} cache is "
+                f"not written by {where}'s mla_decode_fwd (no kernel of its tables that runs it writes the LSE); "
+                f"accepted with the LSE: the configurations whose route says LSE (mla-multi info), or another backend"
+            )
+        return reasons
+
+    @classmethod
     def validate_configuration(cls, platform: Platform, config: DecodeSelectorConfig) -> list[str]:
         """Reasons the installed aiter cannot run `config` on `platform` (empty when it can)."""
         reasons = cls.availability_reasons() + _rocm_platform_reasons(platform)
@@ -538,6 +1093,8 @@ class AiterMLADecodeBackend(MLADecodeBackend):
         probe = probe_aiter()
         where = f"{probe.label} on {_where(platform)}"
         reasons += _arch_reasons(probe, platform, "MLA decode")
+        if reasons:
+            return reasons
         if config.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {dtype_name(config.dtype)} is not supported by {where}; supported: bfloat16")
         if config.kv_cache_dtype in (torch.float8_e4m3fnuz, torch.float8_e4m3fn):
@@ -547,25 +1104,35 @@ class AiterMLADecodeBackend(MLADecodeBackend):
                 f"kv_cache_dtype {dtype_name(config.kv_cache_dtype)} is not supported by {where}; "
                 f"supported: bfloat16{', ' + dtype_name(platform.fp8_dtype) if platform.fp8_dtype else ''}"
             )
-        reasons += _decode_shape_reasons(config.dims, where)
+        dims = config.dims
+        if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (AITER_DECODE_KV_LORA_RANK, AITER_DECODE_QK_ROPE_HEAD_DIM):
+            reasons.append(
+                f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim} are not supported by "
+                f"{where}; its kernels are built for {AITER_DECODE_KV_LORA_RANK} / {AITER_DECODE_QK_ROPE_HEAD_DIM}"
+            )
         if config.block_size < 1:
             reasons.append(f"block_size {config.block_size} is not supported by {where}; accepted: any positive size")
-        if config.max_query_len > cls.max_query_len:
-            reasons.append(
-                f"max_query_len {config.max_query_len} is not supported by ROCM_AITER ({where}); accepted: 1"
-            )
+        if not reasons:
+            reasons += cls.route_reasons(platform, config, where)
         return reasons
 
     @classmethod
     def info(cls) -> dict[str, Any]:
         info = super().info()
         probe = probe_aiter()
+        from mla_multi.platforms import current_platform
+
+        platform = current_platform()
         info.update(
             aiter_version=probe.version,
+            aiter_source=f"{AITER_SOURCE_TAG} ({AITER_SOURCE_COMMIT[:12]})",
             num_heads=cls.supported_num_heads_text(),
-            returns_lse=cls.provides_decode_lse(),
+            returns_lse=cls.provides_decode_lse(platform),
             kernel_archs=list(probe.kernel_archs) if probe.kernel_archs is not None else "unknown",
         )
+        table = route_table(platform, (16, 32, 64, 128))
+        if table is not None:
+            info["routes"] = table["routes"]
         return info
 
 
@@ -586,16 +1153,26 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         max_seqlen_k: int,
         causal: bool,
         return_softmax_lse: bool,
+        sink: torch.Tensor | None = None,
     ):
-        """q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (float16 / bfloat16), cu_seqlens int32 [B + 1].
+        """q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (float16 / bfloat16), cu_seqlens int32 [B + 1];
+        sink float32 [N] (one logit a head that joins every row's softmax denominator), through aiter's
+        `sink_ptr`.
 
-        Returns out [Tq, N, Dv] and, with `return_softmax_lse`, lse [N, Tq] float32.
+        Returns out [Tq, N, Dv] and, with `return_softmax_lse`, lse [N, Tq] float32 (the keys' own; aiter
+        picks its v3 assembly kernel on gfx942 / gfx950 when the LSE is asked for).
         """
         probe = probe_aiter()
         if probe.error:
             raise RuntimeError(probe.error)
         import aiter
 
+        keywords: dict[str, Any] = {}
+        if sink is not None:
+            if not probe.prefill_has("sink_ptr"):
+                raise ValueError(f"a sink with ROCM_AITER prefill on {probe.label}: its flash_attn_varlen_func "
+                                 "takes no sink_ptr; accepted: sink=None, or aiter v0.1.20 or later")
+            keywords["sink_ptr"] = sink.to(device=q.device, dtype=torch.float32).contiguous()
         result = aiter.flash_attn_varlen_func(
             q=q,
             k=k,
@@ -607,6 +1184,7 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
             softmax_scale=self.scale,
             causal=causal,
             return_lse=return_softmax_lse,
+            **keywords,
         )
         if not return_softmax_lse:
             return result[0] if isinstance(result, (tuple, list)) else result
@@ -744,7 +1322,8 @@ def _sparse_mla_decode_fwd(
     """The sparse phases' one call into aiter: writes `output`, returns aiter's LSE [T, heads] with `with_lse`."""
     from aiter.mla import mla_decode_fwd
 
-    keywords: dict[str, Any] = dict(sm_scale=float(scale))
+    # at least two splits: aiter's second stage then merges them and writes the LSE (one split leaves it unwritten)
+    keywords: dict[str, Any] = dict(sm_scale=float(scale), num_kv_splits=AITER_NON_PERSISTENT_SPLITS)
     if with_lse:
         keywords["return_lse"] = True
     result = mla_decode_fwd(
@@ -807,7 +1386,12 @@ class _AiterSparseImpl(MLASparseImpl):
         device = q_nope.device
         index = sparse_kv_indices(indices, kv_buffer.shape[0], topk_length,
                                   out_of_range_is_bad=self.out_of_range_is_bad)
-        query = _padded_query(torch.cat([q_nope, q_pe], dim=-1))
+        arch = _runtime_arch()
+        heads = _sparse_heads(arch, num_heads)
+        if heads is None:
+            raise ValueError(f"num_heads {num_heads} is not supported by ROCM_AITER {self.phase} on {arch}; "
+                             f"supported: {_decode_num_heads_text(arch)}")
+        query = _padded_query(torch.cat([q_nope, q_pe], dim=-1), heads)
         padded_heads = query.shape[1]
         output = torch.empty(tokens, padded_heads, kv_lora_rank, dtype=q_nope.dtype, device=device)
         raw_lse = None
@@ -947,7 +1531,7 @@ class _AiterSparseBackend(MLASparseBackend):
             return reasons
         where = f"{probe.label} on {_where(platform)}"
         reasons += _sparse_kv_dtype_reasons(probe, where, config.kv_dtype)
-        reasons += _decode_shape_reasons(config.dims, where)
+        reasons += _decode_shape_reasons(config.dims, where, platform.arch)
         return reasons
 
     @classmethod

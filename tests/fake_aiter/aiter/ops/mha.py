@@ -1,6 +1,9 @@
-"""`flash_attn_varlen_func` with aiter's published signature, computed in float64."""
+"""`flash_attn_varlen_func` with aiter's v0.1.20.post1 signature (../../contract.json), computed in float64.
+
+The sink (`sink_ptr`, one logit a head) joins each row's softmax denominator."""
 
 import torch
+from torch import Tensor
 
 CALLS = []
 
@@ -18,7 +21,7 @@ def flash_attn_varlen_func(
     softmax_scale=None,
     logits_soft_cap=0.0,
     causal=False,
-    window_size=(-1, -1),
+    window_size=(-1, -1, 0),
     bias=None,
     alibi_slopes=None,
     deterministic=False,
@@ -27,10 +30,12 @@ def flash_attn_varlen_func(
     how_v3_bf16_cvt=1,
     block_table=None,
     out=None,
-    cu_seqlens_q_padded=None,
-    cu_seqlens_k_padded=None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_k_padded: torch.Tensor | None = None,
+    sink_ptr: Tensor | None = None,
 ):
-    CALLS.append(dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse))
+    CALLS.append(dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, sink=sink_ptr is not None))
+    assert len(window_size) == 3, window_size
     assert q.dtype in (torch.float16, torch.bfloat16), q.dtype
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
     if softmax_scale is None:
@@ -52,6 +57,8 @@ def flash_attn_varlen_func(
         row_lse = torch.logsumexp(scores, dim=-1)
         seen = torch.isfinite(row_lse)
         probs = torch.where(seen.unsqueeze(-1), torch.exp(scores - row_lse.unsqueeze(-1)), torch.zeros_like(scores))
+        if sink_ptr is not None:  # the sink joins the denominator; the LSE returned is the keys' own
+            probs = probs * torch.sigmoid(row_lse - sink_ptr.double().view(-1, 1)).unsqueeze(-1)
         result[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v[k0:k1].double())
         lse[:, q0:q1] = torch.where(seen, row_lse, torch.full_like(row_lse, float("inf"))).float()
     result = result.to(q.dtype)
