@@ -133,7 +133,8 @@ def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     if _CHECK_INPUTS.read():
         # a CUDA graph being captured cannot read tensors on the host: there the kernels' own masking stands
         # (bad indices give NaN rows and the error flag, reported by the next call that checks)
-        if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if (device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized()
+                and torch.cuda.is_current_stream_capturing()):
             return False
         return True
     if device is None:
