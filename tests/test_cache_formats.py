@@ -210,3 +210,13 @@ def test_concat_and_cache_mla_v4_errors_name_the_argument():
         mm.ops.concat_and_cache_mla_v4(torch.zeros(1, 512), torch.zeros(1, 64), cache, torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="slot_mapping"):
         mm.ops.concat_and_cache_mla_v4(torch.zeros(1, 448), torch.zeros(1, 64), cache, torch.tensor([8]))
+
+
+def test_the_v4_writer_and_the_v32_writer_agree_on_fp8_ds_mla():
+    kv_c, k_pe = torch.randn(6, 512, dtype=torch.bfloat16), torch.randn(6, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 5, -1, 7, 2, 3])
+    v32 = torch.zeros(2, 4, FP8_DS_MLA_BYTES, dtype=torch.uint8)
+    v4 = cf.FP8_DS_MLA.allocate(2, 4)
+    mm.ops.concat_and_cache_mla(kv_c, k_pe, v32, slots)
+    mm.ops.concat_and_cache_mla_v4(kv_c, k_pe, v4, slots)
+    assert torch.equal(v32, v4)

@@ -233,9 +233,30 @@ def test_selection_serves_v4_on_reference_and_others_say_why_not():
         for name in ("FLASHMLA", "TRITON"):
             assert any("V4 contract" in reason and "not implemented" in reason for reason in by_name[name]["reasons"])
         assert "V4" in config.describe() and "fp8_ds_mla_v4" in config.describe()
+    with override("MI355X"):
+        config = registry.sparse_config(dims, torch.bfloat16, torch.uint8, 512, kv_format="fp8_ds_mla_v41",
+                                        extra_kv_format="fp4_ds_mla_v41")
+        for row in registry.default_registry.explain("sparse_decode", config):
+            name = row.get("name", row.get("backend"))
+            if name != "REFERENCE":
+                assert any("V4 contract" in reason for reason in row["reasons"]), row
     with pytest.raises(mm.NoBackendError):
         registry.select_sparse_backend("sparse_decode", dims, torch.bfloat16, torch.uint8, 512,
                                        kv_format="fp8_ds_mla_v4", backend="TRITON")
+    with pytest.raises(ValueError, match="extra_kv_format='fp8_ds_mla_v4' without a kv_format"):
+        registry.sparse_config(dims, torch.bfloat16, torch.uint8, 512, extra_kv_format="fp8_ds_mla_v4")
+    from mla_multi.backends.reference import ReferenceSparseDecodeBackend
+
+    assert "fp8_ds_mla_v4" in ReferenceSparseDecodeBackend.info()["v4_formats"]
+
+
+def test_zero_tokens_and_empty_index_lists():
+    cache = cf.FP8_DS_MLA_V4.allocate(2, 4)
+    out = mm.ops.mla_sparse_decode_v4(torch.zeros(0, HEADS, 512), cache, torch.zeros(0, 3, dtype=torch.int32), SCALE)
+    assert out.shape == (0, HEADS, 512)
+    out, lse = mm.ops.mla_sparse_decode_v4(torch.ones(2, HEADS, 512), cache, torch.zeros(2, 0, dtype=torch.int32), SCALE,
+                                           return_lse=True)
+    assert not bool(out.any()) and bool((lse == -math.inf).all())
 
 
 def test_v4_ops_compile_fullgraph_on_the_cpu():

@@ -587,6 +587,7 @@ class MLASparseBackend(_BackendDeclarations, ABC):
     @classmethod
     def info(cls) -> dict[str, Any]:
         info = super().info()
-        info.update(kv_dtypes=[dtype_name(d) for d in cls.supported_kv_dtypes], max_topk=cls.max_topk,
+        info.update(kv_dtypes=[dtype_name(d) for d in cls.supported_kv_dtypes],
+                    v4_formats=list(cls.supported_v4_formats), max_topk=cls.max_topk,
                     num_heads=f"1..{cls.max_num_heads}", max_query_len=cls.max_query_len)
         return info
