@@ -287,3 +287,35 @@ def test_v4_ops_compile_fullgraph_on_the_cpu():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert torch.equal(cf.FP8_DS_MLA_V4.read_records(compiled_cache), cf.FP8_DS_MLA_V4.read_records(eager_cache))
+
+
+def test_bad_indices_without_the_data_checks_give_nan_rows_and_the_flag():
+    """What a GPU call without MLA_MULTI_CHECK_INPUTS gets (the CPU always checks, so the impl is called here)."""
+    from mla_multi import errors
+    from mla_multi.backends.reference import ReferenceSparseDecodeImpl
+
+    gen = torch.Generator().manual_seed(8)
+    cache, rows = _cache("fp8_ds_mla_v4", 2, 4, gen)
+    q = torch.randn(3, HEADS, 512, generator=gen, dtype=torch.float64)
+    indices = torch.tensor([[0, 1], [2, -1], [3, 4]], dtype=torch.int32)
+    extra_indices = torch.tensor([[0], [-2], [8]], dtype=torch.int32)  # token 1: -2, token 2: past the cache
+    errors.error_flag(q.device).zero_()
+    impl = ReferenceSparseDecodeImpl(HEADS, 448, 64, q.device)
+    out, lse = impl.forward_v4(q, cache, indices, SCALE, kv_format="fp8_ds_mla_v4", extra_kv=cache,
+                               extra_indices=extra_indices, extra_kv_format="fp8_ds_mla_v4")
+    assert bool(out[1:].isnan().all()) and bool(lse[1:].isnan().all())
+    want, _ = oracle(q[:1], [(rows, indices[:1], None), (rows, extra_indices[:1], None)], SCALE)
+    torch.testing.assert_close(out[:1], want, rtol=1e-10, atol=1e-12)
+    assert int(errors.error_flag(q.device)) & errors.SPARSE_INDEX
+    errors.error_flag(q.device).zero_()
+
+
+def test_a_planned_call_checks_the_new_index_data():
+    gen = torch.Generator().manual_seed(9)
+    cache, _ = _cache("fp8_ds_mla_v4", 2, 4, gen)
+    q = torch.randn(2, HEADS, 512, generator=gen)
+    good = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    mm.ops.mla_sparse_decode_v4(q, cache, good, SCALE, extra_kv_cache=cache, extra_indices=good)
+    with pytest.raises(ValueError, match="extra_indices hold \\[8\\]"):
+        mm.ops.mla_sparse_decode_v4(q, cache, good, SCALE, extra_kv_cache=cache,
+                                    extra_indices=torch.tensor([[0, 1], [2, 8]], dtype=torch.int32))

@@ -96,3 +96,20 @@ def test_flashmla_reads_the_package_v4_cache_as_reference_does(heads, s_q):
     assert bool((got_lse[empty] == math.inf).all())
     torch.testing.assert_close(got_lse[~empty], want_lse[~empty], rtol=1e-4, atol=1e-4)
     assert not bool(got[:, :, 1].any())  # the +inf sink: zeros
+
+
+@pytest.mark.parametrize("name", list(cf.FORMATS))
+def test_the_writer_on_the_gpu_writes_the_cpu_bytes(name):
+    """The writer on the device gives the bytes it gives on the CPU (the CPU's equal FlashMLA's quantiser's)."""
+    fmt = cf.get_format(name)
+    generator = torch.Generator().manual_seed(11)
+    rows = (torch.randn(96, fmt.width, generator=generator) * 5).to(torch.bfloat16)
+    slots = torch.randperm(128, generator=generator)[:96]
+    latent = fmt.width - fmt.rope_dims
+    on_cpu = fmt.allocate(2, 64)
+    mm.ops.concat_and_cache_mla_v4(rows[:, :latent], rows[:, latent:], on_cpu, slots)
+    on_gpu = fmt.allocate(2, 64, "cuda")
+    mm.ops.concat_and_cache_mla_v4(rows[:, :latent].cuda(), rows[:, latent:].cuda(), on_gpu, slots.cuda())
+    back = fmt.allocate(2, 64)
+    back.copy_(on_gpu)
+    assert torch.equal(fmt.read_records(back), fmt.read_records(on_cpu))
