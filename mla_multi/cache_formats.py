@@ -132,6 +132,7 @@ class CacheFormat:
     value bytes (values and, where unquantised, the bf16 RoPE part) before its
     scale bytes; scale_bytes: a token's scale bytes (pad included);
     values_per_scale; value_dtype / scale_dtype: the element formats (names);
+    quantizes_rope: the RoPE dims are quantised with the rest (else kept bf16);
     scales_in_block_tail: the scales sit after all the block's tokens' data;
     block_align: a block's bytes are padded to a multiple of this;
     second_segment_only: valid only as the second KV segment;
@@ -150,6 +151,7 @@ class CacheFormat:
     values_per_scale: int
     value_dtype: str
     scale_dtype: str
+    quantizes_rope: bool = False
     scales_in_block_tail: bool = False
     block_align: int = 1
     second_segment_only: bool = False
@@ -163,11 +165,6 @@ class CacheFormat:
     @property
     def num_scales(self) -> int:
         return (self.width - (0 if self.quantizes_rope else self.rope_dims)) // self.values_per_scale
-
-    @property
-    def quantizes_rope(self) -> bool:
-        """Whether the RoPE dims are quantised with the rest (else stored as bf16)."""
-        return self.name in ("fp8_ds_mla_v41", "fp4_ds_mla_v41")
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one cache block of `block_size` tokens (padding included): the block stride."""
@@ -197,7 +194,8 @@ class CacheFormat:
         if ((cache.shape[0] > 1 and strides[0] != expected[0]) or strides[2] != 1
                 or (block_size > 1 and strides[1] != expected[1])):
             return (f"strides {strides}; the {self.name} format of blocks of {block_size} needs strides {expected}"
-                    + (" (blocks padded to a multiple of 576 bytes: CacheFormat.allocate)" if self.block_align > 1 else ""))
+                    + (f" (blocks padded to a multiple of {self.block_align} bytes: CacheFormat.allocate)"
+                       if self.block_align > 1 else ""))
         return ""
 
     # ------------------------------------------------------------------ token records
@@ -221,12 +219,6 @@ class CacheFormat:
         return self._dequantize(self, flat, dtype).reshape(*lead, self.width)
 
     # ------------------------------------------------------------------ caches
-
-    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache as uint8 [num_blocks, block_size * bytes_per_token] (every block's meaningful bytes)."""
-        num_blocks, block_size, _ = cache.shape
-        return cache.as_strided((num_blocks, block_size * self.bytes_per_token),
-                                (self.block_bytes(block_size), 1), cache.storage_offset())
 
     def _byte_offsets(self, block_size: int, slots: torch.Tensor) -> torch.Tensor:
         """[S, bytes_per_token] byte offsets of the token records of `slots` (int64) in the flat cache."""
@@ -386,12 +378,12 @@ FP8_DS_MLA_V4 = CacheFormat(
 FP8_DS_MLA_V41 = CacheFormat(
     name="fp8_ds_mla_v41", flashmla_name="V41", model="DeepSeek-V4.1", width=512, rope_dims=64, bytes_per_token=528,
     data_bytes=512, scale_bytes=16, values_per_scale=32, value_dtype="float8_e4m3fn", scale_dtype="float8_e8m0fnu",
-    _quantize=_quantize_v41, _dequantize=_dequantize_v41,
+    quantizes_rope=True, _quantize=_quantize_v41, _dequantize=_dequantize_v41,
 )
 FP4_DS_MLA_V41 = CacheFormat(
     name="fp4_ds_mla_v41", flashmla_name="V41_FP4", model="DeepSeek-V4.1", width=512, rope_dims=64,
     bytes_per_token=288, data_bytes=256, scale_bytes=32, values_per_scale=16, value_dtype="float4_e2m1fn (x2)",
-    scale_dtype="float8_e4m3fn", second_segment_only=True, main_formats=("fp8_ds_mla_v41",),
+    scale_dtype="float8_e4m3fn", quantizes_rope=True, second_segment_only=True, main_formats=("fp8_ds_mla_v41",),
     _quantize=_quantize_fp4, _dequantize=_dequantize_fp4,
 )
 
