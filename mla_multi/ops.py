@@ -818,11 +818,13 @@ def _v4_cache_format(name: str, cache, kv_format, device, *, extra_of: str | Non
         fmt = cache_formats.check_cache(name, cache, None if kv_format == "rows" else kv_format,
                                         accepted=cache_formats.V4_FORMATS).name
     if extra_of is None:
-        if fmt not in _V4_MAIN_FORMATS + ("rows",):
+        if fmt != "rows" and cache_formats.FORMATS[fmt].second_segment_only:
+            mains = " or ".join(cache_formats.FORMATS[fmt].main_formats)
             raise ValueError(f"{name} is a {fmt} cache, which serves only as the second KV segment (beside a "
-                             f"fp8_ds_mla_v41 cache); accepted for {name}: {', '.join(_V4_MAIN_FORMATS)} or float rows")
+                             f"{mains} cache); accepted for {name}: {', '.join(_V4_MAIN_FORMATS)} or float rows")
         return fmt
-    allowed = (extra_of,) + (("fp4_ds_mla_v41",) if extra_of == "fp8_ds_mla_v41" else ())
+    # the main cache's format, or a format that declares it may accompany it (V4.1 FP4 beside V4.1)
+    allowed = (extra_of,) + tuple(f.name for f in cache_formats.FORMATS.values() if extra_of in f.main_formats)
     if fmt not in allowed:
         raise ValueError(f"{name} is a {fmt} cache beside a {extra_of} kv_cache; accepted: {', '.join(allowed)}")
     return fmt
