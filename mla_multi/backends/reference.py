@@ -380,13 +380,26 @@ def sparse_attention_v4_reference(
     return out, lse, bad
 
 
-def cache_rows_v4(kv: torch.Tensor, kv_format: str, compute: torch.dtype) -> torch.Tensor:
-    """Every slot of a V4 cache dequantised: [num_blocks * block_size, 512] (a float cache as it is)."""
-    if kv_format == "rows":
-        return kv.reshape(-1, kv.shape[-1]).to(compute)
-    from mla_multi.cache_formats import get_format
+def gathered_segment_v4(kv: torch.Tensor, kv_format: str, indices: torch.Tensor, compute: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a segment's indices name, dequantised, and the indices into them: (rows [T * topk, 512],
+    indices [T, topk]) where a named slot becomes its entry's position, -1 stays -1 and an index outside
+    [-1, num_slots) becomes -2 (still outside). Only the named slots are read, whatever the cache's size."""
+    num_slots = kv.shape[0] * kv.shape[1] if kv_format != "rows" or kv.dim() == 3 else kv.shape[0]
+    idx = indices.long().to(kv.device)
+    named = (idx >= 0) & (idx < num_slots)
+    slots = torch.where(named, idx, torch.zeros_like(idx)).flatten()
+    if num_slots == 0 or slots.numel() == 0:
+        rows = torch.zeros(slots.numel(), 512, dtype=compute, device=kv.device)
+    elif kv_format == "rows":
+        rows = kv.reshape(num_slots, kv.shape[-1])[slots].to(compute)
+    else:
+        from mla_multi.cache_formats import get_format
 
-    return get_format(kv_format).read_rows(kv, compute)
+        rows = get_format(kv_format).read_rows(kv, compute, slots)
+    positions = torch.arange(idx.numel(), device=idx.device).view(idx.shape)
+    remapped = torch.where(named, positions, torch.where(idx == -1, idx, torch.full_like(idx, -2)))
+    return rows, remapped
 
 
 # --------------------------------------------------------------------------- backend classes
@@ -468,9 +481,9 @@ class ReferenceSparseDecodeImpl(MLASparseImpl):
 def _forward_v4(q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
                 extra_topk_length, extra_kv_format, *, bad_is_error):
     compute = _compute_dtype(q.dtype)
-    segments = [(cache_rows_v4(kv, kv_format, compute), indices, topk_length)]
+    segments = [(*gathered_segment_v4(kv, kv_format, indices, compute), topk_length)]
     if extra_kv is not None:
-        segments.append((cache_rows_v4(extra_kv, extra_kv_format, compute), extra_indices, extra_topk_length))
+        segments.append((*gathered_segment_v4(extra_kv, extra_kv_format, extra_indices, compute), extra_topk_length))
     out, lse, bad = sparse_attention_v4_reference(q, segments, scale, attn_sink=attn_sink, bad_is_error=bad_is_error)
     return out.to(q.dtype), lse.to(torch.float64 if compute == torch.float64 else torch.float32), bad
 
