@@ -319,3 +319,31 @@ def test_a_planned_call_checks_the_new_index_data():
     with pytest.raises(ValueError, match="extra_indices hold \\[8\\]"):
         mm.ops.mla_sparse_decode_v4(q, cache, good, SCALE, extra_kv_cache=cache,
                                     extra_indices=torch.tensor([[0, 1], [2, 8]], dtype=torch.int32))
+
+
+def test_the_gpu_cross_check_calls_flashmla_as_published(pytestconfig):
+    """tests/test_sparse_v4_gpu.py's FlashMLA call passes only keywords of the published sgl-flash-mla 1.0.0
+    `flash_mla_with_kvcache`, whose documentation states the V4.1 layouts cache_formats follows."""
+    import ast
+    import pathlib
+    import zipfile
+
+    from published import adapter_keywords, published_distribution, published_parameters
+
+    wheel = published_distribution(pytestconfig, "sgl-flash-mla==1.0.0", "sgl_flash_mla", ".whl",
+                                   "MLA_MULTI_FLASHMLA_WHEEL", ("--only-binary", ":all:"))
+    with zipfile.ZipFile(wheel) as archive:
+        source = archive.read("flash_mla/flash_mla_interface.py").decode("utf-8")
+    function = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "flash_mla_with_kvcache")
+    names, required = published_parameters(function)
+    gpu_test = pathlib.Path(__file__).parent / "test_sparse_v4_gpu.py"
+    used = adapter_keywords(gpu_test, "test_flashmla_reads_the_package_v4_cache_as_reference_does",
+                            "flash_mla_with_kvcache")
+    assert used <= set(names), used - set(names)
+    assert {"use_legacy", "kv_format", "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length"} <= used
+    assert required <= used | {"q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata"}
+    doc = ast.get_docstring(function)
+    assert "528 (V4.1 fp8) or 288 (V4.1 fp4" in doc
+    assert "the even-indexed one in the low nibble" in doc and "each covering 32 consecutive" in doc
+    assert cf.FP8_DS_MLA_V41.values_per_scale == 32 and cf.FP4_DS_MLA_V41.values_per_scale == 16
