@@ -1,5 +1,8 @@
 """FlashMLA's "fp8_ds_mla" KV-cache layout (DeepSeek-V3.2 sparse attention), in PyTorch.
 
+The names of this module stay; the format itself is `mla_multi.cache_formats.FP8_DS_MLA`
+(where every cache format is described), which these functions call.
+
 One cache token is 656 bytes, a ``uint8 [num_blocks, block_size, 656]`` cache:
 
 * bytes 0-511: the 512 latent values as float8_e4m3fn, each 128-value tile
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from mla_multi.cache_formats import FP8_DS_MLA
+
 __all__ = [
     "FP8_DS_MLA_BYTES",
     "KV_LORA_RANK",
@@ -28,13 +33,11 @@ __all__ = [
     "is_fp8_ds_mla",
 ]
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-TILE = 128
-NUM_TILES = KV_LORA_RANK // TILE
-FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * NUM_TILES + 2 * ROPE_DIM  # 656
-_FP8_MAX = 448.0
-_FLT_MIN = torch.finfo(torch.float32).tiny
+KV_LORA_RANK = FP8_DS_MLA.width - FP8_DS_MLA.rope_dims  # 512
+ROPE_DIM = FP8_DS_MLA.rope_dims  # 64
+TILE = FP8_DS_MLA.values_per_scale  # 128
+NUM_TILES = FP8_DS_MLA.num_scales  # 4
+FP8_DS_MLA_BYTES = FP8_DS_MLA.bytes_per_token  # 656
 
 
 def is_fp8_ds_mla(kv_cache: torch.Tensor) -> bool:
@@ -49,15 +52,8 @@ def quantize_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
             f"kv_c has width {kv_c.shape[-1]} and k_pe {k_pe.shape[-1]}; the fp8_ds_mla layout holds "
             f"{KV_LORA_RANK} latent and {ROPE_DIM} rotary values"
         )
-    tokens = kv_c.shape[0]
-    tiles = kv_c.float().reshape(tokens, NUM_TILES, TILE)
-    scales = (tiles.abs().amax(dim=-1) / _FP8_MAX).clamp_min(_FLT_MIN)  # [T, 4]
-    values = (tiles / scales.unsqueeze(-1)).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    rows = torch.empty(tokens, FP8_DS_MLA_BYTES, dtype=torch.uint8, device=kv_c.device)
-    rows[:, :KV_LORA_RANK] = values.reshape(tokens, KV_LORA_RANK).view(torch.uint8)
-    rows[:, KV_LORA_RANK:KV_LORA_RANK + 4 * NUM_TILES] = scales.contiguous().view(torch.uint8).reshape(tokens, -1)
-    rows[:, KV_LORA_RANK + 4 * NUM_TILES:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(tokens, -1)
-    return rows
+    dtype = torch.promote_types(kv_c.dtype, k_pe.dtype)
+    return FP8_DS_MLA.quantize(torch.cat([kv_c.to(dtype), k_pe.to(dtype)], dim=-1))
 
 
 def dequantize_fp8_ds_mla(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -67,10 +63,4 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor, dtype: torch.dtype = torch.float32
             f"rows have dtype {rows.dtype} and last dimension {rows.shape[-1]}; accepted: uint8 [..., {FP8_DS_MLA_BYTES}] "
             "(the fp8_ds_mla layout)"
         )
-    lead = rows.shape[:-1]
-    flat = rows.reshape(-1, FP8_DS_MLA_BYTES)
-    values = flat[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, NUM_TILES, TILE)
-    scales = flat[:, KV_LORA_RANK:KV_LORA_RANK + 4 * NUM_TILES].contiguous().view(torch.float32)
-    rope = flat[:, KV_LORA_RANK + 4 * NUM_TILES:].contiguous().view(torch.bfloat16)
-    latent = (values * scales.unsqueeze(-1)).reshape(-1, KV_LORA_RANK)
-    return torch.cat([latent.to(dtype), rope.to(dtype)], dim=-1).reshape(*lead, KV_LORA_RANK + ROPE_DIM)
+    return FP8_DS_MLA.dequantize(rows, dtype)

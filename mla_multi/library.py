@@ -81,6 +81,9 @@ __all__ = [
     "gather_cache_traced",
     "mla_sparse_decode_traced",
     "mla_sparse_prefill_traced",
+    "mla_sparse_decode_v4_traced",
+    "mla_sparse_prefill_v4_traced",
+    "concat_and_cache_mla_v4_traced",
     "ATTENTION_SCHEMA",
     "register_layer",
     "layer_by_id",
@@ -122,6 +125,21 @@ SCHEMAS: dict[str, str] = {
         "mla_sparse_prefill(Tensor q_nope, Tensor q_pe, Tensor kv, Tensor indices, float scale, *, "
         "Tensor? topk_length=None, Tensor? attn_sink=None, str? backend=None, bool return_lse=False) "
         "-> (Tensor, Tensor)"
+    ),
+    "mla_sparse_decode_v4": (
+        "mla_sparse_decode_v4(Tensor q, Tensor kv_cache, Tensor indices, float scale, *, str? kv_format=None, "
+        "Tensor? topk_length=None, Tensor? attn_sink=None, Tensor? extra_kv_cache=None, Tensor? extra_indices=None, "
+        "Tensor? extra_topk_length=None, str? extra_kv_format=None, str? backend=None, bool return_lse=False) "
+        "-> (Tensor, Tensor)"
+    ),
+    "mla_sparse_prefill_v4": (
+        "mla_sparse_prefill_v4(Tensor q, Tensor kv, Tensor indices, float scale, *, Tensor? topk_length=None, "
+        "Tensor? attn_sink=None, Tensor? extra_kv=None, Tensor? extra_indices=None, Tensor? extra_topk_length=None, "
+        "str? backend=None, bool return_lse=False) -> (Tensor, Tensor)"
+    ),
+    "concat_and_cache_mla_v4": (
+        "concat_and_cache_mla_v4(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *, "
+        "str? kv_format=None) -> ()"
     ),
 }
 
@@ -356,6 +374,53 @@ def mla_sparse_prefill_traced(q_nope, q_pe, kv, indices, scale, *, topk_length=N
     return (out, lse) if return_lse else out
 
 
+# --------------------------------------------------------------------------- the V4 contract
+
+
+def _sparse_v4_kernel(name):
+    def kernel(q, kv, indices, scale, *, return_lse=False, **options):
+        result = _eager(_EAGER[name], q, kv, indices, scale, return_lse=return_lse, **options)
+        if return_lse:
+            out, lse = result
+            return out.contiguous(), lse.contiguous()
+        return result.contiguous(), _no_lse(result)
+
+    return kernel
+
+
+def _sparse_v4_fake(q, kv, indices, scale, *, return_lse=False, **options):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_empty(q.shape[:-1], dtype=lse_dtype) if return_lse else _no_lse(q)
+    return q.new_empty(q.shape), lse
+
+
+def mla_sparse_decode_v4_traced(q, kv_cache, indices, scale, *, return_lse=False, **options):
+    """`mla_multi.ops.mla_sparse_decode_v4` through ``torch.ops.mla_multi.mla_sparse_decode_v4``."""
+    out, lse = torch.ops.mla_multi.mla_sparse_decode_v4(q, kv_cache, indices, float(scale),
+                                                         return_lse=bool(return_lse), **options)
+    return (out, lse) if return_lse else out
+
+
+def mla_sparse_prefill_v4_traced(q, kv, indices, scale, *, return_lse=False, **options):
+    """`mla_multi.ops.mla_sparse_prefill_v4` through ``torch.ops.mla_multi.mla_sparse_prefill_v4``."""
+    out, lse = torch.ops.mla_multi.mla_sparse_prefill_v4(q, kv, indices, float(scale), return_lse=bool(return_lse),
+                                                          **options)
+    return (out, lse) if return_lse else out
+
+
+def _concat_and_cache_mla_v4_kernel(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=None):
+    _eager(_EAGER["concat_and_cache_mla_v4"], kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
+
+
+def _concat_and_cache_mla_v4_fake(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=None):
+    return None
+
+
+def concat_and_cache_mla_v4_traced(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=None):
+    """`mla_multi.ops.concat_and_cache_mla_v4` through ``torch.ops.mla_multi.concat_and_cache_mla_v4``."""
+    torch.ops.mla_multi.concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
+
+
 # --------------------------------------------------------------------------- registration
 
 _KERNELS = {
@@ -366,6 +431,9 @@ _KERNELS = {
     "gather_cache": (_gather_cache_kernel, _gather_cache_fake),
     "mla_sparse_decode": (_sparse_kernel(lambda *a, **k: _EAGER["mla_sparse_decode"](*a, **k)), _sparse_fake),
     "mla_sparse_prefill": (_sparse_kernel(lambda *a, **k: _EAGER["mla_sparse_prefill"](*a, **k)), _sparse_fake),
+    "mla_sparse_decode_v4": (_sparse_v4_kernel("mla_sparse_decode_v4"), _sparse_v4_fake),
+    "mla_sparse_prefill_v4": (_sparse_v4_kernel("mla_sparse_prefill_v4"), _sparse_v4_fake),
+    "concat_and_cache_mla_v4": (_concat_and_cache_mla_v4_kernel, _concat_and_cache_mla_v4_fake),
 }
 
 for _name, (_kernel, _fake) in _KERNELS.items():

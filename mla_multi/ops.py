@@ -34,6 +34,9 @@ __all__ = [
     "mla_prefill",
     "mla_sparse_decode",
     "mla_sparse_prefill",
+    "mla_sparse_decode_v4",
+    "mla_sparse_prefill_v4",
+    "concat_and_cache_mla_v4",
     "plan_mla_decode",
     "plan_mla_prefill",
     "MLADecodePlan",
@@ -791,8 +794,292 @@ def gather_cache(
     return reference.gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale, out_dtype)
 
 
+
+# --------------------------------------------------------------------------- the V4 contract
+#
+# DeepSeek-V4 / V4.1 sparse MLA: q [.., N, 512] (448 latent + 64 RoPE dims: d_qk = 512), the value the whole
+# 512-wide row (d_v = 512), caches in the formats of `mla_multi.cache_formats`, an attention sink, and a second
+# KV segment (the sliding window of recent tokens in V4) softmaxed together with the top-k segment. The ops
+# carry the suffix ``_v4``; the second segment's arguments are FlashMLA's extra_k_cache /
+# extra_indices_in_kvcache / extra_topk_length under the names extra_kv_cache / extra_indices /
+# extra_topk_length.
+
+V4_WIDTH = 512
+V4_ROPE = 64
+_V4_MAIN_FORMATS = ("fp8_ds_mla_v4", "fp8_ds_mla_v41")
+
+
+def _v4_cache_format(name: str, cache, kv_format, device, *, extra_of: str | None = None) -> str:
+    """The V4 format of the cache argument `name` ("rows" for a float [num_blocks, block_size, 512] cache);
+    `extra_of`: the main cache's format, for the second segment's cache."""
+    from mla_multi import cache_formats
+
+    if torch.is_tensor(cache) and cache.dtype != torch.uint8 and kv_format in (None, "rows"):
+        checks.check_tensor(name, cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, V4_WIDTH), device=device)
+        fmt = "rows"
+    else:
+        checks.check_tensor(name, cache, ndim=3, dtypes=(torch.uint8,), device=device)
+        fmt = cache_formats.check_cache(name, cache, None if kv_format == "rows" else kv_format,
+                                        accepted=cache_formats.V4_FORMATS).name
+    if extra_of is None:
+        if fmt != "rows" and cache_formats.FORMATS[fmt].second_segment_only:
+            mains = " or ".join(cache_formats.FORMATS[fmt].main_formats)
+            raise ValueError(f"{name} is a {fmt} cache, which serves only as the second KV segment (beside a "
+                             f"{mains} cache); accepted for {name}: {', '.join(_V4_MAIN_FORMATS)} or float rows")
+        return fmt
+    # the main cache's format, or a format that declares it may accompany it (V4.1 FP4 beside V4.1)
+    allowed = (extra_of,) + tuple(f.name for f in cache_formats.FORMATS.values() if extra_of in f.main_formats)
+    if fmt not in allowed:
+        raise ValueError(f"{name} is a {fmt} cache beside a {extra_of} kv_cache; accepted: {', '.join(allowed)}")
+    return fmt
+
+
+def _check_v4_indices_data(name: str, indices, lengths_name: str, topk_length, num_slots: int,
+                           out_of_range_is_bad: bool) -> None:
+    """With the data checks on: decode indices inside [-1, num_slots), lengths inside [0, topk]."""
+    if out_of_range_is_bad:
+        values = indices.detach().cpu()
+        bad = values[(values < -1) | (values >= num_slots)]
+        if bad.numel():
+            raise ValueError(f"{name} hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
+    if topk_length is not None:
+        lengths = topk_length.detach().cpu()
+        topk = indices.shape[-1]
+        if bool((lengths < 0).any()) or bool((lengths > topk).any()):
+            raise ValueError(f"{lengths_name}={lengths.tolist()}; accepted: values in [0, {topk}]")
+
+
+@dataclasses.dataclass
+class _SparseV4Plan:
+    backend_cls: type
+    impl: object
+    device: torch.device
+    lead: tuple
+    tokens: int
+    heads: int
+    q_len: int
+    kv_format: str
+    extra_kv_format: str | None
+    num_slots: int
+    extra_num_slots: int
+    data_checks: bool
+
+
+def _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
+                    extra_topk_length, extra_kv_format, backend, *, kv_name: str, extra_name: str) -> _SparseV4Plan:
+    decode = phase == "sparse_decode"
+    checks.check_tensor("q", q, ndim=(3, 4) if decode else 3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    if q.shape[-1] != V4_WIDTH:
+        raise ValueError(f"q={checks.describe(q)}; the V4 contract takes q [.., N, {V4_WIDTH}] (448 latent + "
+                         f"{V4_ROPE} RoPE dims)")
+    lead = tuple(q.shape[:-2])
+    heads = q.shape[-2]
+    batch = lead[0]
+    q_len = lead[1] if len(lead) == 2 else 1
+    tokens = batch * q_len
+    if decode:
+        fmt = _v4_cache_format(kv_name, kv, kv_format, device)
+        num_slots = kv.shape[0] * kv.shape[1]
+    else:
+        if kv_format not in (None, "rows"):
+            raise ValueError(f"kv_format={kv_format!r}; the V4 sparse prefill reads float rows: accepted None or 'rows'")
+        checks.check_tensor(kv_name, kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, V4_WIDTH), device=device)
+        fmt, num_slots = "rows", kv.shape[0]
+    checks.check_tensor("indices", indices, ndim=len(lead) + 1, dtypes=(torch.int32,), shape=(*lead, None),
+                        device=device)
+    if topk_length is not None:
+        checks.check_tensor("topk_length", topk_length, ndim=1, dtypes=(torch.int32,), shape=(batch,), device=device)
+    if attn_sink is not None:
+        checks.check_tensor("attn_sink", attn_sink, ndim=1, dtypes=(torch.float32,), shape=(heads,), device=device)
+    extra_fmt, extra_slots = None, 0
+    if extra_kv is None:
+        for name, value in (("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length),
+                            ("extra_kv_format", extra_kv_format)):
+            if value is not None:
+                raise ValueError(f"{name} is given without {extra_name}; a second KV segment needs {extra_name} and "
+                                 "extra_indices")
+    else:
+        if extra_indices is None:
+            raise ValueError(f"{extra_name} is given without extra_indices; a second KV segment needs its own "
+                             "indices (int32 [.., extra_topk])")
+        if decode:
+            extra_fmt = _v4_cache_format(extra_name, extra_kv, extra_kv_format, device, extra_of=fmt)
+            extra_slots = extra_kv.shape[0] * extra_kv.shape[1]
+        else:
+            if extra_kv_format not in (None, "rows"):
+                raise ValueError(f"extra_kv_format={extra_kv_format!r}; the V4 sparse prefill reads float rows: "
+                                 "accepted None or 'rows'")
+            checks.check_tensor(extra_name, extra_kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, V4_WIDTH),
+                                device=device)
+            extra_fmt, extra_slots = "rows", extra_kv.shape[0]
+        checks.check_tensor("extra_indices", extra_indices, ndim=len(lead) + 1, dtypes=(torch.int32,),
+                            shape=(*lead, None), device=device)
+        if extra_topk_length is not None:
+            checks.check_tensor("extra_topk_length", extra_topk_length, ndim=1, dtypes=(torch.int32,),
+                                shape=(batch,), device=device)
+    checks.report_pending_errors(device)
+    data_checks = checks.data_checks_enabled(device)
+    dims = MLADims(heads, kv_lora_rank=V4_WIDTH - V4_ROPE, qk_rope_head_dim=V4_ROPE)
+    from mla_multi.registry import select_sparse_backend
+
+    topk = indices.shape[-1] + (extra_indices.shape[-1] if extra_indices is not None else 0)
+    backend_cls = select_sparse_backend(
+        phase, dims, q.dtype, kv.dtype, max(topk, 1), max_query_len=q_len, backend=backend,
+        num_tokens=tokens, with_lengths=topk_length is not None or extra_topk_length is not None, kv_format=fmt,
+        extra_kv_format=extra_fmt, with_sink=attn_sink is not None,
+    )
+    impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
+    plan = _SparseV4Plan(backend_cls, impl, device, lead, tokens, heads, q_len, fmt, extra_fmt, num_slots,
+                         extra_slots, data_checks)
+    if data_checks:
+        _check_v4_plan_data(plan, decode, indices, topk_length, extra_indices, extra_topk_length)
+    return plan
+
+
+def _check_v4_plan_data(plan, decode, indices, topk_length, extra_indices, extra_topk_length) -> None:
+    _check_v4_indices_data("indices", indices, "topk_length", topk_length, plan.num_slots, decode)
+    if extra_indices is not None:
+        _check_v4_indices_data("extra_indices", extra_indices, "extra_topk_length", extra_topk_length,
+                               plan.extra_num_slots, decode)
+
+
+def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
+                   extra_topk_length, extra_kv_format, backend, return_lse, *, kv_name, extra_name):
+    scale = checks.check_positive_float("scale", scale)
+    try:
+        key = (op, _layout(q), _layout(kv), _layout(indices), kv_format, _optional_layout(topk_length),
+               _optional_layout(attn_sink), _optional_layout(extra_kv), _optional_layout(extra_indices),
+               _optional_layout(extra_topk_length), extra_kv_format, backend, envs.snapshot())
+    except (AttributeError, TypeError):  # not tensors: the checks say what was wrong
+        key = None
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
+                               extra_topk_length, extra_kv_format, backend, kv_name=kv_name, extra_name=extra_name)
+        _remember(key, plan)
+    elif plan.data_checks:
+        checks.report_pending_errors(plan.device)
+        _check_v4_plan_data(plan, phase == "sparse_decode", indices, topk_length, extra_indices, extra_topk_length)
+    tokens, heads = plan.tokens, plan.heads
+    if plan.q_len > 1:
+        topk_length = None if topk_length is None else topk_length.repeat_interleave(plan.q_len)
+        extra_topk_length = None if extra_topk_length is None else extra_topk_length.repeat_interleave(plan.q_len)
+    if len(plan.lead) > 1:
+        q = q.reshape(tokens, heads, V4_WIDTH)
+        indices = indices.reshape(tokens, -1)
+        extra_indices = None if extra_indices is None else extra_indices.reshape(tokens, -1)
+    out, lse = plan.impl.forward_v4(
+        q, kv, indices, scale, kv_format=plan.kv_format, topk_length=topk_length, attn_sink=attn_sink,
+        extra_kv=extra_kv, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        extra_kv_format=plan.extra_kv_format,
+    )
+    if len(plan.lead) > 1:
+        out = out.reshape(*plan.lead, heads, out.shape[-1])
+        lse = None if lse is None else lse.reshape(*plan.lead, heads)
+    if not return_lse:
+        return out
+    _check_sparse_lse(lse, plan.backend_cls.name)
+    return out, lse
+
+
+def mla_sparse_decode_v4(q, kv_cache, indices, scale, *, kv_format=None, topk_length=None, attn_sink=None,
+                         extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None,
+                         backend=None, return_lse=False):
+    """Sparse MLA decode under the DeepSeek-V4 contract (d_qk = d_v = 512, the sink, a second KV segment).
+
+    q [T, N, 512] or [B, Q, N, 512] (the absorbed query: 448 latent + 64 RoPE
+    dims); kv_cache a paged cache in a `mla_multi.cache_formats` V4 format,
+    ``uint8 [num_blocks, block_size, 584]`` (``fp8_ds_mla_v4``) or ``[..,
+    528]`` (``fp8_ds_mla_v41``), or a float ``[num_blocks, block_size, 512]``
+    cache of rows; kv_format names the format to insist on (None: found from
+    the width); indices int32 [T, topk] or [B, Q, topk]: slot = block *
+    block_size + offset, -1 = no token, a list (a duplicate counts twice);
+    topk_length int32 [T] or [B]: only the first topk_length[i] count;
+    attn_sink float32 [N]: out *= exp(lse) / (exp(lse) + exp(attn_sink)), the
+    LSE returned without it (+inf gives zeros, -inf changes nothing).
+    The second segment: extra_kv_cache (the format of kv_cache, or
+    ``fp4_ds_mla_v41`` beside ``fp8_ds_mla_v41``; its own block size),
+    extra_indices [.., extra_topk] into it, extra_topk_length; one softmax over
+    the union of both segments. Returns out [.., N, 512] in q's dtype and, with
+    `return_lse`, lse [.., N] (float32; float64 for a float64 query). A token
+    with nothing to attend to gives 0 and -inf. An index outside [-1,
+    num_slots) of its segment: NaN rows and a recorded error without the data
+    checks, ValueError with them (always on CPU tensors).
+    """
+    if torch.compiler.is_compiling():
+        return library.mla_sparse_decode_v4_traced(
+            q, kv_cache, indices, scale, kv_format=kv_format, topk_length=topk_length, attn_sink=attn_sink,
+            extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+            extra_kv_format=extra_kv_format, backend=backend, return_lse=return_lse,
+        )
+    return _run_sparse_v4("mla_sparse_decode_v4", "sparse_decode", q, kv_cache, indices, scale, kv_format,
+                          topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format,
+                          backend, return_lse, kv_name="kv_cache", extra_name="extra_kv_cache")
+
+
+def mla_sparse_prefill_v4(q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None,
+                          extra_indices=None, extra_topk_length=None, backend=None, return_lse=False):
+    """Sparse MLA prefill under the DeepSeek-V4 contract: each query token attends to the rows of `kv` its
+    indices name (and to those of `extra_kv` that `extra_indices` name, one softmax over both).
+
+    q [T, N, 512]; kv [S_kv, 512] float rows (the value is the whole row);
+    indices int32 [T, topk] into kv's rows, -1 or >= S_kv = no token;
+    topk_length int32 [T]; attn_sink float32 [N] as in `mla_sparse_decode_v4`;
+    extra_kv [S_extra, 512], extra_indices int32 [T, extra_topk],
+    extra_topk_length int32 [T]: an optional second segment. Returns out [T, N,
+    512] in q's dtype, and lse [T, N] with `return_lse`; a token with no valid
+    index gives 0 and -inf.
+    """
+    if torch.compiler.is_compiling():
+        return library.mla_sparse_prefill_v4_traced(
+            q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length, backend=backend, return_lse=return_lse,
+        )
+    return _run_sparse_v4("mla_sparse_prefill_v4", "sparse_prefill", q, kv, indices, scale, None, topk_length,
+                          attn_sink, extra_kv, extra_indices, extra_topk_length, None, backend, return_lse,
+                          kv_name="kv", extra_name="extra_kv")
+
+
+def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=None) -> None:
+    """Quantise rows [kv_c | k_pe] into a cache of any `mla_multi.cache_formats` format.
+
+    kv_c [T, W - 64] (448 for the V4 formats, 512 for ``fp8_ds_mla``), k_pe
+    [T, 64]; kv_cache uint8 [num_blocks, block_size, bytes a token] with the
+    format's block stride (`CacheFormat.allocate`); kv_format names the format
+    to insist on (None: found from the width); slot_mapping [T] int64 (or
+    int32): a negative slot skips its token; a slot named by several tokens
+    gets one of them. The bytes are the format's quantiser's
+    (`CacheFormat.quantize`). Without the data checks a slot past the cache is
+    skipped and recorded for `raise_pending_errors`. Zero tokens: nothing.
+    """
+    if torch.compiler.is_compiling():
+        return library.concat_and_cache_mla_v4_traced(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
+    from mla_multi import cache_formats
+
+    checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
+    device = kv_c.device
+    tokens = kv_c.shape[0]
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), device=device)
+    fmt = cache_formats.check_cache("kv_cache", kv_cache, kv_format)
+    latent = fmt.width - fmt.rope_dims
+    checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES, shape=(tokens, latent), device=device)
+    checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, fmt.rope_dims), device=device)
+    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    checks.report_pending_errors(device)
+    checks.check_slot_data(slot_mapping, num_slots)
+    if tokens == 0:
+        return None
+    slots = slot_mapping.long()
+    errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)
+    kept = torch.nonzero((slots >= 0) & (slots < num_slots)).flatten()
+    fmt.write_rows(kv_cache, slots[kept], torch.cat([kv_c, k_pe], dim=-1)[kept])
+    return None
+
 library.bind_eager(
     mla_decode=mla_decode, mla_prefill=mla_prefill, merge_attn_states=merge_attn_states,
     concat_and_cache_mla=concat_and_cache_mla, gather_cache=gather_cache, mla_sparse_decode=mla_sparse_decode,
-    mla_sparse_prefill=mla_sparse_prefill,
+    mla_sparse_prefill=mla_sparse_prefill, mla_sparse_decode_v4=mla_sparse_decode_v4,
+    mla_sparse_prefill_v4=mla_sparse_prefill_v4, concat_and_cache_mla_v4=concat_and_cache_mla_v4,
 )

@@ -258,7 +258,8 @@ def few_sparse_tokens(platform: Platform, config) -> bool:
     from mla_multi.kernels.mla_decode import ds_mla_decode_reason
 
     tokens = getattr(config, "num_tokens", None)
-    if tokens is None or config.with_lengths or config.kv_dtype != torch.uint8 or ds_mla_decode_reason(platform):
+    if (tokens is None or config.with_lengths or config.kv_dtype != torch.uint8 or getattr(config, "v4", False)
+            or ds_mla_decode_reason(platform)):
         return False
     return tokens == 1 or (config.dims.num_heads <= 64 and tokens <= platform.num_compute_units // 2)
 
@@ -640,26 +641,34 @@ def select_decode_backend(
 
 def sparse_config(dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype, topk: int,
                   max_query_len: int = 1, num_tokens: int | None = None,
-                  with_lengths: bool = False) -> SparseSelectorConfig:
+                  with_lengths: bool = False, kv_format: str | None = None, extra_kv_format: str | None = None,
+                  with_sink: bool = False) -> SparseSelectorConfig:
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     for name, value in (("topk", topk), ("max_query_len", max_query_len)):
         check_positive_int(name, value)
     _check_num_tokens(num_tokens)
-    return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, bool(with_lengths))
+    if extra_kv_format is not None and kv_format is None:
+        raise ValueError(f"extra_kv_format={extra_kv_format!r} without a kv_format; a second KV segment is part of "
+                         "the V4 contract (kv_format set)")
+    return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, bool(with_lengths),
+                                kv_format, extra_kv_format, bool(with_sink))
 
 
 def select_sparse_backend(
     phase: Literal["sparse_decode", "sparse_prefill"], dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype,
     topk: int, *, max_query_len: int = 1, backend: str | None = None, platform: Platform | None = None,
-    num_tokens: int | None = None, with_lengths: bool = False,
+    num_tokens: int | None = None, with_lengths: bool = False, kv_format: str | None = None,
+    extra_kv_format: str | None = None, with_sink: bool = False,
 ) -> type[MLASparseBackend]:
     """The sparse backend class of `phase` for the configuration; raises `NoBackendError`. num_tokens /
     with_lengths: the planned call's query tokens and whether it passes topk_length (a rule may depend on
-    them: `few_sparse_tokens`)."""
+    them: `few_sparse_tokens`). kv_format (a `mla_multi.cache_formats` name, or "rows" for float rows) selects
+    for the V4 contract (d_qk = d_v = 512), extra_kv_format its second segment's format, with_sink a sink."""
     if phase not in ("sparse_decode", "sparse_prefill"):
         raise ValueError(f"phase={phase!r}; accepted: sparse_decode, sparse_prefill")
-    config = sparse_config(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, with_lengths)
+    config = sparse_config(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, with_lengths, kv_format,
+                           extra_kv_format, with_sink)
     return default_registry.select(phase, config, platform, backend)
 
 

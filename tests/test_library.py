@@ -412,4 +412,7 @@ def test_schemas_declare_the_mutation_and_the_scale_tensors():
         arg = next(a for a in getattr(torch.ops.mla_multi, name).default._schema.arguments if a.name == arg_name)
         assert str(arg.type) == "Optional[Tensor]", (name, arg_name, arg.type)
     assert set(library.SCHEMAS) == {"mla_decode", "mla_prefill", "merge_attn_states", "concat_and_cache_mla", "gather_cache",
-                                    "mla_sparse_decode", "mla_sparse_prefill"}
+                                    "mla_sparse_decode", "mla_sparse_prefill", "mla_sparse_decode_v4",
+                                    "mla_sparse_prefill_v4", "concat_and_cache_mla_v4"}
+    schema = torch.ops.mla_multi.concat_and_cache_mla_v4.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["kv_cache"]

@@ -501,9 +501,25 @@ class SparseSelectorConfig:
     max_query_len: int = 1
     num_tokens: int | None = None
     with_lengths: bool = False
+    kv_format: str | None = None
+    extra_kv_format: str | None = None
+    with_sink: bool = False
+
+    @property
+    def v4(self) -> bool:
+        """The V4 contract (`mla_multi.ops.mla_sparse_decode_v4` / `mla_sparse_prefill_v4`)."""
+        return self.kv_format is not None
 
     def describe(self) -> str:
         d = self.dims
+        if self.v4:
+            kv = self.kv_format + (f" + second segment {self.extra_kv_format}" if self.extra_kv_format else "")
+            return (
+                f"V4 num_heads={d.num_heads} d_qk=d_v={d.kv_cache_width} dtype={dtype_name(self.dtype)} kv={kv} "
+                f"topk={self.topk} max_query_len={self.max_query_len}"
+                + (f" num_tokens={self.num_tokens}" if self.num_tokens is not None else "")
+                + (" with topk_length" if self.with_lengths else "") + (" with attn_sink" if self.with_sink else "")
+            )
         kv = "fp8_ds_mla (uint8, 656 bytes a token)" if self.kv_dtype == torch.uint8 else dtype_name(self.kv_dtype)
         return (
             f"num_heads={d.num_heads} kv_lora_rank={d.kv_lora_rank} qk_rope_head_dim={d.qk_rope_head_dim} "
@@ -529,6 +545,16 @@ class MLASparseImpl(ABC):
         [S, Lkv + R] rows (sparse_prefill, indices are rows); indices int32 [T, topk]; topk_length [T];
         attn_sink float32 [N]. Returns out [T, N, Lkv] in q's dtype and lse [T, N] float32."""
 
+    def forward_v4(self, q, kv, indices, scale: float, *, kv_format: str, topk_length=None, attn_sink=None,
+                   extra_kv=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The V4 contract: q [T, N, 512] (d_qk = d_v = 512); kv a cache of `kv_format` (sparse_decode,
+        indices are slots) or [S, 512] rows (sparse_prefill; kv_format "rows"); an optional second segment
+        (extra_kv / extra_indices / extra_topk_length, its own format) softmaxed with the first. Returns out
+        [T, N, 512] in q's dtype and lse [T, N] (without the sink). Only backends that declare
+        `supported_v4_formats` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the V4 contract")
+
 
 class MLASparseBackend(_BackendDeclarations, ABC):
     """A sparse MLA implementation (one phase) and the declaration of what it can run."""
@@ -537,6 +563,9 @@ class MLASparseBackend(_BackendDeclarations, ABC):
     max_num_heads: ClassVar[int] = 128
     max_topk: ClassVar[int] = 1 << 20
     max_query_len: ClassVar[int] = 1
+    # cache formats (`mla_multi.cache_formats` names, and "rows" for float rows) the backend runs the V4
+    # contract over; none: it rejects every V4 configuration with that reason
+    supported_v4_formats: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     @abstractmethod
@@ -546,7 +575,14 @@ class MLASparseBackend(_BackendDeclarations, ABC):
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
         reasons = cls._common_reasons(platform, config.dtype)
-        if config.kv_dtype not in cls.supported_kv_dtypes:
+        if config.v4:
+            formats = [f for f in (config.kv_format, config.extra_kv_format) if f is not None]
+            missing = [f for f in formats if f not in cls.supported_v4_formats]
+            if missing:
+                supported = ", ".join(cls.supported_v4_formats) or "none (not implemented yet)"
+                reasons.append(f"the V4 contract (d_qk = d_v = 512) over {' and '.join(missing)} is not implemented "
+                               f"by {cls.name}; V4 formats supported: {supported}")
+        elif config.kv_dtype not in cls.supported_kv_dtypes:
             names = ", ".join("fp8_ds_mla (uint8)" if d == torch.uint8 else dtype_name(d) for d in cls.supported_kv_dtypes)
             reasons.append(f"kv dtype {dtype_name(config.kv_dtype)} is not supported; supported: {names}")
         if config.dims.num_heads > cls.max_num_heads:
@@ -560,6 +596,7 @@ class MLASparseBackend(_BackendDeclarations, ABC):
     @classmethod
     def info(cls) -> dict[str, Any]:
         info = super().info()
-        info.update(kv_dtypes=[dtype_name(d) for d in cls.supported_kv_dtypes], max_topk=cls.max_topk,
+        info.update(kv_dtypes=[dtype_name(d) for d in cls.supported_kv_dtypes],
+                    v4_formats=list(cls.supported_v4_formats), max_topk=cls.max_topk,
                     num_heads=f"1..{cls.max_num_heads}", max_query_len=cls.max_query_len)
         return info

@@ -334,6 +334,74 @@ def sparse_attention_reference(
     return out, lse.to(torch.float64 if compute == torch.float64 else torch.float32), bad
 
 
+def sparse_attention_v4_reference(
+    q: torch.Tensor,
+    segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    scale: float,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    bad_is_error: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The V4 sparse attention over one or two KV segments, softmaxed together.
+
+    q [T, N, 512] (d_qk = d_v = 512: the value is the whole row); segments:
+    (rows [S_i, 512] already dequantised, indices [T, topk_i], topk_length [T]
+    or None) each; the union of the segments' valid entries is attended (a
+    list: a duplicate counts twice). -1 means no token; with `bad_is_error`
+    another index outside [0, S_i) (past topk_length too) makes the token's rows
+    and LSE NaN, otherwise it counts as no token. attn_sink [N]: out *= exp(lse)
+    / (exp(lse) + exp(sink)), the LSE returned without it. A token with no valid
+    entry gives 0 and LSE -inf. Returns (out [T, N, 512] in the compute dtype,
+    lse [T, N] float32 or float64 for float64 inputs, bad [T]).
+    """
+    compute = _compute_dtype(q.dtype)
+    tokens = q.shape[0]
+    all_rows, all_indices = [], []
+    bad = torch.zeros(tokens, dtype=torch.bool, device=q.device)
+    offset = 0
+    for rows, indices, topk_length in segments:
+        idx = indices.long().to(q.device)
+        count = rows.shape[0]
+        valid = (idx >= 0) & (idx < count)
+        if topk_length is not None:
+            positions = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)
+            valid &= positions < topk_length.long().to(idx.device).unsqueeze(1)
+        if bad_is_error:
+            bad |= ((idx < -1) | (idx >= count)).any(dim=1)
+        all_indices.append(torch.where(valid, idx + offset, torch.full_like(idx, -1)))
+        all_rows.append(rows.to(compute))
+        offset += count
+    rows = torch.cat(all_rows) if all_rows else torch.zeros(0, q.shape[-1], dtype=compute, device=q.device)
+    indices = torch.cat(all_indices, dim=1)
+    out, lse, _ = sparse_attention_reference(q, rows, indices, scale, attn_sink=attn_sink, bad_is_error=False,
+                                             latent_width=rows.shape[-1])
+    out = out.masked_fill(bad.view(-1, 1, 1), float("nan"))
+    lse = lse.masked_fill(bad.view(-1, 1), float("nan"))
+    return out, lse, bad
+
+
+def gathered_segment_v4(kv: torch.Tensor, kv_format: str, indices: torch.Tensor, compute: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a segment's indices name, dequantised, and the indices into them: (rows [T * topk, 512],
+    indices [T, topk]) where a named slot becomes its entry's position, -1 stays -1 and an index outside
+    [-1, num_slots) becomes -2 (still outside). Only the named slots are read, whatever the cache's size."""
+    num_slots = kv.shape[0] * kv.shape[1] if kv_format != "rows" or kv.dim() == 3 else kv.shape[0]
+    idx = indices.long().to(kv.device)
+    named = (idx >= 0) & (idx < num_slots)
+    slots = torch.where(named, idx, torch.zeros_like(idx)).flatten()
+    if num_slots == 0 or slots.numel() == 0:
+        rows = torch.zeros(slots.numel(), 512, dtype=compute, device=kv.device)
+    elif kv_format == "rows":
+        rows = kv.reshape(num_slots, kv.shape[-1])[slots].to(compute)
+    else:
+        from mla_multi.cache_formats import get_format
+
+        rows = get_format(kv_format).read_rows(kv, compute, slots)
+    positions = torch.arange(idx.numel(), device=idx.device).view(idx.shape)
+    remapped = torch.where(named, positions, torch.where(idx == -1, idx, torch.full_like(idx, -2)))
+    return rows, remapped
+
+
 # --------------------------------------------------------------------------- backend classes
 
 
@@ -402,11 +470,33 @@ class ReferenceSparseDecodeImpl(MLASparseImpl):
         errors.error_flag(q_nope.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
         return out.to(q_nope.dtype), lse.float()
 
+    def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
+                   extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        out, lse, bad = _forward_v4(q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv,
+                                    extra_indices, extra_topk_length, extra_kv_format, bad_is_error=True)
+        errors.error_flag(q.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
+        return out, lse
+
+
+def _forward_v4(q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
+                extra_topk_length, extra_kv_format, *, bad_is_error):
+    compute = _compute_dtype(q.dtype)
+    segments = [(*gathered_segment_v4(kv, kv_format, indices, compute), topk_length)]
+    if extra_kv is not None:
+        segments.append((*gathered_segment_v4(extra_kv, extra_kv_format, extra_indices, compute), extra_topk_length))
+    out, lse, bad = sparse_attention_v4_reference(q, segments, scale, attn_sink=attn_sink, bad_is_error=bad_is_error)
+    return out.to(q.dtype), lse.to(torch.float64 if compute == torch.float64 else torch.float32), bad
+
+
+# every V4 format, and float rows
+_V4_FORMATS = ("fp8_ds_mla_v4", "fp8_ds_mla_v41", "fp4_ds_mla_v41", "rows")
+
 
 class ReferenceSparseDecodeBackend(MLASparseBackend):
     name: ClassVar[str] = "REFERENCE"
     supported_dtypes = _ALL_FLOAT_DTYPES
     supported_kv_dtypes = _ALL_FLOAT_DTYPES + FP8_DTYPES + (torch.uint8,)
+    supported_v4_formats = _V4_FORMATS
     max_num_heads = 1 << 16
     max_query_len = 1 << 16
 
@@ -424,11 +514,19 @@ class ReferenceSparsePrefillImpl(MLASparseImpl):
         )
         return out.to(q_nope.dtype), lse.float()
 
+    def forward_v4(self, q, kv, indices, scale, *, kv_format="rows", topk_length=None, attn_sink=None,
+                   extra_kv=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        out, lse, _ = _forward_v4(q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
+                                  extra_topk_length, extra_kv_format or ("rows" if extra_kv is not None else None),
+                                  bad_is_error=False)
+        return out, lse
+
 
 class ReferenceSparsePrefillBackend(MLASparseBackend):
     name: ClassVar[str] = "REFERENCE"
     supported_dtypes = _ALL_FLOAT_DTYPES
     supported_kv_dtypes = _ALL_FLOAT_DTYPES
+    supported_v4_formats = ("rows",)
     max_num_heads = 1 << 16
 
     @staticmethod
