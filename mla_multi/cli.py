@@ -48,7 +48,6 @@ def _triton_interpreter_note() -> str | None:
 
 _KERNEL_NAMES = {
     "triton": "Triton kernel",
-    "wgmma": "sm_90 warpgroup kernel",
     "wgmma_ws": "sm_90 warp-specialised warpgroup kernel",
     "wgmma_rm": "sm_90 warp-specialised warpgroup kernel, rows as M",
 }

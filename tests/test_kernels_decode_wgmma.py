@@ -1,4 +1,4 @@
-"""The sm_90 warpgroup decode kernel (`mla_decode_wgmma`, Gluon) against float64 references.
+"""The sm_90 warp-specialised decode kernels (`mla_decode_wgmma`, Gluon) against float64 references.
 
 * CPU: where the configurations come from (impersonated Hopper and other
   devices), the reasons when the kernel cannot run, and the error when a
@@ -27,9 +27,6 @@ def _gluon_ok() -> bool:
     return gluon_available()[0]
 
 
-WG64 = DecodeLaunchConfig(64, 64, 8, 2, kernel="wgmma")
-WG32 = DecodeLaunchConfig(32, 64, 8, 2, kernel="wgmma")
-WG16 = DecodeLaunchConfig(16, 64, 8, 2, kernel="wgmma")
 WS64 = DecodeLaunchConfig(64, 64, 4, 2, kernel="wgmma_ws")
 WS32 = DecodeLaunchConfig(32, 64, 4, 2, kernel="wgmma_ws")
 WS16 = DecodeLaunchConfig(16, 64, 4, 2, kernel="wgmma_ws")
@@ -110,11 +107,22 @@ def test_tma_needs_a_16_bit_cache_of_whole_tile_pages_with_aligned_evenly_spaced
 
 def test_config_name_marks_the_warpgroup_kernel():
     assert RM64T.name == "h64n64w4s2rmt" and WS32T.name == "h32n64w4s2wst"
-    assert WG64.name == "h64n64w8s2wg"
     assert WS64.name == "h64n64w4s2ws"
     assert RM64.name == "h64n64w4s2rm"
     assert WS16Q.name == "h16n64w4s2wsf2" and RM64Q.name == "h64n64w4s1rmf2" and WS16P.name == "h16n64w4s0wsf4"
     assert DecodeLaunchConfig(64, 64, 8, 2).name == "h64n64w8s2"
+
+
+def test_an_unknown_kernel_is_an_error_naming_the_accepted_ones():
+    """The single-stream warpgroup kernel is gone: asking for it, by its old value or its old name suffix
+    (wg), is an error that names the kernels there are."""
+    from mla_multi.benchmarks.decode import parse_config
+
+    removed = "wgmma"
+    with pytest.raises(ValueError, match=rf"kernel {removed!r}; accepted: 'triton', 'wgmma_ws', 'wgmma_rm'"):
+        DecodeLaunchConfig(64, 64, 8, 2, kernel=removed)
+    with pytest.raises(ValueError, match="h64n64w8s2wg"):
+        parse_config("h64n64w8s2wg")
 
 
 @pytest.mark.parametrize("spec", ["H100", "H200"])
@@ -201,8 +209,9 @@ def test_other_latent_dims_keep_the_triton_kernel():
 
 def test_forcing_the_warpgroup_kernel_where_it_cannot_run_is_an_error():
     tensors = _make_case(2, 16, 1, 512, 64, 16, [20, 5], torch.bfloat16, torch.bfloat16, "cpu", 0)
-    with pytest.raises(ValueError, match=r"h64n64w8s2wg.*cannot run here.*sm_90"):
-        _run_decode(tensors, 576**-0.5, 1, config=WG64, platform=SPECS["A100"])
+    for config in (RM64, WS32):
+        with pytest.raises(ValueError, match=rf"{config.name}.*cannot run here.*sm_90"):
+            _run_decode(tensors, 576**-0.5, 1, config=config, platform=SPECS["A100"])
 
 
 def _unaligned_fp8_copy(cache: torch.Tensor) -> torch.Tensor:
@@ -326,7 +335,7 @@ def _on_hopper() -> bool:
 requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an sm_90 GPU and a Triton with Gluon")
 
 
-def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaunchConfig:
+def _config_for(heads: int, q_len: int, kernel: str) -> DecodeLaunchConfig:
     rows = heads * q_len
     if kernel == "wgmma_rm":
         return RM64
@@ -334,9 +343,8 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
         return RM64T
     if kernel == "wgmma_ws_tma":
         return WS32T
-    if kernel == "wgmma_ws":
-        return WS16 if rows <= 16 else WS32 if rows <= 32 else WS64
-    return WG16 if rows <= 16 else WG32 if rows <= 32 else WG64
+    assert kernel == "wgmma_ws", kernel
+    return WS16 if rows <= 16 else WS32 if rows <= 32 else WS64
 
 
 @pytest.mark.gpu
@@ -344,8 +352,8 @@ def _config_for(heads: int, q_len: int = 1, kernel: str = "wgmma") -> DecodeLaun
 @pytest.mark.parametrize(
     "kernel,kv",
     [
-        ("wgmma", "bf16"), ("wgmma", "fp8"), ("wgmma_ws", "bf16"), ("wgmma_ws", "fp8"), ("wgmma_rm", "bf16"),
-        ("wgmma_rm", "fp8"), ("wgmma_rm_tma", "bf16"), ("wgmma_ws_tma", "bf16"), ("wgmma_rm_tma", "fp8"),
+        ("wgmma_ws", "bf16"), ("wgmma_ws", "fp8"), ("wgmma_rm", "bf16"), ("wgmma_rm", "fp8"),
+        ("wgmma_rm_tma", "bf16"), ("wgmma_ws_tma", "bf16"), ("wgmma_rm_tma", "fp8"),
     ],
 )
 @pytest.mark.parametrize("block_size", [1, 16, 64, 128])
@@ -360,7 +368,7 @@ def test_wgmma_decode_gpu(kernel, kv, heads, block_size):
     scale = 576**-0.5
     platform = current_platform()
     reserved = max_num_kv_splits(20000, platform)
-    config = _config_for(heads, kernel=kernel)
+    config = _config_for(heads, 1, kernel)
     for splits in (1, num_kv_splits(platform, 5, heads, 20000, reserved, kv_cache_dtype=cache_dtype), 7):
         out, lse = _run_decode(tensors, scale, splits, max_splits=max(reserved, splits), config=config)
         torch.cuda.synchronize()
@@ -481,7 +489,7 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
         "wgmma_ws_qk": WS16Q,
         "wgmma_rm_qk": RM64Q,
         "wgmma_ws_pv": WS16P,
-    }.get(kernel) or _config_for(heads, kernel=kernel)
+    }.get(kernel) or _config_for(heads, 1, kernel)
     reference = _e4m3_query(tensors) if config.raw_stages else tensors
     for splits in (1, 3):
         out, lse = _run_decode(tensors, scale, splits, max_splits=4, config=config)
@@ -493,7 +501,7 @@ def test_fp8_decode_gpu_query_outside_float16_range(kernel, factor):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws", "wgmma_rm", "wgmma_rm_tma", "wgmma_ws_tma"])
+@pytest.mark.parametrize("kernel", ["wgmma_ws", "wgmma_rm", "wgmma_rm_tma", "wgmma_ws_tma"])
 @pytest.mark.parametrize("heads,q_len", [(128, 2), (128, 4), (16, 2), (16, 4), (8, 8), (3, 5)])
 def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
     check_multi_token_gpu(heads, q_len, (1, 4), seed=heads + q_len, config=_config_for(heads, q_len, kernel))
@@ -503,9 +511,9 @@ def test_wgmma_decode_gpu_multi_token(heads, q_len, kernel):
 @requires_hopper
 @pytest.mark.parametrize(
     "config",
-    [WG64, WS64, RM64, WS16Q, RM64Q, WS16P, RM64T, WS32T, RM64QT, WS16PT],
+    [WS64, RM64, WS16Q, RM64Q, WS16P, RM64T, WS32T, RM64QT, WS16PT],
     ids=[
-        "wgmma", "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv", "wgmma_rm_tma", "wgmma_ws_tma",
+        "wgmma_ws", "wgmma_rm", "wgmma_ws_qk", "wgmma_rm_qk", "wgmma_ws_pv", "wgmma_rm_tma", "wgmma_ws_tma",
         "rm_qk_tma", "ws_pv_tma",
     ],
 )
@@ -536,11 +544,11 @@ def test_wgmma_decode_gpu_bad_indices_give_nan_rows_and_the_flag(config):
 @pytest.mark.parametrize(
     "kv,config",
     [
-        ("bf16", WG64), ("fp8", WG64), ("bf16", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q),
+        ("bf16", WS64), ("fp8", WS64), ("bf16", RM64), ("fp8", RM64), ("fp8", WS16Q), ("fp8", RM64Q),
         ("fp8", WS16P), ("bf16", RM64T), ("bf16", WS32T), ("fp8", RM64QT), ("fp8", WS16PT),
     ],
     ids=[
-        "wg-bf16", "wg-fp8", "ws-bf16", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv", "rm-tma", "ws-tma",
+        "ws-bf16", "ws-fp8", "rm-bf16", "rm-fp8", "ws-fp8qk", "rm-fp8qk", "ws-fp8pv", "rm-tma", "ws-tma",
         "rm-fp8qk-tma", "ws-fp8pv-tma",
     ],
 )

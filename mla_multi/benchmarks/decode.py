@@ -64,7 +64,7 @@ def parse_config(text: str):
     if not match:
         raise ValueError(
             f"config {text!r}; accepted: like h16n64w4s2 (BLOCK_H, BLOCK_N, warps, stages), optionally "
-            "followed by nolicm (nothing hoisted out of the tile loop), tm (Triton kernel: the cache tokens as the matrix op's M) or wg / ws / rm (the sm_90 warpgroup kernel; warp-specialised; warp-specialised with rows as M), then fN after ws / rm (FP8 QK products from N raw FP8 stages), then t after ws / rm (whole tiles by TMA: 16-bit ones, or FP8 bytes into the fN raw stages)"
+            "followed by nolicm (nothing hoisted out of the tile loop), tm (Triton kernel: the cache tokens as the matrix op's M) or ws / rm (the sm_90 warp-specialised kernel, the cache tokens or the query rows as M), then fN after ws / rm (FP8 QK products from N raw FP8 stages), then t after ws / rm (whole tiles by TMA: 16-bit ones, or FP8 bytes into the fN raw stages)"
         )
     return DecodeLaunchConfig(
         *map(int, match.groups()[:4]),

@@ -121,7 +121,9 @@ class _MatrixTileLaunch:
 
 
 # config-name suffix of each sm_90 warpgroup kernel (`DecodeLaunchConfig.kernel`)
-DECODE_KERNEL_SUFFIXES = {"wgmma": "wg", "wgmma_ws": "ws", "wgmma_rm": "rm"}
+DECODE_KERNEL_SUFFIXES = {"wgmma_ws": "ws", "wgmma_rm": "rm"}
+# every `DecodeLaunchConfig.kernel`: the Triton split kernel and the sm_90 warpgroup kernels
+DECODE_KERNELS = ("triton", *DECODE_KERNEL_SUFFIXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +141,11 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
             disable_licm=True)``, Triton >= 3.5; ignored by older ones): what
             keeps the sm_90 64-row tiles free of spills (`_decode_table`).
         kernel: ``"triton"`` (the Triton split kernel, `mla_decode`), or one of
-            the sm_90 Gluon kernels of `mla_decode_wgmma`: ``"wgmma"`` (single
-            stream, 8 warps), ``"wgmma_ws"`` (warp-specialised, the cache
-            tokens as the MMA's M) or ``"wgmma_rm"`` (warp-specialised, the
-            query rows as M); for the warp-specialised ones ``num_warps`` = 4
-            is the first warpgroup's.  ``num_stages`` is their cp.async depth.
+            the sm_90 warp-specialised Gluon kernels of `mla_decode_wgmma`:
+            ``"wgmma_ws"`` (the cache tokens as the MMA's M) or ``"wgmma_rm"``
+            (the query rows as M); for these ``num_warps`` = 4 is the first
+            warpgroup's and ``num_stages`` their cp.async depth.  Anything
+            else is a ValueError (`DECODE_KERNELS`).
         raw_stages: FP8 caches on the warp-specialised kernels only: > 0 copies
             the cache's bytes with cp.async into this many raw FP8 stages and
             computes QK on the FP8 tensor cores from them, with the query
@@ -184,6 +186,10 @@ class DecodeLaunchConfig(_MatrixTileLaunch):
     tokens_as_m: bool = False
 
     def __post_init__(self) -> None:
+        if self.kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"kernel {self.kernel!r}; accepted: {', '.join(repr(kernel) for kernel in DECODE_KERNELS)}"
+            )
         if self.tokens_as_m and self.kernel != "triton":
             raise ValueError(f"tokens_as_m is an option of the Triton kernel, not of kernel {self.kernel!r}")
 
@@ -350,7 +356,7 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
       kernel at 32 heads; 33-64 rows: the same split with the query rows as
       the MMA's M (the softmax stays inside each warp, P feeds the first
       warpgroup's PV from registers), 1.3-2.0x the Triton kernel and
-      1.36x the single-stream warpgroup kernel at 128 heads;
+      1.36x the single-stream warpgroup kernel (since removed) at 128 heads;
     * FP8 caches: the same two warp-specialised kernels, the tokens-as-M one
       up to 16 rows and the rows-as-M one from 17.  By default (fp8_qk) QK
       runs on the FP8 tensor cores from raw FP8 stages (cp.async) with an e4m3
@@ -394,15 +400,6 @@ def _sm90_wgmma_table(fp8: bool, fp8_qk: bool = True) -> dict[str, DecodeLaunchC
 
 
 WGMMA_DECODE_DIMS = (512, 64)
-
-
-# The single-stream sm_90 warpgroup kernel: measured (bench/RESULTS.md) and
-# slower than the warp-specialised ones it led to, so no table selects it; a
-# caller may still pass it as `config=`, and the compile check builds it.
-SM90_SINGLE_STREAM_DECODE_CONFIGS = (
-    DecodeLaunchConfig(32, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
-    DecodeLaunchConfig(64, 64, 8, 2, programs_per_cu=1, kernel="wgmma"),
-)
 
 
 def decode_config(
@@ -455,10 +452,7 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
     tables = (False, True) if fp8 is None else (fp8,)
     for table in tables:
         for wgmma, fp8_qk in ((True, True), (True, False), (False, True)):
-            configs = list(_decode_table(platform, fp8=table, wgmma=wgmma, fp8_qk=fp8_qk).values())
-            if wgmma and any(c.warpgroup for c in configs):
-                configs += SM90_SINGLE_STREAM_DECODE_CONFIGS
-            for config in configs:
+            for config in _decode_table(platform, fp8=table, wgmma=wgmma, fp8_qk=fp8_qk).values():
                 if config not in seen:
                     seen.append(config)
     return seen

@@ -977,8 +977,8 @@ def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
 
 
 def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype, constexprs: dict) -> CompileSpec:
-    """The sm_90 Gluon split kernel (`mla_decode_wgmma`) at one configuration, as the launch would build it;
-    `constexprs` holds those it shares with the Triton split kernel."""
+    """The sm_90 warp-specialised Gluon split kernel (`mla_decode_wgmma`) at one configuration, as the launch
+    would build it; `constexprs` holds those it shares with the Triton split kernel."""
     from mla_multi.kernels import mla_decode_wgmma
 
     fp8 = cache_dtype in FP8_DTYPES or cache_dtype == torch.uint8  # uint8: fp8_ds_mla rows
@@ -989,28 +989,26 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs = {**constexprs, "STAGES": config.num_stages, "FP8_CACHE": fp8, "num_warps": config.num_warps}
     for key in constexprs:
         signature[key] = "constexpr"
-    ws = config.warp_specialised
-    if ws:
-        constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
-        constexprs["RAW_STAGES"] = config.raw_stages
-        constexprs.setdefault("MASKED_ENTRIES", False)
-        for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES"):
-            signature[key] = "constexpr"
-        if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
-            # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
-            constexprs["TMA"] = True
-            signature["TMA"] = "constexpr"
-            for arg, cols in (("KV_desc", constexprs["KV_LORA_RANK"]), ("KV_pe_desc", constexprs["ROPE_DIM"])):
-                signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols, _TRITON_DTYPE[cache_dtype])
-        else:
-            constexprs |= {"TMA": False, "KV_desc": None, "KV_pe_desc": None}
-            signature |= {"TMA": "constexpr", "KV_desc": "constexpr", "KV_pe_desc": "constexpr"}
+    constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
+    constexprs["RAW_STAGES"] = config.raw_stages
+    constexprs.setdefault("MASKED_ENTRIES", False)
+    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES"):
+        signature[key] = "constexpr"
+    if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
+        # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
+        constexprs["TMA"] = True
+        signature["TMA"] = "constexpr"
+        for arg, cols in (("KV_desc", constexprs["KV_LORA_RANK"]), ("KV_pe_desc", constexprs["ROPE_DIM"])):
+            signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols, _TRITON_DTYPE[cache_dtype])
+    else:
+        constexprs |= {"TMA": False, "KV_desc": None, "KV_pe_desc": None}
+        signature |= {"TMA": "constexpr", "KV_desc": "constexpr", "KV_pe_desc": "constexpr"}
     return CompileSpec(
         name=name,
-        fn=mla_decode_wgmma.ws_split_kernel if ws else mla_decode_wgmma.split_kernel,
+        fn=mla_decode_wgmma.ws_split_kernel,
         signature=signature,
         constexprs=constexprs,
-        options={"num_warps": config.num_warps, **({"maxnreg": mla_decode_wgmma.WS_MAXNREG} if ws else {})},
+        options={"num_warps": config.num_warps, "maxnreg": mla_decode_wgmma.WS_MAXNREG},
         divisible_by_16=_SPLIT_DIVISIBLE,
     )
 

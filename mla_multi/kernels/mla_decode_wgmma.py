@@ -5,8 +5,9 @@ eight warps along the rows, so both warpgroups compute the whole 576-deep QK
 (53 % of the FLOPs) and the rate stops near 38 % of the matmul peak on an H200.
 These kernels state the split themselves, with Gluon's explicit layouts,
 warpgroup MMA and warp specialisation (`triton.experimental.gluon`, Triton >= 3.6).
-Three kernels, chosen by `DecodeLaunchConfig.kernel` (bench/RESULTS.md has
-their measurements):
+Two kernels, the two forms of one warp-specialised kernel
+(`_mla_decode_ws_kernel`), chosen by `DecodeLaunchConfig.kernel`
+(bench/RESULTS.md has their measurements):
 
 * ``wgmma_rm`` (`_mla_decode_ws_kernel` with ROWS_AS_M; 33+ rows, FlashMLA's
   split): three warpgroups of their own.  The first computes
@@ -19,27 +20,23 @@ their measurements):
 * ``wgmma_ws`` (the same kernel, tokens as M: ``S^T = K Q^T``; 17-32 rows of a
   16-bit cache, up to 16 of an FP8 one, where the rows are the MMA's N and
   need no padding to 64).
-* ``wgmma`` (`_mla_decode_wgmma_kernel`, a single stream of 8 warps, tokens as
-  M): the warpgroups split the rows for QK and the 512 latent columns for PV,
-  with P^T through shared memory behind CTA barriers.  The first of the three;
-  measured slower, selected by no table, kept as a launchable configuration.
 
-Common to all: the cache tile is copied to shared memory with ``cp.async``
+Common to both: the cache tile is copied to shared memory with ``cp.async``
 (any page size: one block-table entry per tile when the page is a multiple of
 the tile, one per token otherwise), two 64-token stages; the query sits in
-shared memory for the whole split.  The warp-specialised kernels' loaders that
-copy tiles as they are (16-bit caches, FP8 bytes into raw stages) take TMA
-instead where ``DecodeLaunchConfig.tma`` asks for it and `tma_cache_reason`
-finds the cache describable (pages a multiple of the tile): two bulk tensor
-copies a tile, a split's partial last tile still by cp.async so that its rows
-past the end are zeros (1-4 % faster than cp.async at 64-128 heads on an H200).  FP8 caches, two ways:
+shared memory for the whole split.  The loaders that copy tiles as they are
+(16-bit caches, FP8 bytes into raw stages) take TMA instead where
+``DecodeLaunchConfig.tma`` asks for it and `tma_cache_reason` finds the cache
+describable (pages a multiple of the tile): two bulk tensor copies a tile, a
+split's partial last tile still by cp.async so that its rows past the end are
+zeros (1-4 % faster than cp.async at 64-128 heads on an H200).  FP8 caches,
+two ways:
 
-* raw stages (``DecodeLaunchConfig.raw_stages`` > 0, the default tables; the
-  warp-specialised kernels): the loader copies the cache's bytes with cp.async
-  into raw FP8 stages, QK runs on the FP8 tensor cores from them with the
-  query quantised to e4m3 per row (each row multiplied by the power of two
-  that puts its largest magnitude in [128, 256), the scores by its inverse),
-  and the loader converts each tile's latent part once into the float16
+* raw stages (``DecodeLaunchConfig.raw_stages`` > 0, the default tables): the
+  loader copies the cache's bytes with cp.async into raw FP8 stages, QK runs
+  on the FP8 tensor cores from them with the query quantised to e4m3 per row
+  (each row multiplied by the power of two that puts its largest magnitude in
+  [128, 256), the scores by its inverse), and the loader converts each tile's latent part once into the float16
   stages P V reads.  The e4m3 query is the only added error (against float64
   on the dequantised cache: output relative error 0.7-2.6e-2, LSE 0.02-0.08
   on normal inputs; `MLA_MULTI_FP8_QK=0` selects the other way).  Up to 16
@@ -56,13 +53,12 @@ past the end are zeros (1-4 % faster than cp.async at 64-128 heads on an H200). 
   puts its largest magnitude in [2^12, 2^13) and the scores by its inverse
   (both exact), so FP8 has the bfloat16 path's accuracy on the dequantised
   cache.  The tile is converted once per element into the float16 tile both
-  products read (in the loader warpgroup of the warp-specialised kernels,
-  which loads the cache as 32-bit words three quarters of a tile ahead of the
-  quarter it converts).
+  products read, in the loader warpgroup, which loads the cache as 32-bit
+  words three quarters of a tile ahead of the quarter it converts.
 
 fp8_ds_mla caches (uint8 [.., 656]: FlashMLA's rows of 512 e4m3 values, four float32 tile scales and 64
 bfloat16 rotary values; the sparse decode reads them as one-token pages) with a bfloat16 query: the
-warp-specialised kernels' loader (`_ws_load_ds_mla`) dequantises each row's latent part once into the
+loader (`_ws_load_ds_mla`) dequantises each row's latent part once into the
 bfloat16 stages both products read (the scales a tile ahead by cp.async into shared memory, read as
 bfloat16 pairs; the block-table entries a tile ahead of the rows they name), and copies the rotary part by
 cp.async;
@@ -106,12 +102,12 @@ except Exception as error:  # pragma: no cover - depends on the installed Triton
     gluon = None
     _GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["gluon_available", "bind_split_kernel", "tma_keywords", "split_kernel", "ws_split_kernel"]
+__all__ = ["gluon_available", "bind_split_kernel", "tma_keywords", "ws_split_kernel"]
 
 
 @functools.lru_cache(maxsize=1)
 def gluon_available() -> tuple[bool, str]:
-    """(True, "") when the installed Triton can build the warpgroup decode kernel, else (False, reason)."""
+    """(True, "") when the installed Triton can build the warpgroup decode kernels, else (False, reason)."""
     if gluon is None:
         import triton
 
@@ -151,13 +147,6 @@ if gluon is not None:
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-
-    @gluon.constexpr_function
-    def _mma_layout(cols, warps_m, warps_n):
-        """wgmma accumulator layout: m16, n = the columns each warp column owns, k16 (16-bit operands)."""
-        return gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, cols // warps_n, 16]
-        )
 
     @gluon.constexpr_function
     def _shared_layout(cols, bits):
@@ -251,14 +240,6 @@ if gluon is not None:
         cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
         _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
         return bad | bad_pe
-
-    @gluon.jit
-    def _convert_tile(src, dst, COLS: gl.constexpr, CHUNK: gl.constexpr, dtype: gl.constexpr, num_warps: gl.constexpr):
-        """FP8 tile -> `dtype` tile, shared memory to shared memory, CHUNK columns at a time."""
-        layout: gl.constexpr = _tile_layout(CHUNK, 8, num_warps)
-        for c in gl.static_range(COLS // CHUNK):
-            values = src.slice(c * CHUNK, CHUNK, dim=1).load(layout)
-            dst.slice(c * CHUNK, CHUNK, dim=1).store(values.to(dtype))
 
     @gluon.jit
     def _split_range(Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N: gl.constexpr):
@@ -553,133 +534,6 @@ if gluon is not None:
                 + LSE_COL
             )
         gl.store(lse_ptrs, lse, mask=lse_valid)
-
-    @gluon.jit
-    def _mla_decode_wgmma_kernel(
-        Q_nope, Q_pe, KV_cache, Block_table, Seq_lens, K_scale, Attn_logits, Out, Lse, Error_flag,
-        sm_scale, num_heads, num_kv_splits, max_seq_len, num_cache_blocks,
-        stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-        stride_kv_block, stride_kv_token, stride_bt_b, stride_al_row, stride_al_h, stride_al_split,
-        stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-        Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
-        FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        """All warps in one stream: QK split by rows between the warpgroups, P^T through shared memory,
-        PV split by latent columns (16-bit and FP8 caches)."""
-        head_block = gl.program_id(0)
-        split = gl.program_id(1)
-        batch = gl.program_id(2)
-        # the products' operand type: float16 for an FP8 cache (the query scaled by a power of two)
-        dtype: gl.constexpr = _operand_dtype(Q_nope.dtype.element_ty, KV_cache.dtype.element_ty)
-        cache_dtype: gl.constexpr = KV_cache.dtype.element_ty
-        cache_bits: gl.constexpr = cache_dtype.primitive_bitwidth
-
-        # S^T [BLOCK_N, BLOCK_H]: warpgroups side by side along the query rows
-        s_layout: gl.constexpr = _mma_layout(BLOCK_H, 4, num_warps // 4)
-        # O^T [Lkv, BLOCK_H]: warpgroups one above the other along the latent columns
-        o_layout: gl.constexpr = _mma_layout(BLOCK_H, num_warps, 1)
-        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        kv_layout: gl.constexpr = _tile_layout(KV_LORA_RANK, cache_bits, num_warps)
-        kpe_layout: gl.constexpr = _tile_layout(ROPE_DIM, cache_bits, num_warps)
-
-        seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
-            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
-        )
-        # the query rows of this program, in shared memory for the whole split
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-        qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        q_down = _load_query(
-            q_smem, qpe_smem, Q_nope, Q_pe, batch, head_block * BLOCK_H, num_heads,
-            stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-            Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, num_warps, FP8_CACHE,
-        )
-        kv_smem = gl.allocate_shared_memory(
-            cache_dtype, [STAGES, BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, cache_bits)
-        )
-        kpe_smem = gl.allocate_shared_memory(cache_dtype, [STAGES, BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, cache_bits))
-        if FP8_CACHE:
-            kv16_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA_RANK], _shared_layout(KV_LORA_RANK, 16))
-            kpe16_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE_DIM], _shared_layout(ROPE_DIM, 16))
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], _shared_layout(BLOCK_H, 16))
-
-        # scores in the log2 domain: exp2 is the native instruction
-        qk_scale = sm_scale * 1.4426950408889634 * q_down
-        if HAS_K_SCALE:
-            qk_scale = qk_scale * gl.load(K_scale).to(gl.float32)
-        s_rows = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_s)
-        # bottom-right causal limit of each folded query token
-        row_limit = seq_len - Q_LEN + 1 + s_rows // num_heads
-
-        block_table_row = Block_table + batch * stride_bt_b
-        bad_block = batch < 0
-        for stage in gl.static_range(STAGES - 1):
-            first = split_start + stage * BLOCK_N
-            bad_block = bad_block | _issue_tile(
-                kv_smem.index(stage), kpe_smem.index(stage), KV_cache, first, split_end,
-                block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token,
-                _tile_page(block_table_row, first, split_end, PAGE_SIZE, BLOCK_N),
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
-            )
-            async_copy.commit_group()
-        next_page = _tile_page(block_table_row, split_start + (STAGES - 1) * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_s)
-        acc = gl.zeros([KV_LORA_RANK, BLOCK_H], gl.float32, layout=o_layout)
-        for tile in tl.range(0, num_tiles, disable_licm=True):
-            slot = tile % STAGES
-            start = split_start + tile * BLOCK_N
-            # this tile's copies are done (this thread's), then visible to all
-            # threads and to the tensor cores; every warp is past the previous
-            # tile's products, so its buffers can be refilled
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            _cta_barrier()
-            ahead = tile + STAGES - 1
-            bad_block = bad_block | _issue_tile(
-                kv_smem.index(ahead % STAGES), kpe_smem.index(ahead % STAGES), KV_cache, split_start + ahead * BLOCK_N,
-                split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, next_page,
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, kv_layout, kpe_layout,
-            )
-            async_copy.commit_group()
-            next_page = _tile_page(block_table_row, split_start + (ahead + 1) * BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-            if FP8_CACHE:
-                # one conversion per element, into the 16-bit tile both products read
-                _convert_tile(kv_smem.index(slot), kv16_smem, KV_LORA_RANK, 128, dtype, num_warps)
-                _convert_tile(kpe_smem.index(slot), kpe16_smem, ROPE_DIM, ROPE_DIM, dtype, num_warps)
-                fence_async_shared()
-                _cta_barrier()
-                kv_tile = kv16_smem
-                kpe_tile = kpe16_smem
-            else:
-                kv_tile = kv_smem.index(slot)
-                kpe_tile = kpe_smem.index(slot)
-
-            # S^T = K Q^T over the 576 columns, each warpgroup its half of the rows
-            s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
-            s = warpgroup_mma(kv_tile, q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(kpe_tile, qpe_smem.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, split_end, s_rows, row_limit, qk_scale, Q_LEN, BLOCK_N)
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-
-            # O^T = alpha O^T + V^T P^T, each warpgroup its half of the latent columns
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-            acc = warpgroup_mma(kv_tile.permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        async_copy.wait_group(0)
-
-        gl.atomic_or(Error_flag, _BLOCK_INDEX_ERROR, mask=bad_block)
-        gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
-        inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
-        _store_rows(
-            acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
-            stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
-            stride_al_row, stride_al_h, stride_al_split, Q_LEN, KV_LORA_RANK, DIRECT_OUTPUT,
-        )
 
     # -- warp-specialised kernel ---------------------------------------------------
     # Three warpgroups with their own instruction streams (FlashMLA's split):
@@ -1860,10 +1714,8 @@ if gluon is not None:
             ),
         )
 
-    split_kernel = _mla_decode_wgmma_kernel
     ws_split_kernel = _mla_decode_ws_kernel
 else:  # pragma: no cover - depends on the installed Triton
-    split_kernel = None
     ws_split_kernel = None
 
 
@@ -1953,7 +1805,6 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
                              tma: bool, masked_entries: bool = False) -> dict:
-    ws = config.warp_specialised
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
              "MASKED_ENTRIES": masked_entries}
     if tma:
@@ -1970,7 +1821,7 @@ def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config
         FP8_CACHE=fp8_cache,
         DIRECT_OUTPUT=direct,
         num_warps=config.num_warps,
-        **(extra if ws else {}),
+        **extra,
     )
 
 
@@ -1982,18 +1833,16 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False):
-    """The warpgroup split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
+    """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
     (the warp-specialised kernel over one-token fp8_ds_mla pages)."""
-    ws = config.warp_specialised
-    kernel = ws_split_kernel if ws else split_kernel
-    tma_ok = (allow_tma and ws and tma_loader(config, fp8_cache)
+    tma_ok = (allow_tma and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else ()
-    return BoundLaunch(kernel, grid, constexprs, device, keyword_names=names), tma_ok
+    return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok
