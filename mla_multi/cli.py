@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -132,9 +133,10 @@ def collect_info(as_spec: str | None = None) -> dict:
     info["platform"] = target.describe()
     info["impersonated"] = as_spec is not None
 
+    info["import_selection_errors"] = mm.import_selection_errors()
     dims = MLADims.deepseek_v3()
     dtype = mm.default_dtype(target)
-    with platforms.override(target):
+    with platforms.override(target), _quiet_registry(as_spec is not None):
         configs = {
             "prefill": registry.prefill_config(dims, dtype),
             "decode": registry.decode_config(dims, dtype, "auto", 64, platform=target),
@@ -167,6 +169,22 @@ def collect_info(as_spec: str | None = None) -> dict:
     info["triton_decode"] = _guarded(lambda: _triton_decode_kernels(target))
     info["triton_prefill"] = _guarded(lambda: _triton_prefill_kernel(target))
     return info
+
+
+@contextlib.contextmanager
+def _quiet_registry(quiet: bool):
+    """Hold back the registry's fallback warnings while it selects for an impersonated device: the report
+    prints every rejected backend's reasons itself."""
+    import logging
+
+    logger = logging.getLogger("mla_multi")  # the registry's logger
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _one_token_choice(config, target) -> dict | None:
@@ -207,6 +225,9 @@ def _print_info(info: dict) -> None:
     print("libraries: " + ", ".join(f"{k}={v or '-'}" for k, v in info["libraries"].items()))
     env = info["environment"]
     print("environment overrides: " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else "none"))
+    for phase, error in info.get("import_selection_errors", {}).items():
+        print(f"import-time selection (DeepSeek-V3 defaults): no {phase} backend; "
+              + error.splitlines()[0].rstrip(":") + " (reasons below); selected_backends() raises it")
     if info.get("triton_interpreter"):
         print(f"Triton interpreter: {info['triton_interpreter']}")
     for phase, data in info["phases"].items():
