@@ -123,8 +123,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "MLA_MULTI_PREFILL_BACKEND",
             None,
             _backend_name,
-            "Force the prefill backend by name (TRITON, ROCM_AITER, CUDA_FLASH_ATTN, REFERENCE). "
-            "A forced backend that cannot run the configuration raises with its reasons; it never falls back.",
+            "Force the prefill backend by name (TRITON, ROCM_AITER, CUDA_FLASH_ATTN, FLASHINFER, REFERENCE; "
+            "`mla-multi info` lists them). The name is checked at import; a forced backend that cannot run a "
+            "configuration raises with its reasons where that configuration is selected; it never falls back.",
         ),
         EnvVar(
             "MLA_MULTI_DECODE_BACKEND",
