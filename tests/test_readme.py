@@ -87,3 +87,33 @@ def test_links_into_results_name_existing_sections():
 def test_local_links_resolve():
     for target in re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", README):
         assert (REPO_ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+# README platform row -> the impersonated devices it stands for
+PLATFORM_ROWS = {"AMD gfx942 / gfx950": ("MI300X", "MI355X"), "other AMD": ("MI250X", "RX7900XTX"),
+                 "NVIDIA sm_80+": ("A100", "H100", "B200"), "CPU": ("CPU",)}
+
+
+def test_the_priority_table_is_the_registrys():
+    from mla_multi import registry
+    from mla_multi.platforms.specs import SPECS
+
+    section = README.split("## Backend selection", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for prefix, specs in PLATFORM_ROWS.items():
+            if len(cells) == 4 and cells[0].startswith(prefix):
+                rows[prefix] = cells[1:]
+    assert set(rows) == set(PLATFORM_ROWS), rows
+    tables = {"prefill": registry.PREFILL_PRIORITIES, "decode": registry.DECODE_PRIORITIES,
+              "sparse_decode": registry.SPARSE_DECODE_PRIORITIES, "sparse_prefill": registry.SPARSE_PREFILL_PRIORITIES}
+    for prefix, (prefill, decode, sparse) in rows.items():
+        for name in PLATFORM_ROWS[prefix]:
+            spec = SPECS[name]
+            for phase, written in (("prefill", prefill), ("decode", decode), ("sparse_decode", sparse),
+                                   ("sparse_prefill", sparse)):
+                table = tables[phase]
+                listed = table.get((spec.vendor, spec.arch)) or table.get((spec.vendor, None))
+                assert written == " > ".join(listed), f"README's {phase} list for {prefix} ({name}): {written!r}; " \
+                                                      f"the registry's: {' > '.join(listed)!r}"
