@@ -172,8 +172,8 @@ for heads in () if MIXED_ONLY else (16, 128):
     layers = [one] + [mm.MLAAttention(dims, scale, weight, block_size=BS, max_model_len=32768, max_num_seqs=256)
                       for _ in range(60)]
     after_all = torch.cuda.memory_allocated() - base
-    # W_UK / W_UV copies are per-layer weights (2 x heads x 128 x 512 bf16), not workspace
-    weights = 61 * 2 * heads * 128 * 512 * 2
+    # the layers share `weight`, allocated before `base`; W_UK / W_UV are views of it: no per-layer weights
+    weights = 0
     print(f"heads {heads:3d}: one layer {after_one / 2**20:8.1f} MiB (weights {weights / 61 / 2**20:.1f}), "
           f"61 layers {after_all / 2**20:8.1f} MiB, 61 layers minus their weights "
           f"{(after_all - weights) / 2**20:8.1f} MiB, workspace {layers[0].workspace.size_bytes / 2**20:.1f} MiB")

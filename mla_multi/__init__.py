@@ -15,7 +15,9 @@ import torch
 from mla_multi import envs
 from mla_multi.attention import MLAAttention
 from mla_multi.dims import MLADims
+from mla_multi.kv_cache import allocate_kv_cache
 from mla_multi.metadata import (
+    BatchOrder,
     CommonAttentionMetadata,
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
@@ -34,12 +36,14 @@ __version__ = "0.1.0"
 __all__ = [
     "MLAAttention",
     "MLADims",
+    "BatchOrder",
     "CommonAttentionMetadata",
     "NoBackendError",
     "Platform",
     "UnknownBackendError",
     "WorkspaceLockedError",
     "WorkspaceManager",
+    "allocate_kv_cache",
     "current_platform",
     "import_selection_errors",
     "ops",
@@ -51,9 +55,17 @@ __all__ = [
 ]
 
 
-def default_dtype(platform: Platform) -> torch.dtype:
-    """The model dtype the import-time selection assumes: bfloat16 everywhere MLA models run."""
-    return torch.bfloat16
+# The model dtype the import-time selection (and `mla-multi info`) assumes: bfloat16 everywhere MLA models run.
+DEFAULT_DTYPE = torch.bfloat16
+
+
+def default_dtype(platform: Platform | None = None) -> torch.dtype:
+    """Deprecated: `DEFAULT_DTYPE` (the dtype never depended on the platform)."""
+    import warnings
+
+    warnings.warn("mla_multi.default_dtype() is deprecated; use mla_multi.DEFAULT_DTYPE", DeprecationWarning,
+                  stacklevel=2)
+    return DEFAULT_DTYPE
 
 
 def _select_defaults() -> tuple[dict[str, str | None], dict[str, NoBackendError]]:
@@ -62,7 +74,7 @@ def _select_defaults() -> tuple[dict[str, str | None], dict[str, NoBackendError]
     recorded with its reasons instead of failing the import."""
     platform = current_platform()
     dims = MLADims.deepseek_v3()
-    dtype = default_dtype(platform)
+    dtype = DEFAULT_DTYPE
     chosen: dict[str, str | None] = {}
     errors: dict[str, NoBackendError] = {}
     for phase, select in (("prefill", lambda: select_prefill_backend(dims, dtype)),

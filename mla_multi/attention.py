@@ -20,6 +20,7 @@ from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES, dtype_name, resolve_kv_cache_dtype
 from mla_multi.dims import MLADims
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
+from mla_multi.kernels import rows_of_heads
 from mla_multi.metadata import CommonAttentionMetadata, build_prefill_metadata, split_decodes_and_prefills, to_device
 from mla_multi.platforms import current_platform
 from mla_multi.registry import select_decode_backend, select_prefill_backend
@@ -29,18 +30,73 @@ from mla_multi.workspace import WorkspaceManager, current_workspace_manager
 # `MLAAttention._short_prefills` holds
 SHORT_PREFILL_TOKENS = 4096
 
+# what a backward through the layer says (`_InferenceOnly`)
+NO_BACKWARD = (
+    "MLAAttention is inference-only: its kernels have no backward, so no gradient flows through the attention "
+    "output. Run the forward under torch.inference_mode() (or torch.no_grad()), as transformers' generate() does; "
+    "to train, use an attention that has a backward"
+)
+
 
 def default_workspace_tokens(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
     """vLLM's chunked-prefill workspace size: enough for 8 full contexts, capped at 128K tokens."""
     return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 128 * 1024)
 
 
-class MLAAttention:
-    """One MLA attention layer's attention (projections outside q/kv_c/k_pe are the caller's).
+class _InferenceOnly(torch.autograd.Function):
+    """Ties the layer's output (computed under no-grad) to the inputs that require grad, with a backward that
+    raises `NO_BACKWARD`: a forward in grad mode works, a backward through it says why it cannot."""
+
+    @staticmethod
+    def forward(ctx, output, *inputs):
+        return output.detach()  # the same memory, not a view in autograd's sense: in-place ops after it work
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(NO_BACKWARD)
+
+
+class MLAAttention(torch.nn.Module):
+    """One MLA attention layer's attention (projections outside q/kv_c/k_pe are the caller's), a `torch.nn.Module`.
+
+    Conventions (the README's "Using MLAAttention in a model" says the same):
+
+    * q [T, N, P + R]: each head's non-rotary part (P = qk_nope_head_dim) first, then its rotary part
+      (R = qk_rope_head_dim), after `q_b_proj` (or `q_proj`); any strides with a contiguous last dimension (a
+      [T, N, P + R] view of transformers' [1, N, T, P + R] query is taken as it is: the prefill copies it once
+      where the fast kernel needs each token's heads side by side).
+    * RoPE is the caller's: q's rotary part and k_pe [T, R] come already rotated (DeepSeek's interleaved
+      rotation or not: the layer never looks inside them).
+    * kv_c_normed [T, Lkv]: the latent after `kv_a_layernorm` (Lkv = kv_lora_rank), the rows of
+      `kv_a_proj_with_mqa`'s output before its last R columns, which are k_pe before RoPE.
+    * The paged cache [num_blocks, block_size, Lkv + R] (each row: the latent, then the rotated k_pe) in the
+      layer's `kv_cache_dtype`; "fp8_ds_mla" (sparse) is uint8 [num_blocks, block_size, 656].
+      `allocate_kv_cache(num_blocks)` (or `mla_multi.allocate_kv_cache`) makes one.
+    * kv_b_proj_weight [N * (P + V), Lkv]: `kv_b_proj.weight` as checkpoints store it, each head's P rows of
+      W_UK then its V rows of W_UV.
+    * scale: the softmax scale, 1 / sqrt(P + R) times, for YaRN-scaled models (DeepSeek-V3), mscale^2 with
+      mscale = 0.1 * mscale_all_dim * ln(factor) + 1 (transformers' `DeepseekV3Attention.scaling`). The other
+      YaRN factor, mscale / mscale_all_dim's ratio (1 for DeepSeek-V3), scales the cos / sin of the caller's RoPE.
+    * Batch order: decodes (query_len <= decode_threshold) first, unless the metadata was built with
+      `CommonAttentionMetadata.from_lengths(..., reorder=True)`: then q, kv_c_normed, k_pe and the output are
+      in the caller's order of requests (`metadata.batch_order` maps it).
+
+    Weights: `kv_b_proj_weight` is the module's parameter (`state_dict()` key ``kv_b_proj_weight``; the caller's
+    own `nn.Parameter` where given one, so that a model that also holds it as `kv_b_proj.weight` shares it). The
+    absorbed forms `W_UK` [N, P, Lkv] and `W_UV` [N, V, Lkv] are *views* of it, never copies: the layer holds
+    no weight memory of its own, `load_state_dict` (in place) takes effect at once, and `.to(device / dtype)`
+    carries the weight and re-selects the backends for the new dtype and device. A weight replaced without
+    PyTorch's module methods (``param.data = ...``, ``load_state_dict(assign=True)``) is noticed at the next
+    forward; `process_weights_after_loading()` (vLLM's name) does it at once and checks the weight.
+
+    Autograd: inference only. Under grad mode the forward runs under `torch.no_grad()` itself: the cache is
+    written as in inference (it never requires grad, it gets no grad_fn), and where an input or the weight
+    requires grad the output does too, through a node whose backward raises RuntimeError (`NO_BACKWARD`) rather
+    than giving a gradient that silently leaves the attention out.
 
     Args:
         dims: the layer's `MLADims` (heads on this device).
-        scale: softmax scale (usually 1/sqrt(P + R), times the YaRN mscale^2 where used).
+        scale: softmax scale (above).
         kv_b_proj_weight: [N * (P + V), Lkv] as checkpoints store `kv_b_proj.weight`.
         block_size: tokens per cache block.
         max_model_len, max_num_seqs: the worst case the workspace is reserved for.
@@ -76,19 +132,15 @@ class MLAAttention:
         sparse_topk: int | None = None,
         sparse_backend: str | None = None,
     ) -> None:
+        super().__init__()
         if not isinstance(dims, MLADims):
             raise ValueError(f"dims={dims!r}; accepted: an MLADims")
-        n, p, v, lkv = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
-        checks.check_tensor(
-            "kv_b_proj_weight", kv_b_proj_weight, ndim=2, dtypes=ops.FLOAT_DTYPES, shape=(n * (p + v), lkv)
-        )
+        self._check_weight(dims, kv_b_proj_weight)
         for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             checks.check_positive_int(name, value)
         checks.check_positive_float("scale", scale)
         self.dims = dims
         self.scale = float(scale)
-        self.dtype = kv_b_proj_weight.dtype
-        self.device = kv_b_proj_weight.device
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -100,11 +152,56 @@ class MLAAttention:
         if kv_cache_dtype == "fp8_ds_mla":
             if sparse_topk is None:
                 raise ValueError("kv_cache_dtype='fp8_ds_mla' is the sparse MLA cache layout; accepted with sparse_topk")
-            if (lkv, dims.qk_rope_head_dim) != (512, 64):
+            if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
                 raise ValueError(f"kv_cache_dtype='fp8_ds_mla' holds 512 latent and 64 rotary values; this layer has "
-                                 f"{lkv} / {dims.qk_rope_head_dim}")
+                                 f"{dims.kv_lora_rank} / {dims.qk_rope_head_dim}")
             kv_cache_dtype = torch.uint8
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.platform)
+        self._kv_cache_dtype_arg = kv_cache_dtype  # resolved against the weight dtype by `_bind`
+        self._kv_cache_scale_arg = kv_cache_scale
+        self.workspace_tokens = workspace_tokens or default_workspace_tokens(max_model_len, max_num_seqs, block_size)
+        if self.workspace_tokens < block_size:
+            raise ValueError(
+                f"workspace_tokens={self.workspace_tokens}; accepted: at least one block ({block_size} tokens)"
+            )
+        if dcp is not None:
+            from mla_multi.distributed import DecodeContextParallel
+
+            if not isinstance(dcp, DecodeContextParallel):
+                raise ValueError(f"dcp={dcp!r}; accepted: None or a mla_multi.distributed.DecodeContextParallel")
+        if workspace is not None and not isinstance(workspace, WorkspaceManager):
+            raise ValueError(f"workspace={workspace!r}; accepted: None (the device's shared one) or a WorkspaceManager")
+        self.dcp = dcp
+        self._workspace_arg = workspace
+        self._forced_backends = (prefill_backend, decode_backend, sparse_backend)
+
+        # the weight: a parameter of this module (the caller's own Parameter where it is one: shared, not copied)
+        if not isinstance(kv_b_proj_weight, torch.nn.Parameter):
+            kv_b_proj_weight = torch.nn.Parameter(kv_b_proj_weight, requires_grad=False)
+        self.kv_b_proj_weight = kv_b_proj_weight
+        self._views: tuple | None = None
+        self._bound: tuple | None = None
+        self._bind()
+        # torch.ops.mla_multi.mla_attention finds the layer by this id (forward under torch.compile)
+        from mla_multi import library
+
+        self.layer_id: int = library.register_layer(self)
+
+    @staticmethod
+    def _check_weight(dims: MLADims, weight) -> None:
+        n, p, v, lkv = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+        checks.check_tensor("kv_b_proj_weight", weight, ndim=2, dtypes=ops.FLOAT_DTYPES, shape=(n * (p + v), lkv))
+
+    def _bind(self) -> None:
+        """Everything that follows from the weight's dtype and device: the cache dtype ("auto"), the FP8 scale
+        tensor, the workspace, the backends and their reservations, the absorbed views. Run at construction and
+        again when the weight's dtype or device changes (`.to()`, `process_weights_after_loading`)."""
+        dims = self.dims
+        n, p, v, lkv = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+        weight = self.kv_b_proj_weight
+        self.dtype = weight.dtype
+        self.device = weight.device
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self._kv_cache_dtype_arg, self.dtype, self.platform)
+        kv_cache_scale = self._kv_cache_scale_arg
         if self.kv_cache_dtype in FP8_DTYPES:
             if kv_cache_scale is None:
                 raise ValueError(
@@ -116,53 +213,40 @@ class MLAAttention:
         else:
             self.k_scale = None
             self.k_scale_value = None
-        self.workspace_tokens = workspace_tokens or default_workspace_tokens(max_model_len, max_num_seqs, block_size)
-        if self.workspace_tokens < block_size:
-            raise ValueError(
-                f"workspace_tokens={self.workspace_tokens}; accepted: at least one block ({block_size} tokens)"
-            )
-
-        # kv_b_proj maps the latent to [k_nope | v] per head.
-        weight = kv_b_proj_weight.view(n, p + v, lkv)
-        self.kv_b_proj_weight = kv_b_proj_weight
-        self.W_UK = weight[:, :p, :].contiguous()  # [N, P, Lkv]: q_nope @ W_UK -> absorbed query
-        self.W_UV = weight[:, p:, :].contiguous()  # [N, V, Lkv]: latent output @ W_UV^T -> per-head V
-        self._W_UK_rows = self.W_UK.view(n * p, lkv)  # the same weights as rows of one product each
-        self._W_UV_rows = self.W_UV.view(n * v, lkv)
-        self._W_UV_T = self.W_UV.transpose(1, 2)  # [N, Lkv, V]: the up-projection's right operand
-
-        self.dcp = dcp
+        dcp = self.dcp
         decode_heads = n
         if dcp is not None:
-            from mla_multi.distributed import DecodeContextParallel
-
-            if not isinstance(dcp, DecodeContextParallel):
-                raise ValueError(f"dcp={dcp!r}; accepted: None or a mla_multi.distributed.DecodeContextParallel")
             dcp.check_device("kv_b_proj_weight", self.device)
             # DCP decodes every head of the layer over the local tokens.
             decode_heads = n * dcp.world_size
-        if workspace is not None and not isinstance(workspace, WorkspaceManager):
-            raise ValueError(f"workspace={workspace!r}; accepted: None (the device's shared one) or a WorkspaceManager")
+        workspace = self._workspace_arg
         self.workspace = workspace if workspace is not None else current_workspace_manager(self.device)
-        if sparse_topk is not None:
+        prefill_backend, decode_backend, sparse_backend = self._forced_backends
+        self.__dict__.pop("_decode_step_key_base", None)  # made from the backends chosen here
+        if self.sparse_topk is not None:
             self._init_sparse(dims, sparse_backend, dcp)
         else:
             self.prefill_backend = select_prefill_backend(dims, self.dtype, backend=prefill_backend)
             self.decode_backend = select_decode_backend(
-                dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, block_size,
+                dataclasses.replace(dims, num_heads=decode_heads), self.dtype, self.kv_cache_dtype, self.block_size,
                 backend=decode_backend,
             )
             self.prefill_impl = self.prefill_backend.get_prefill_impl_cls()(
                 n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device
             )
             self.decode_impl = self.decode_backend.get_decode_impl_cls()(
-                decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, block_size, self.device
+                decode_heads, self.scale, lkv, dims.qk_rope_head_dim, self.kv_cache_dtype, self.block_size, self.device
             )
-            self.decode_impl.reserve_workspace(self.workspace, max_num_seqs, max_model_len, dtype=self.dtype)
+            self.decode_impl.reserve_workspace(self.workspace, self.max_num_seqs, self.max_model_len, dtype=self.dtype)
+            # unless forced, each step's decode backend is chosen for its decode rows (a rule may depend on the
+            # planned batch: `registry.SELECTION_RULES`); the ranges of rows whose backend differs, with theirs
+            self._decode_ranges = self._decode_by_tokens(
+                dataclasses.replace(dims, num_heads=decode_heads), self.block_size, decode_backend
+            )
             self.context_prefill_backend, self.context_prefill_impl = self._context_prefill(
                 dims, prefill_backend, (n, self.scale, lkv, p, dims.qk_rope_head_dim, v, self.device)
             )
-            self.short_prefills_on_context_backend = self._short_prefills(dims)
+            self.short_prefills_on_context_backend = self._short_prefills()
             for impl in {id(i): i for i in (self.prefill_impl, self.context_prefill_impl)}.values():
                 impl.reserve_workspace(self.workspace)
             # the chunked-context prefill gathers at most workspace_tokens latent rows at a time; decode and
@@ -174,10 +258,109 @@ class MLAAttention:
             )
         # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
         ops.error_flag(self.device)
-        # torch.ops.mla_multi.mla_attention finds the layer by this id (forward under torch.compile)
-        from mla_multi import library
+        self._bound = (self.dtype, self.device)
+        self._make_views()
 
-        self.layer_id: int = library.register_layer(self)
+    # ------------------------------------------------------------------ weights
+    def _make_views(self) -> tuple:
+        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight."""
+        d = self.dims
+        n, p, v, lkv = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
+        weight = self._parameters["kv_b_proj_weight"]
+        # kv_b_proj maps the latent to [k_nope | v] per head: per head, P rows of W_UK then V rows of W_UV
+        per_head = weight.detach().view(n, p + v, lkv)
+        w_uk = per_head[:, :p, :]  # q_nope @ W_UK -> absorbed query
+        w_uv = per_head[:, p:, :]  # latent output @ W_UV^T -> per-head V
+        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2))
+        return self._views
+
+    def _absorbed(self) -> tuple:
+        """The views of `_make_views`, made again where the weight was replaced or moved behind the module's back
+        (``param.data = ...``, ``load_state_dict(assign=True)``): one identity and one address comparison."""
+        views = self._views
+        weight = self._parameters["kv_b_proj_weight"]
+        if views[0] is not weight or views[1] != weight.data_ptr():
+            self.process_weights_after_loading()
+            views = self._views
+        return views
+
+    def process_weights_after_loading(self) -> None:
+        """Check `kv_b_proj_weight` and make the absorbed views of it again, re-selecting the backends where its
+        dtype or device changed (vLLM's name for the step after a checkpoint is loaded). Optional: W_UK and W_UV
+        are views, so weights loaded in place are used at once, and a replaced weight is noticed by the next
+        forward; call it to get a wrong weight's error here rather than there."""
+        weight = self._parameters.get("kv_b_proj_weight")
+        self._check_weight(self.dims, weight)
+        if self._bound != (weight.dtype, weight.device):
+            self._bind()
+        else:
+            self._make_views()
+
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.cuda()`, `.half()` ...: the weight moved or changed dtype; follow it
+        result = super()._apply(fn, recurse)
+        self.process_weights_after_loading()
+        return result
+
+    @property
+    def W_UK(self) -> torch.Tensor:
+        """[N, P, Lkv]: a view of `kv_b_proj_weight` (q_nope @ W_UK is the absorbed query)."""
+        return self._absorbed()[2]
+
+    @property
+    def W_UV(self) -> torch.Tensor:
+        """[N, V, Lkv]: a view of `kv_b_proj_weight` (the latent output @ W_UV^T is each head's V)."""
+        return self._absorbed()[3]
+
+    def allocate_kv_cache(self, num_blocks: int, *, device=None) -> torch.Tensor:
+        """A zeroed paged cache for this layer: [num_blocks, block_size, Lkv + R] of `kv_cache_dtype` (uint8
+        [.., 656] for "fp8_ds_mla") on the layer's device (`mla_multi.allocate_kv_cache`)."""
+        from mla_multi.kv_cache import allocate_kv_cache
+
+        kv_cache_dtype = self._kv_cache_dtype_arg
+        fmt = "fp8_ds_mla" if kv_cache_dtype is torch.uint8 else self.kv_cache_dtype
+        return allocate_kv_cache(self.dims, num_blocks, self.block_size, kv_cache_dtype=fmt, dtype=self.dtype,
+                                 device=self.device if device is None else device)
+
+    def extra_repr(self) -> str:
+        d = self.dims
+        return (f"num_heads={d.num_heads}, kv_lora_rank={d.kv_lora_rank}, qk_nope_head_dim={d.qk_nope_head_dim}, "
+                f"qk_rope_head_dim={d.qk_rope_head_dim}, v_head_dim={d.v_head_dim}, scale={self.scale:.6g}, "
+                f"block_size={self.block_size}, kv_cache_dtype={dtype_name(self.kv_cache_dtype)}, "
+                f"backends={self.backends()}")
+
+    def _decode_by_tokens(self, dims: MLADims, block_size: int, forced: str | None) -> tuple:
+        """((low, high, backend, impl), ...): the ranges of a step's decode rows (up to max_num_seqs) whose
+        backend, chosen by the registry for that batch, is not `decode_backend`, each with its implementation
+        (made and its workspace reserved here, before any capture)."""
+        from mla_multi.registry import decode_config, default_registry
+
+        config = decode_config(dims, self.dtype, self.kv_cache_dtype, block_size, platform=self.platform)
+        ranges = default_registry.by_num_tokens("decode", config, self.platform, forced, max_tokens=self.max_num_seqs)
+        impls = {self.decode_backend: self.decode_impl}
+        others = []
+        for low, high, backend in ranges:
+            if backend is self.decode_backend:
+                continue
+            impl = impls.get(backend)
+            if impl is None:
+                impl = impls[backend] = backend.get_decode_impl_cls()(
+                    dims.num_heads, self.scale, dims.kv_lora_rank, dims.qk_rope_head_dim, self.kv_cache_dtype,
+                    block_size, self.device,
+                )
+                impl.reserve_workspace(self.workspace, self.max_num_seqs, self.max_model_len, dtype=self.dtype)
+            others.append((low, high, backend, impl))
+        return tuple(others)
+
+    def _step_decode(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
+        """(backend, impl) of this step's decodes: the range of `_decode_ranges` its decode rows fall in, else
+        the layer's `decode_backend`."""
+        if self._decode_ranges:
+            rows = self._decode_inputs(metadata, num_decodes)[0].shape[0]
+            for low, high, backend, impl in self._decode_ranges:
+                if low <= rows and (high is None or rows <= high):
+                    return backend, impl
+        return self.decode_backend, self.decode_impl
 
     def _init_sparse(self, dims: MLADims, sparse_backend: str | None, dcp) -> None:
         """The sparse phase's backend (sparse mode needs no dense backend and no workspace reservation)."""
@@ -200,44 +383,42 @@ class MLAAttention:
             num_tokens=1,
         )
         self.prefill_backend = self.decode_backend = None
+        self._decode_ranges = ()
 
     def _context_prefill(self, dims: MLADims, forced: str | None, impl_args: tuple):
         """(backend, impl) for steps whose prefills have cached context. The chosen prefill backend, unless
         it was not forced, reads K with its rotary part repeated per head, and TRITON runs here taking that
-        part apart and merging the chunks inside its kernel: a chunk's K is then a third smaller and needs
+        part apart and merging the chunks inside its kernel (the first backend of the platform's order whose
+        impl declares `takes_split_key` and `merges_chunks`): a chunk's K is then a third smaller and needs
         no merge launch. Measured on an H100, N = 128 (bench/RESULTS.md, "Layer steps after the host-path
         work"): 16 prefills x 512 after 3584 cached, TRITON 0.88x FLASHINFER's time through the layer,
         while without context FLASHINFER's kernel is the faster (0.77x TRITON's time at 1 x 8192)."""
         from mla_multi import envs
-        from mla_multi.registry import NoBackendError
+        from mla_multi.registry import default_registry, prefill_config
 
         chosen = (self.prefill_backend, self.prefill_impl)
-        if forced is not None or envs.MLA_MULTI_PREFILL_BACKEND or self.prefill_backend.name == "TRITON":
+        if forced is not None or envs.MLA_MULTI_PREFILL_BACKEND or self.prefill_impl.takes_split_key:
             return chosen
-        if getattr(self.prefill_impl, "takes_split_key", False):
-            return chosen
-        try:
-            backend = select_prefill_backend(dims, self.dtype, backend="TRITON")
-        except NoBackendError:
-            return chosen
-        impl = backend.get_prefill_impl_cls()(*impl_args)
-        if not (getattr(impl, "takes_split_key", False) and getattr(impl, "merges_chunks", False)):
-            return chosen
-        return backend, impl
+        # the first backend of the platform's prefill order that runs here and offers both
+        for row in default_registry.explain("prefill", prefill_config(dims, self.dtype), self.platform):
+            if not row["available"] or row["name"] == self.prefill_backend.name:
+                continue
+            backend = default_registry.load("prefill", row["name"])
+            impl = backend.get_prefill_impl_cls()(*impl_args)
+            if impl.takes_split_key and impl.merges_chunks:
+                return backend, impl
+        return chosen
 
-    def _short_prefills(self, dims: MLADims) -> bool:
+    def _short_prefills(self) -> bool:
         """Whether steps without context whose prefills are all short (`SHORT_PREFILL_TOKENS`) also go to the
-        context backend: where that is TRITON on sm_90's prefill kernel. Through the layer on an H200, N =
-        128 (bench/RESULTS.md, "Prefill on sm_90: the overlap inside each warpgroup, ..."): 16 prefills x 512,
-        FLASHINFER 1.21x TRITON's time (its path repeats the rotary key per head); 1 x 8192, FLASHINFER's
-        faster kernel wins (0.95x TRITON's time)."""
-        if self.context_prefill_impl is self.prefill_impl or self.context_prefill_backend.name != "TRITON":
+        context backend: where its impl says its kernel is the faster there (`serves_short_prefills`: TRITON
+        on sm_90's prefill kernel). Through the layer on an H200, N = 128 (bench/RESULTS.md, "Prefill on
+        sm_90: the overlap inside each warpgroup, ..."): 16 prefills x 512, FLASHINFER 1.21x TRITON's time
+        (its path repeats the rotary key per head); 1 x 8192, FLASHINFER's faster kernel wins (0.95x
+        TRITON's time)."""
+        if self.context_prefill_impl is self.prefill_impl:
             return False
-        if self.device.type != "cuda":
-            return False
-        from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
-
-        return not wgmma_prefill_reason(self.platform, self.dtype, dims.qk_head_dim, dims.v_head_dim)
+        return self.context_prefill_impl.serves_short_prefills(self.dtype)
 
     def _step_prefill(self, metadata: CommonAttentionMetadata):
         """(backend, impl) of this step's prefills: `context_prefill_*` where any prefill has cached
@@ -259,8 +440,8 @@ class MLAAttention:
 
     @property
     def W_UK_T(self) -> torch.Tensor:
-        """[N, P, Lkv], vLLM's name for the absorption weight."""
-        return self.W_UK
+        """[N, P, Lkv], vLLM's name for the absorption weight (`W_UK`, a view of `kv_b_proj_weight`)."""
+        return self._absorbed()[2]
 
     def lock_workspace(self) -> None:
         """Forbid growth of the workspace (shared by every layer of the device: locking it once locks it for
@@ -277,6 +458,8 @@ class MLAAttention:
                 names["sparse_decode_few_tokens"] = self.sparse_few_tokens_backend.name
             return names
         names = {"prefill": self.prefill_backend.name, "decode": self.decode_backend.name}
+        for low, high, backend, _ in self._decode_ranges:  # steps of these many decode rows
+            names[f"decode_{low}_to_{high}_rows"] = backend.name
         if self.context_prefill_backend is not self.prefill_backend:
             names["prefill_context"] = self.context_prefill_backend.name  # steps whose prefills have context
             if self.short_prefills_on_context_backend:  # and steps whose prefills are all short
@@ -308,9 +491,10 @@ class MLAAttention:
         if num_decodes > 0:
             self._decode_inputs(metadata, num_decodes)
             plan = self._decode_plan(metadata, num_decodes, cuda_graph=cuda_graph)
-            step = metadata.backend_plans.get(self._decode_step_key(num_decodes))
+            step_key = self._decode_step_key(metadata, num_decodes)
+            step = metadata.backend_plans.get(step_key)
             if step is not None and step[2].get("plan") is not plan:  # replanned: made again from the new plan
-                del metadata.backend_plans[self._decode_step_key(num_decodes)]
+                del metadata.backend_plans[step_key]
             self._decode_step(metadata, num_decodes)  # the split count too: every forward only launches
         if num_prefills > 0:
             self._prefill_metadata(metadata)
@@ -347,9 +531,10 @@ class MLAAttention:
         return found
 
     def _decode_plan(self, metadata: CommonAttentionMetadata, num_decodes: int, cuda_graph: bool = False):
-        if not self.decode_backend.requires_plan:
+        backend, impl = self._step_decode(metadata, num_decodes)
+        if not backend.requires_plan:
             return None
-        key = ("decode",) + self.decode_impl.plan_key() + (self.dtype,)
+        key = ("decode",) + impl.plan_key() + (self.dtype,)
         if self.dcp is not None:  # planned for the local lengths
             key += ("dcp", self.dcp.world_size, self.dcp.interleave)
         plan = metadata.backend_plans.get(key)
@@ -363,7 +548,7 @@ class MLAAttention:
             if self.dcp is not None:
                 # Under DCP the backend decodes this rank's share of each sequence.
                 seq_lens_cpu = self.dcp.local_seq_lens(seq_lens_cpu)
-            plan = self.decode_impl.plan(
+            plan = impl.plan(
                 seq_lens_cpu, block_table, 1,
                 k_scale=self.k_scale_value, cuda_graph=cuda_graph,
             )
@@ -379,7 +564,7 @@ class MLAAttention:
         row), the bound of a step's peak that TRITON's path keeps (bench/RESULTS.md). Never less than half of
         `workspace_tokens`' K and V (many small chunks cost time, and precision in their merges), nor one
         block per prefill with context."""
-        if getattr(impl, "takes_split_key", False):
+        if impl.takes_split_key:
             return self.workspace_tokens
         found = metadata.backend_plans.get("prefill_chunk_counts")
         if found is None:
@@ -391,7 +576,7 @@ class MLAAttention:
         with_context, new_tokens = found
         d = self.dims
         split_kv, whole_kv = d.qk_nope_head_dim + d.v_head_dim, d.qk_head_dim + d.v_head_dim
-        results = (1 if getattr(impl, "takes_out", False) else 2) * d.v_head_dim + 8
+        results = (1 if impl.takes_out else 2) * d.v_head_dim + 8
         room = self.workspace_tokens * split_kv - new_tokens * results
         rows = max(room // whole_kv, self.workspace_tokens * split_kv // whole_kv // 2)
         rows = max(rows // self.block_size * self.block_size, with_context * self.block_size)
@@ -453,7 +638,15 @@ class MLAAttention:
         attends to (-1 = none), as an indexer produces them.
 
         q [T, N, P + R]; kv_c_normed [T, Lkv]; k_pe [T, R] (rotary applied);
-        kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype.
+        kv_cache [num_blocks, block_size, Lkv + R] of the layer's kv_cache_dtype
+        (the conventions: the class docstring). The tokens come request by
+        request in the metadata's order: decodes first, or the caller's own
+        order where the metadata was built with ``reorder=True``. Calling the
+        module (``layer(q, kv_c_normed, k_pe, kv_cache, metadata)``) runs this.
+
+        Under grad mode it runs under `torch.no_grad()` (inference only: a
+        backward through its output raises RuntimeError naming
+        `torch.inference_mode()`); the cache never joins the autograd graph.
 
         Under `torch.compile` the whole forward is one opaque op,
         ``torch.ops.mla_multi.mla_attention`` (``mla_sparse_attention`` in sparse
@@ -473,6 +666,40 @@ class MLAAttention:
             else:
                 torch.ops.mla_multi.mla_attention(q, kv_c_normed, k_pe, kv_cache, output, self.layer_id)
             return output
+        if torch.is_grad_enabled():
+            # inference only (the class docstring): under grad mode (transformers' default outside generate) the
+            # cache is written and the output computed without autograd, and a backward says why it cannot be
+            with torch.no_grad():
+                out = self._forward_eager(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
+            weight = self._parameters["kv_b_proj_weight"]
+            if q.requires_grad or kv_c_normed.requires_grad or k_pe.requires_grad or weight.requires_grad:
+                out = _InferenceOnly.apply(out, q, kv_c_normed, k_pe, weight)
+            return out
+        return self._forward_eager(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
+
+    def _forward_eager(self, q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices) -> torch.Tensor:
+        order = metadata.batch_order if isinstance(metadata, CommonAttentionMetadata) else None
+        if order is not None and not order.identity:
+            return self._forward_in_caller_order(order, q, kv_c_normed, k_pe, kv_cache, metadata, output,
+                                                 topk_indices)
+        return self._forward_step(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
+
+    def _forward_in_caller_order(self, order, q, kv_c_normed, k_pe, kv_cache, metadata, output,
+                                 topk_indices) -> torch.Tensor:
+        """A step whose metadata was built with ``from_lengths(..., reorder=True)``: its requests run decodes
+        first, the caller's tensors are in the caller's order. The step's tokens are gathered into the step's
+        order (q, kv_c_normed, k_pe, topk_indices: one gather each) and its output written back into the
+        caller's rows (one scatter); a caller that orders its batch itself (decodes first) pays none of it."""
+        result = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)  # in the caller's order
+        step_out = self._forward_step(
+            order.to_step(q), order.to_step(kv_c_normed), order.to_step(k_pe), kv_cache, metadata, None,
+            None if topk_indices is None else order.to_step(topk_indices),
+        )
+        result.index_copy_(0, order.token_index, step_out)
+        return result
+
+    def _forward_step(self, q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices) -> torch.Tensor:
+        """The forward of a step in the metadata's order (decodes first)."""
         if self.sparse_topk is not None:
             return self._forward_sparse(q, kv_c_normed, k_pe, kv_cache, metadata, output, topk_indices)
         if topk_indices is not None:
@@ -541,7 +768,7 @@ class MLAAttention:
         slots = self._positions_to_slots(topk_indices, metadata)
         q_nope, q_pe = q[..., :p], q[..., p:]
         # every token, prefill or decode, attends in the latent space: absorb W_UK into the query
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self._absorbed()[2]).transpose(0, 1)
         # one [T, N, 576] buffer, read in place by kernels that take the joined query
         q_latent = torch.cat([ql_nope, q_pe], dim=-1)
         latent = ops.mla_sparse_decode(
@@ -552,30 +779,31 @@ class MLAAttention:
         return output
 
     def _decode_step(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
-        """(block_table, seq_lens, keywords) of the step's decodes, shared by every layer of this decode
-        configuration: the keywords hold its plan (backends that plan) or split count (TRITON). Looked up
-        once per step, so that every later layer only launches; `plan` drops it when it replans."""
-        key = self._decode_step_key(num_decodes)
+        """(block_table, seq_lens, keywords, impl) of the step's decodes, shared by every layer of this decode
+        configuration: the keywords hold its plan (backends that plan) or split count (TRITON), impl is the
+        step's implementation (`_step_decode`). Looked up once per step, so that every later layer only
+        launches; `plan` drops it when it replans."""
+        key = self._decode_step_key(metadata, num_decodes)
         found = metadata.backend_plans.get(key)
         if found is not None:
             return found
         block_table, seq_lens = self._decode_inputs(metadata, num_decodes)
+        _, impl = self._step_decode(metadata, num_decodes)
         plan = self._decode_plan(metadata, num_decodes)
         keywords = {} if plan is None else {"plan": plan}
-        if hasattr(self.decode_impl, "choose_num_kv_splits"):
+        if impl.chooses_num_kv_splits:
             # the split count of the step, chosen by its first layer (under DCP for this rank's share: the
             # bound every rank's kernels see, so that the collectives meet equal shapes)
             bound = metadata.max_seq_len if self.dcp is None else self.dcp.local_num_tokens(metadata.max_seq_len, rank=0)
-            splits_key = ("decode_splits", self.decode_impl.num_heads, self.kv_cache_dtype,
-                          self.decode_impl.max_partial_rows, bound)
+            splits_key = ("decode_splits", impl.num_heads, self.kv_cache_dtype, impl.max_partial_rows, bound)
             splits = metadata.backend_plans.get(splits_key)
             if splits is None:
-                splits = metadata.backend_plans[splits_key] = self.decode_impl.choose_num_kv_splits(
+                splits = metadata.backend_plans[splits_key] = impl.choose_num_kv_splits(
                     block_table.shape[0], 1, bound, self.kv_cache_dtype
                 )
             keywords["num_kv_splits"] = splits
             keywords["step_plans"] = metadata.backend_plans
-        found = metadata.backend_plans[key] = (block_table, seq_lens, keywords)
+        found = metadata.backend_plans[key] = (block_table, seq_lens, keywords, impl)
         return found
 
     @functools.cached_property
@@ -584,38 +812,39 @@ class MLAAttention:
         dtypes, heads, reservation and DCP group shape."""
         plan_key = self.decode_impl.plan_key() if self.decode_backend.requires_plan else None
         return ("decode step", self.decode_backend.name, plan_key, self.dtype, self.kv_cache_dtype,
-                getattr(self.decode_impl, "num_heads", None), getattr(self.decode_impl, "max_partial_rows", None),
+                self.decode_impl.num_heads, self.decode_impl.max_partial_rows,
                 None if self.dcp is None else (self.dcp.world_size, self.dcp.interleave))
 
-    def _decode_step_key(self, num_decodes: int) -> tuple:
-        return self._decode_step_key_base + (num_decodes,)
+    def _decode_step_key(self, metadata: CommonAttentionMetadata, num_decodes: int) -> tuple:
+        return self._decode_step_key_base + (num_decodes, self._step_decode(metadata, num_decodes)[0].name)
 
     def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
         written by the product itself where the output's rows are contiguous (no copy, no temporary)."""
         n, v = self.dims.num_heads, self.dims.v_head_dim
+        w_uv_t = self._absorbed()[4]
         rows = output.narrow(0, 0, tokens)
         if rows.stride(1) == 1:
-            torch.bmm(latent.transpose(0, 1), self._W_UV_T, out=rows.view(tokens, n, v).transpose(0, 1))
+            torch.bmm(latent.transpose(0, 1), w_uv_t, out=rows.view(tokens, n, v).transpose(0, 1))
         else:
-            rows.copy_(torch.bmm(latent.transpose(0, 1), self._W_UV_T).transpose(0, 1).reshape(tokens, n * v))
+            rows.copy_(torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(tokens, n * v))
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims
         p = d.qk_nope_head_dim
-        block_table, seq_lens, keywords = self._decode_step(metadata, num_decodes)
+        block_table, seq_lens, keywords, impl = self._decode_step(metadata, num_decodes)
         if self.dcp is None:
             # the data checks of mm.ops.mla_decode (under DCP the table holds this rank's blocks only)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], self.block_size)
-            forward_mqa = self.decode_impl.forward_mqa
+            forward_mqa = impl.forward_mqa
         else:
-            forward_mqa = functools.partial(self.dcp.forward_mqa, self.decode_impl)
+            forward_mqa = functools.partial(self.dcp.forward_mqa, impl)
         # the TRITON kernels take the query's strides as they are (under DCP the query is gathered anew)
         contiguous_pe = self.dcp is not None or "num_kv_splits" not in keywords
         q_decode = q if num_decode_tokens == q.shape[0] else q.narrow(0, 0, num_decode_tokens)
         q_nope, q_pe = q_decode.narrow(2, 0, p), q_decode.narrow(2, p, d.qk_rope_head_dim)
         # Absorb W_UK into the query: [N, B, P] x [N, P, Lkv] -> [N, B, Lkv], read by the kernels as [B, N, Lkv].
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self._absorbed()[2]).transpose(0, 1)
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous() if contiguous_pe else q_pe, kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **keywords,
@@ -627,23 +856,38 @@ class MLAAttention:
         or, where the prefill backend takes the shared rotary key apart (`takes_split_key`), k [T, N, P] and
         the rotary rows k_pe [T, R] as given (never repeated per head: a fifth less for MLA).
 
-        V comes straight from its own product and K's nope part from one
-        batched product written into K, so a chunk costs K and V alone, never
-        the [T, N, P + V] product besides them.
+        V and K's nope part each come from one batched product written into
+        them, so a chunk costs K and V alone, never the [T, N, P + V] product
+        besides them. The products read W_UK and W_UV as the views of
+        `kv_b_proj_weight` they are (per head, rows strided by P + V rows):
+        the latent rows broadcast over the heads (batch stride 0), each head's
+        product written by cuBLAS straight into its columns, no temporary.
         """
         d = self.dims
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
+        _, _, w_uk, w_uv, _ = self._absorbed()
         tokens = kv_c.shape[0]
-        value = torch.matmul(kv_c, self._W_UV_rows.t()).view(tokens, n, v)
-        if getattr(self.prefill_impl if impl is None else impl, "takes_split_key", False):
-            return torch.matmul(kv_c, self._W_UK_rows.t()).view(tokens, n, p), value, k_pe
+        latent = kv_c.expand(n, tokens, kv_c.shape[1])
+        value = torch.empty(tokens, n, v, dtype=kv_c.dtype, device=kv_c.device)
+        torch.bmm(latent, w_uv.transpose(1, 2), out=value.transpose(0, 1))
+        if (self.prefill_impl if impl is None else impl).takes_split_key:
+            key = torch.empty(tokens, n, p, dtype=kv_c.dtype, device=kv_c.device)
+            torch.bmm(latent, w_uk.transpose(1, 2), out=key.transpose(0, 1))
+            return key, value, k_pe
         key = torch.empty(tokens, n, p + r, dtype=value.dtype, device=value.device)
-        # per head, the product written by cuBLAS straight into K's nope columns (its rows strided by the
-        # whole key): the latent rows broadcast over the heads (batch stride 0), no temporary, no copy
-        torch.bmm(kv_c.expand(n, tokens, kv_c.shape[1]), self.W_UK.transpose(1, 2),
-                  out=key.transpose(0, 1).narrow(2, 0, p))
+        # per head, the product written straight into K's nope columns (its rows strided by the whole key)
+        torch.bmm(latent, w_uk.transpose(1, 2), out=key.transpose(0, 1).narrow(2, 0, p))
         key[:, :, p:] = k_pe.unsqueeze(1)
         return key, value, None
+
+    @staticmethod
+    def _prefill_query(q_prefill: torch.Tensor) -> torch.Tensor:
+        """The prefill rows of q as every prefill call of the step reads them: q itself where each token's heads
+        lie side by side in its row (`mla_multi.kernels.rows_of_heads`), else a contiguous copy made once for
+        the new tokens' call and every context chunk's. A query whose heads lie T rows apart (transformers'
+        [T, N, P + R] view of [1, N, T, P + R]) cannot be read by the TMA descriptors of the sm_90 prefill
+        kernel, which `prefill.varlen_attention` would then skip for the slower Triton kernel."""
+        return q_prefill if rows_of_heads(q_prefill) else q_prefill.contiguous()
 
     def _forward_prefill(self, q, kv_c_normed, k_pe, kv_cache, metadata, num_decode_tokens, output) -> None:
         from mla_multi.kernels.merge import merge_attn_states as merge_kernel
@@ -651,14 +895,14 @@ class MLAAttention:
         d = self.dims
         prefill_metadata = self._prefill_metadata(metadata)
         _, impl = self._step_prefill(metadata)
-        q_prefill = q[num_decode_tokens:]
+        q_prefill = self._prefill_query(q[num_decode_tokens:])
         key, value, key_pe = self._up_project(kv_c_normed[num_decode_tokens:], k_pe[num_decode_tokens:], impl)
         split = {} if key_pe is None else {"k_pe": key_pe}
         chunked = prefill_metadata.chunked_context
         # where the backend writes into a given buffer (and, with context, the merge kernel runs), the new
         # tokens' result goes straight into the step's output and the merges happen in place: no [T, N, V]
         # temporaries beside a chunk's K and V, no copy into the output
-        in_place = (getattr(impl, "takes_out", False) and output.is_contiguous()
+        in_place = (impl.takes_out and output.is_contiguous()
                     and ops._use_triton(q_prefill))
         if in_place:
             split["out"] = output[num_decode_tokens:].view(q_prefill.shape[0], d.num_heads, d.v_head_dim)
@@ -672,7 +916,7 @@ class MLAAttention:
             )
             del key, value, split  # the chunks' K and V take their place: one chunk's at a time
             # where the kernel merges, each chunk's result goes into the output as it is computed
-            merges = in_place and getattr(impl, "merges_chunks", False)
+            merges = in_place and impl.merges_chunks
             merge_into = (suffix_out, suffix_lse) if merges else None
             # elsewhere on a GPU each chunk's result is merged into the new tokens' as it comes, in place, the
             # last merge writing the step's output: one chunk's result at a time beside them, no copy

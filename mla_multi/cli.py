@@ -76,7 +76,7 @@ def _triton_prefill_kernel(platform) -> dict:
     import mla_multi as mm
     from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
 
-    dtype = mm.default_dtype(platform)
+    dtype = mm.DEFAULT_DTYPE
     reason = wgmma_prefill_reason(platform, dtype, 192, 128)
     if reason:
         from mla_multi.kernels.launch_config import prefill_config
@@ -135,7 +135,7 @@ def collect_info(as_spec: str | None = None) -> dict:
 
     info["import_selection_errors"] = mm.import_selection_errors()
     dims = MLADims.deepseek_v3()
-    dtype = mm.default_dtype(target)
+    dtype = mm.DEFAULT_DTYPE
     with platforms.override(target), _quiet_registry(as_spec is not None):
         configs = {
             "prefill": registry.prefill_config(dims, dtype),
@@ -153,13 +153,16 @@ def collect_info(as_spec: str | None = None) -> dict:
                 selected = registry.default_registry.select(phase, config, target).name
             except Exception as error:  # the reasons are the report
                 selected = f"none: {error}"
-            rule = registry.default_registry.rule_for(phase, target, config)
+            order, rules = registry.default_registry.ordering(phase, target, config)
             phases[phase] = {"config": config.describe(),
-                             "priority": list(registry.default_registry.priority(phase, target, config)),
-                             "rule": rule.describe() if rule else None,
+                             "priority": list(order),
+                             "rule": "; ".join(rule.describe() for rule in rules) or None,
+                             "rules": [{"name": r.name, "delta": r.delta(), "measured": r.measured} for r in rules],
                              "forced": forced, "selected": selected, "backends": rows}
             if phase == "sparse_decode":  # each call is planned with its token count: a rule may choose by it
                 phases[phase]["one_token"] = _guarded(lambda c=config: _one_token_choice(c, target))
+            if phase == "decode":  # so is each dense decode call: a rule may choose by its batch
+                phases[phase]["by_num_tokens"] = _guarded(lambda c=config: _by_num_tokens(c, target), default=[])
             for row in rows if isinstance(rows, list) else []:
                 backend = _guarded(lambda p=phase, n=row["name"]: registry.default_registry.load(p, n), default=None)
                 if hasattr(backend, "info"):
@@ -200,6 +203,31 @@ def _one_token_choice(config, target) -> dict | None:
     return {"selected": registry.default_registry.select("sparse_decode", one, target).name, "rule": rule.describe()}
 
 
+def _by_num_tokens(config, target) -> list[dict]:
+    """Where a rule orders a call planned with its token count (batch x query length) otherwise than the
+    layer's order without a count: for each range of counts, the order, the backend it gets and the rules."""
+    import dataclasses
+
+    from mla_multi import registry
+
+    chosen = registry.default_registry
+    bounds = [1] + [b for b in chosen.num_tokens_bounds("decode") if b > 1]
+    result = []
+    for i, low in enumerate(bounds):
+        high = bounds[i + 1] - 1 if i + 1 < len(bounds) else None
+        planned = dataclasses.replace(config, num_tokens=low)
+        order, rules = chosen.ordering("decode", target, planned)
+        try:
+            selected = chosen.select("decode", planned, target).name
+        except Exception as error:  # the reasons are the report
+            selected = f"none: {error}"
+        result.append({"num_tokens": f"{low}-{high}" if high is not None else f"{low}+", "selected": selected,
+                       "priority": list(order), "rule": "; ".join(rule.describe() for rule in rules) or None})
+    if all(entry["priority"] == list(chosen.priority("decode", target, config)) for entry in result):
+        return []
+    return result
+
+
 def _workspace_plans(dtype) -> list[str]:
     """What the shared workspace holds for DeepSeek-V3 at 16 and 128 heads (256 sequences of 32768 tokens)."""
     from mla_multi.dims import MLADims
@@ -234,10 +262,15 @@ def _print_info(info: dict) -> None:
         print(f"\n{phase}: selected {data['selected']}")
         print(f"  config: {data['config']}")
         print(f"  priority: {' > '.join(data['priority']) or '(none)'}"
-              + (f"  (rule {data['rule']})" if data.get("rule") else "  (the platform's list)"))
+              + (f"  ({'rules' if len(data.get('rules', ())) > 1 else 'rule'} {data['rule']})" if data.get("rule")
+                 else "  (the platform's list)"))
         one_token = data.get("one_token")
         if isinstance(one_token, dict):
             print(f"  a call of one token: {one_token['selected']}  (rule {one_token['rule']})")
+        by_tokens = data.get("by_num_tokens")
+        for entry in by_tokens if isinstance(by_tokens, list) else []:
+            print(f"  a call of {entry['num_tokens']} tokens: {entry['selected']}, {' > '.join(entry['priority'])}"
+                  + (f"  (rules {entry['rule']})" if entry["rule"] else "  (the platform's list)"))
         for row in data["backends"] if isinstance(data["backends"], list) else []:
             state = "SELECTED" if row["selected"] else ("available" if row["available"] else "unavailable")
             declares = row.get("declares") if isinstance(row.get("declares"), dict) else {}

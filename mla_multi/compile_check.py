@@ -56,7 +56,6 @@ KERNEL_MODULES: list[str] = [
     "mla_multi.kernels.prefill",
     "mla_multi.kernels.merge",
     "mla_multi.kernels.dcp_combine",
-    "mla_multi.kernels.sparse_decode",
     "mla_multi.kernels.sparse_indices",
 ]
 

@@ -133,17 +133,14 @@ for _schema in SCHEMAS.values():
 # --------------------------------------------------------------------------- helpers
 
 
-_OPS = None
+# The eager bodies of the public ops (`mla_multi.ops.<op>`), handed over by `mla_multi.ops` as it is
+# imported (`bind_eager`): ops calls into this module while compiling, so this module never imports ops.
+_EAGER: dict = {}
 
 
-def _ops():
-    """`mla_multi.ops`, imported at first use (it imports this module)."""
-    global _OPS
-    if _OPS is None:
-        from mla_multi import ops
-
-        _OPS = ops
-    return _OPS
+def bind_eager(**functions) -> None:
+    """Give the registered kernels the public ops' eager bodies, by op name."""
+    _EAGER.update(functions)
 
 
 def _eager(fn, *args, **kwargs):
@@ -184,7 +181,7 @@ def _no_lse(like: torch.Tensor) -> torch.Tensor:
 def _mla_decode_kernel(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_scale=None, num_kv_splits=None,
                        backend=None, return_lse=False):
     result = _eager(
-        _ops().mla_decode, q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+        _EAGER["mla_decode"], q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
         k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
     )
     if return_lse:
@@ -217,7 +214,7 @@ def mla_decode_traced(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k
 def _mla_prefill_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
                         return_lse=False, backend=None):
     result = _eager(
-        _ops().mla_prefill, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        _EAGER["mla_prefill"], q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
         causal=causal, return_lse=return_lse, backend=backend,
     )
     if return_lse:
@@ -248,7 +245,7 @@ def mla_prefill_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _merge_attn_states_kernel(prefix_output, prefix_lse, suffix_output, suffix_lse):
-    out, lse = _eager(_ops().merge_attn_states, prefix_output, prefix_lse, suffix_output, suffix_lse)
+    out, lse = _eager(_EAGER["merge_attn_states"], prefix_output, prefix_lse, suffix_output, suffix_lse)
     return out.contiguous(), lse.contiguous()
 
 
@@ -267,7 +264,7 @@ def merge_attn_states_traced(prefix_output, prefix_lse, suffix_output, suffix_ls
 
 
 def _concat_and_cache_mla_kernel(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None):
-    _eager(_ops().concat_and_cache_mla, kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
+    _eager(_EAGER["concat_and_cache_mla"], kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
 
 
 def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None):
@@ -293,7 +290,7 @@ def _gather_out_dtype(kv_cache, out_dtype):
 def _gather_cache_kernel(kv_cache, block_table, seq_starts, seq_lens, *, scale=None, out_dtype=None,
                          cu_seq_lens=None, num_tokens=None):
     out = _eager(
-        _ops().gather_cache, kv_cache, block_table, seq_starts, seq_lens,
+        _EAGER["gather_cache"], kv_cache, block_table, seq_starts, seq_lens,
         scale=scale, out_dtype=out_dtype, cu_seq_lens=cu_seq_lens, num_tokens=num_tokens,
     )
     if num_tokens is not None and out.shape[0] != num_tokens:
@@ -367,8 +364,8 @@ _KERNELS = {
     "merge_attn_states": (_merge_attn_states_kernel, _merge_attn_states_fake),
     "concat_and_cache_mla": (_concat_and_cache_mla_kernel, _concat_and_cache_mla_fake),
     "gather_cache": (_gather_cache_kernel, _gather_cache_fake),
-    "mla_sparse_decode": (_sparse_kernel(lambda *a, **k: _ops().mla_sparse_decode(*a, **k)), _sparse_fake),
-    "mla_sparse_prefill": (_sparse_kernel(lambda *a, **k: _ops().mla_sparse_prefill(*a, **k)), _sparse_fake),
+    "mla_sparse_decode": (_sparse_kernel(lambda *a, **k: _EAGER["mla_sparse_decode"](*a, **k)), _sparse_fake),
+    "mla_sparse_prefill": (_sparse_kernel(lambda *a, **k: _EAGER["mla_sparse_prefill"](*a, **k)), _sparse_fake),
 }
 
 for _name, (_kernel, _fake) in _KERNELS.items():

@@ -87,6 +87,46 @@ def reorder_batch_to_split_decodes_and_prefills(query_lens: Sequence[int], decod
     return decodes + prefills
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class BatchOrder:
+    """How a step built with ``CommonAttentionMetadata.from_lengths(..., reorder=True)`` maps the caller's order
+    of requests (any order) onto the metadata's (decodes first, otherwise in the caller's order).
+
+    requests[i] is the caller's index of the metadata's request i; token_index [T] int64 (on the block table's
+    device) the caller's index of the step's token t, inverse_token_index [T] the step's index of the caller's
+    token c. `to_step(x)` gathers a caller-ordered [T, ...] tensor into the step's order, `to_caller(y)` a
+    step-ordered one back. `MLAAttention.forward` does both itself (one gather per input, one scatter of the
+    output, per layer); a caller may instead order the model's inputs once per step with `to_step` and pass
+    metadata built without `reorder`. identity: the caller's order is already decodes first (nothing moves).
+    """
+
+    requests: tuple[int, ...]
+    token_index: torch.Tensor
+    inverse_token_index: torch.Tensor
+    identity: bool
+
+    @classmethod
+    def of(cls, permutation: Sequence[int], query_lens: Sequence[int], device) -> BatchOrder:
+        """The order whose step request i is the caller's request permutation[i] (query_lens in the caller's
+        order)."""
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        tokens = [t for r in permutation for t in range(starts[r], starts[r + 1])]
+        host = torch.tensor(tokens, dtype=torch.int64)
+        inverse = torch.empty_like(host)
+        inverse[host] = torch.arange(len(tokens), dtype=torch.int64)
+        identity = list(permutation) == list(range(len(permutation)))
+        packed = to_device(torch.cat([host, inverse]), device)
+        return cls(tuple(permutation), packed[: len(tokens)], packed[len(tokens):], identity)
+
+    def to_step(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] in the caller's token order -> the step's (decodes first); x itself where nothing moves."""
+        return x if self.identity else x.index_select(0, self.token_index)
+
+    def to_caller(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, ...] in the step's token order -> the caller's; y itself where nothing moves."""
+        return y if self.identity else y.index_select(0, self.inverse_token_index)
+
+
 @dataclasses.dataclass
 class CommonAttentionMetadata:
     """Per-batch metadata shared by every layer.
@@ -112,6 +152,8 @@ class CommonAttentionMetadata:
     # Plans of backends with a planning stage, made once per batch by the first
     # layer that needs them and reused by the others (see `MLAAttention.plan`).
     backend_plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # `from_lengths(..., reorder=True)`: the caller's order of requests and tokens (None: decodes first already)
+    batch_order: BatchOrder | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_lengths(
@@ -121,6 +163,8 @@ class CommonAttentionMetadata:
         block_table: torch.Tensor,
         block_size: int,
         decode_threshold: int = 1,
+        *,
+        reorder: bool = False,
     ) -> CommonAttentionMetadata:
         """Build the metadata of a batch whose decodes come first.
 
@@ -128,8 +172,17 @@ class CommonAttentionMetadata:
         seq_lens[i] - query_lens[i] .. seq_lens[i] - 1; their slots come from
         block_table [B, max_blocks] int32. Requests with query_len 0 are allowed
         (padding rows). Use `reorder_batch_to_split_decodes_and_prefills` to
-        order a batch.
+        order a batch, or:
+
+        reorder=True: the requests (and block_table's rows, and the step's
+        tokens, request by request) may come in any order. The metadata holds
+        them decodes first (a stable reorder) and `batch_order` (a `BatchOrder`)
+        maps the caller's tokens onto its own: `MLAAttention.forward` then takes
+        q, kv_c_normed and k_pe in the caller's order and returns the output in
+        it (`batch_order.to_step` / `to_caller` for the caller's own tensors).
         """
+        if reorder:
+            return cls._from_lengths_in_any_order(query_lens, seq_lens, block_table, block_size, decode_threshold)
         query_lens = _as_int_list(query_lens, "query_lens")
         seq_lens_list = _as_int_list(seq_lens, "seq_lens")
         if len(query_lens) != len(seq_lens_list):
@@ -207,6 +260,42 @@ class CommonAttentionMetadata:
             decode_threshold=decode_threshold,
         )
         metadata.backend_plans[_HOST_LENGTHS] = (query_lens, computed_list)
+        return metadata
+
+    @classmethod
+    def _from_lengths_in_any_order(cls, query_lens, seq_lens, block_table, block_size: int,
+                                   decode_threshold: int) -> CommonAttentionMetadata:
+        """`from_lengths(..., reorder=True)`: the caller's requests checked in the caller's order (errors name
+        the caller's request), then built decodes first with their `batch_order`."""
+        query_lens = _as_int_list(query_lens, "query_lens")
+        seq_lens_list = _as_int_list(seq_lens, "seq_lens")
+        if len(query_lens) != len(seq_lens_list):
+            raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens_list)}; they must match")
+        if not torch.is_tensor(block_table) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+            raise ValueError(
+                f"block_table={_describe(block_table)}; accepted: a 2-D int32 tensor [num_reqs, max_blocks]"
+            )
+        if block_table.shape[0] != len(query_lens):
+            raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
+        check_positive_int("block_size", block_size)
+        capacity = block_table.shape[1] * block_size
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):
+            if q > s:
+                raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
+            if s > capacity:
+                raise ValueError(
+                    f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+                    f"{block_size} tokens in its block_table row"
+                )
+        permutation = reorder_batch_to_split_decodes_and_prefills(query_lens, decode_threshold)
+        order = BatchOrder.of(permutation, query_lens, block_table.device)
+        if not order.identity:
+            rows = to_device(torch.tensor(permutation, dtype=torch.int64), block_table.device)
+            block_table = block_table.index_select(0, rows)
+            query_lens = [query_lens[i] for i in permutation]
+            seq_lens_list = [seq_lens_list[i] for i in permutation]
+        metadata = cls.from_lengths(query_lens, seq_lens_list, block_table, block_size, decode_threshold)
+        metadata.batch_order = order
         return metadata
 
     @property

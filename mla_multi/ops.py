@@ -102,10 +102,10 @@ def mla_decode(
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = None
-    plan = _DECODE_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
-        _remember(_DECODE_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
@@ -119,19 +119,20 @@ def mla_decode(
     return (out, lse) if return_lse else out
 
 
-# Plans of the functional ops: a repeated call with the same shapes, strides, dtypes, devices, alignment,
-# options and MLA_MULTI_* environment skips the checks that the first call ran, the backend selection,
-# the split heuristic, the launch configuration and Triton's argument binding.
-_DECODE_PLANS: dict = {}
+# The plans of the functional ops (the one cache they keep), by op and key: a repeated call with the same
+# shapes, strides, dtypes, devices, alignment, options and MLA_MULTI_* environment skips the checks that the
+# first call ran, the backend selection and the impl's binding (`MLADecodeImpl.bind`: for TRITON the split
+# count, the launch configuration and Triton's argument binding).
+_PLANS: dict = {}
 _PLANS_MAX = 256
 
 
-def _remember(plans: dict, key, plan) -> None:
+def _remember(key, plan) -> None:
     """Keep `plan` under `key` (None: arguments without a layout, never kept), at most _PLANS_MAX plans."""
     if key is not None:
-        if len(plans) >= _PLANS_MAX:
-            plans.clear()
-        plans[key] = plan
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
@@ -151,29 +152,22 @@ def _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num
     if num_kv_splits is not None and (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)):
         raise TypeError("num_kv_splits")
     return (
-        _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(block_table), _layout(seq_lens), scale_key,
-        num_kv_splits, backend, envs.snapshot(),
+        "mla_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(block_table), _layout(seq_lens),
+        scale_key, num_kv_splits, backend, envs.snapshot(),
     )
 
 
 class _DecodePlan:
-    """What `mla_decode` decided for one key: the backend, its impl and (TRITON) the bound kernels.
+    """What `mla_decode` decided for one key: the backend and the impl's launch bound to the key's layout
+    (`MLADecodeImpl.bind`: for TRITON the split count and the bound kernels, whose partials an eager call
+    slices from the device's shared workspace)."""
 
-    The TRITON partials of an eager call are sliced from the device's shared
-    workspace (`shared_split_partials`); a call being captured in a CUDA
-    graph allocates its own, since the graph must not read a buffer that a
-    later, larger call reallocates.
-    """
-
-    def __init__(self, backend_cls, impl, device, data_checks: bool, k_scale) -> None:
+    def __init__(self, backend_cls, launch, device, data_checks: bool, k_scale) -> None:
         self.backend_cls = backend_cls
-        self.impl = impl
+        self.launch = launch
         self.device = device
         self.data_checks = data_checks
         self.k_scale = k_scale  # the tensor of a float k_scale, made once
-        self.num_kv_splits = None
-        self.kernel_plans = {}  # capturing a CUDA graph or not -> the bound kernels (TRITON)
-        self.partial_dims = None  # (rows, heads, splits, kv_lora_rank) of the split-KV partials (TRITON)
 
     def run(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale, out=None, lse=None,
             attn_logits=None):
@@ -183,34 +177,8 @@ class _DecodePlan:
             k_scale = self.k_scale
         if seq_lens.dtype != torch.int32:
             seq_lens = seq_lens.to(torch.int32)
-        if self.partial_dims is None:
-            impl = self.impl
-            impl.scale = float(scale)
-            result, result_lse = impl.forward_mqa(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
-                                                  num_kv_splits=self.num_kv_splits)
-            if out is not None:
-                result = out.copy_(result)
-            if lse is not None and result_lse is not None:
-                result_lse = lse.copy_(result_lse)
-            return result, result_lse
-        device = q_nope.device
-        if out is None:
-            out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=device)
-        if lse is None:
-            lse = torch.empty(q_nope.shape[:-1], dtype=torch.float32, device=device)
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, shared_split_partials
-
-        graph = capturing(q_nope)  # a captured launch may take TMA where a small eager one does not
-        if attn_logits is None:
-            attn_logits = shared_split_partials(*self.partial_dims, device)
-        kernel_plan = self.kernel_plans.get(graph)
-        if kernel_plan is None:
-            kernel_plan = self.kernel_plans[graph] = DecodeKernelPlan(
-                q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
-                platform=self.impl.platform,
-            )
-        kernel_plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
-        return out, lse
+        return self.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale, out=out, lse=lse,
+                           attn_logits=attn_logits)
 
 
 def _width_source(first: str, first_tensor, second: str, second_tensor) -> str:
@@ -242,24 +210,16 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
     q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
     dims = MLADims(num_heads, kv_lora_rank=q_nope.shape[-1], qk_rope_head_dim=q_pe.shape[-1])
     backend_cls = select_decode_backend(
-        dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend
+        dims, q_nope.dtype, kv_cache.dtype, kv_cache.shape[1], max_query_len=q_len, backend=backend,
+        num_tokens=batch * q_len,
     )
     impl = backend_cls.get_decode_impl_cls()(
         num_heads, 1.0, dims.kv_lora_rank, dims.qk_rope_head_dim, kv_cache.dtype, kv_cache.shape[1], device
     )
     scale_tensor = None if k_scale is None or torch.is_tensor(k_scale) else _scale_tensor(k_scale, device)
-    plan = _DecodePlan(backend_cls, impl, device, checks.data_checks_enabled(device), scale_tensor)
-    from mla_multi.backends.triton import TritonDecodeImpl
-    from mla_multi.kernels import interpreter_active
-
-    if isinstance(impl, TritonDecodeImpl) and device.type == "cuda" and not interpreter_active():
-        plan.num_kv_splits = impl.choose_num_kv_splits(
-            batch, q_len, None, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1]
-        )
-        plan.partial_dims = (batch * q_len, num_heads, plan.num_kv_splits, dims.kv_lora_rank)
-    else:
-        plan.num_kv_splits = num_kv_splits
-    return plan
+    launch = impl.bind(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                       k_scale=k_scale if torch.is_tensor(k_scale) else scale_tensor, num_kv_splits=num_kv_splits)
+    return _DecodePlan(backend_cls, launch, device, checks.data_checks_enabled(device), scale_tensor)
 
 
 class MLADecodePlan:
@@ -282,14 +242,10 @@ class MLADecodePlan:
         self._options = (num_kv_splits, backend)  # the key's options, as asked
         self.scale = scale
         self.backend = plan.backend_cls.name
-        self.num_kv_splits = plan.num_kv_splits
+        self.num_kv_splits = plan.launch.num_kv_splits
         self._out_shape = shape
         self._dtype = dtype
-        self._attn_logits = None
-        if plan.partial_dims is not None:
-            from mla_multi.kernels.mla_decode import split_partials
-
-            self._attn_logits = split_partials(*plan.partial_dims, plan.device)
+        self._attn_logits = plan.launch.new_partials()  # the plan's own partials, where the backend keeps any
 
     def _check_output(self, name: str, tensor, shape, dtype) -> None:
         if tensor is None:
@@ -406,24 +362,21 @@ def mla_prefill(
         )
     try:
         key = (
-            _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
-            max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
+            "mla_prefill", _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
+            max_seqlen_q, max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
         )
         hash(key)
     except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what was wrong
         key = None
-    plan = _PREFILL_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
-        _remember(_PREFILL_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return plan.impl.forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
     )
-
-
-_PREFILL_PLANS: dict = {}
 
 
 class _PrefillPlan:
@@ -516,14 +469,14 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         )
     scale = checks.check_positive_float("scale", scale)
     try:
-        key = ("sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
+        key = ("mla_sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
                _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
     except (AttributeError, TypeError):  # not tensors: the checks say what was wrong
         key = None
-    plan = _SPARSE_PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
-        _remember(_SPARSE_PLANS, key, plan)
+        _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
         _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
@@ -545,11 +498,6 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         return out
     _check_sparse_lse(lse, plan.backend_cls.name)
     return out, lse
-
-
-# Plans of the sparse ops, by the layouts of their tensors, their options and the MLA_MULTI_* environment:
-# a repeated call skips the shape checks, the backend selection and the impl's construction.
-_SPARSE_PLANS: dict = {}
 
 
 def _optional_layout(tensor) -> tuple | None:
@@ -723,9 +671,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
     try:
-        key = (_layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
+        key = ("concat_and_cache_mla", _layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
                _layout(scale) if torch.is_tensor(scale) else scale, envs.snapshot())
-        plan = _CACHE_WRITE_PLANS.get(key)
+        plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
     if plan is not None:
@@ -765,7 +713,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
             plan.device = device
             plan.data_checks = checks.data_checks_enabled(device)
             plan.scale = None if torch.is_tensor(scale) else scale_tensor
-            _remember(_CACHE_WRITE_PLANS, key, plan)
+            _remember(key, plan)
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
@@ -798,10 +746,6 @@ def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     # PyTorch's write: selecting the kept tokens reads the mask on the host (a synchronisation on GPUs)
     kept = torch.nonzero(keep).flatten()
     kv_cache.view(num_slots, FP8_DS_MLA_BYTES).index_copy_(0, slots[kept], rows[kept])
-
-
-# layout key -> the checked, bound cache write (GPU tensors; see _DECODE_PLANS)
-_CACHE_WRITE_PLANS: dict = {}
 
 
 def gather_cache(
@@ -867,3 +811,10 @@ def gather_cache(
             _scale_tensor(scale, device),
         )
     return reference.gather_cache_reference(kv_cache, block_table, seq_starts, seq_lens, scale, out_dtype)
+
+
+library.bind_eager(
+    mla_decode=mla_decode, mla_prefill=mla_prefill, merge_attn_states=merge_attn_states,
+    concat_and_cache_mla=concat_and_cache_mla, gather_cache=gather_cache, mla_sparse_decode=mla_sparse_decode,
+    mla_sparse_prefill=mla_sparse_prefill,
+)

@@ -5,10 +5,16 @@ backend module (and the optional library behind it) is imported only when a
 selection looks at it; an import that raises anything becomes a reason.
 
 The priority lists for every platform live in `PREFILL_PRIORITIES` and
-`DECODE_PRIORITIES` below and nowhere else; `SELECTION_RULES` beside them holds
-the measured exceptions (a head-count range or cache dtype on which another
-backend is faster), each naming its measurement in bench/RESULTS.md; the sparse
-phases' lists (`SPARSE_DECODE_PRIORITIES`, `SPARSE_PREFILL_PRIORITIES`) sit beside them.  `select_*` walks the list of the
+`DECODE_PRIORITIES` below and nowhere else, beside the sparse phases' lists
+(`SPARSE_DECODE_PRIORITIES`, `SPARSE_PREFILL_PRIORITIES`); they are the one
+place that names every backend of a platform. `SELECTION_RULES` beside them
+holds the measured exceptions as deltas: under a condition (vendor, arch,
+head-count range, cache dtypes, the planned call's token count, ...) a rule
+moves the backends it prefers ahead of the ones it names, each rule naming its
+measurement in bench/RESULTS.md; a backend added to a list therefore appears
+under every rule. Adding a backend is one module, one row in the phase's
+backends (plus its place in the lists) and one extra in pyproject.toml.
+`select_*` walks the list of the
 current platform and returns the first backend without reasons; when none
 fits, `NoBackendError` prints the configuration and one block of reasons per
 backend.  A backend forced by argument or by `MLA_MULTI_PREFILL_BACKEND` /
@@ -22,6 +28,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -113,37 +120,101 @@ SPARSE_PREFILL_PRIORITIES: dict[tuple[str, str | None], tuple[str, ...]] = dict(
 
 @dataclasses.dataclass(frozen=True)
 class SelectionRule:
-    """A measured exception to a platform's priority list.
+    """A measured exception to a platform's priority list, as a delta applied to that list.
 
-    A configuration the rule matches (platform vendor and arch, head count in
-    `num_heads` inclusive, KV-cache dtype in `kv_cache_dtypes` for decode) is
-    tried in the rule's `priority` order instead of the platform's. `measured`
-    names the record in bench/RESULTS.md that the order comes from.
-    `needs_wgmma`: the rule holds only where the sm_90 warpgroup decode kernels
-    can run (`launch_config.wgmma_decode_reason`: an sm_90 device, a Triton
-    with Gluon, a 16-bit or float8_e4m3fn cache), since they are what it measured.
+    Under its condition, every backend of `prefer` that comes after the first
+    backend of `over` in the order so far moves to just ahead of it (in
+    `prefer`'s order); with `over` empty, the backends of `prefer` go ahead of
+    every other. Backends the rule does not name keep their places, so a
+    backend added to a platform's list appears under every rule. A rule whose
+    backends are absent from the list changes nothing.
+
+    The condition: platform `vendor` (None: any) and `arch` (None: any), head
+    count in `num_heads` (inclusive), the cache dtype (decode's
+    kv_cache_dtype, the sparse phases' kv_dtype) in `kv_cache_dtypes`, the
+    planned call's query tokens in `num_tokens` (inclusive, high None: no
+    bound; a configuration planned without a count, num_tokens None, as when
+    a layer is built, never matches a rule that names a range), and
+    `when(platform, config)`, a further condition. `needs_wgmma`: the rule
+    holds only where the sm_90 warpgroup decode kernels can run
+    (`launch_config.wgmma_decode_reason`: an sm_90 device, a Triton with
+    Gluon, a 16-bit or float8_e4m3fn cache), since they are what it measured.
+    `measured` names the record in bench/RESULTS.md the rule comes from.
+    Every matching rule applies, in `SELECTION_RULES` order.
+
+    `priority` (a whole order, as rules were once written) is deprecated: it
+    is read as `prefer=priority` with `over` empty.
     """
 
     name: str
     phase: str
-    vendor: str
-    arch: str | None
-    priority: tuple[str, ...]
-    measured: str
+    vendor: str | None = None
+    arch: str | None = None
+    prefer: tuple[str, ...] = ()
+    over: tuple[str, ...] = ()
+    measured: str = ""
     num_heads: tuple[int, int] = (1, 1 << 20)
     kv_cache_dtypes: frozenset | None = None
+    num_tokens: tuple[int, int | None] | None = None
     needs_wgmma: bool = False
     when: Callable[[Platform, object], bool] | None = None  # a further condition on (platform, config)
+    priority: tuple[str, ...] = ()  # deprecated: a whole order, read as prefer=priority
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"SelectionRule {self.name!r}: phase={self.phase!r}; accepted: {', '.join(PHASES)}")
+        if self.priority:
+            warnings.warn(f"SelectionRule {self.name!r}: priority= (a whole order) is deprecated; accepted: "
+                          "prefer= and over= (the backends it moves ahead, of which)", DeprecationWarning, stacklevel=3)
+            if self.prefer or self.over:
+                raise ValueError(f"SelectionRule {self.name!r}: priority={self.priority!r} beside prefer / over; "
+                                 "accepted: prefer= and over= alone")
+            object.__setattr__(self, "prefer", tuple(self.priority))
+        for field in ("prefer", "over"):
+            value = getattr(self, field)
+            if isinstance(value, str) or not all(isinstance(n, str) and n == n.upper() and n for n in value):
+                raise ValueError(f"SelectionRule {self.name!r}: {field}={value!r}; accepted: a tuple of upper-case "
+                                 "backend names")
+            object.__setattr__(self, field, tuple(value))
+        if not self.prefer:
+            raise ValueError(f"SelectionRule {self.name!r}: prefer=(); accepted: at least one backend name")
+        both = sorted(set(self.prefer) & set(self.over))
+        if both:
+            raise ValueError(f"SelectionRule {self.name!r}: {', '.join(both)} in both prefer and over; accepted: "
+                             "each backend in one of them")
+        low, high = self.num_heads
+        if not 1 <= low <= high:
+            raise ValueError(f"SelectionRule {self.name!r}: num_heads={self.num_heads!r}; accepted: (low, high) "
+                             "with 1 <= low <= high")
+        if self.num_tokens is not None:
+            low, high = self.num_tokens
+            if not (isinstance(low, int) and low >= 0 and (high is None or (isinstance(high, int) and high >= low))):
+                raise ValueError(f"SelectionRule {self.name!r}: num_tokens={self.num_tokens!r}; accepted: None or "
+                                 "(low, high) with 0 <= low <= high, high None for no bound")
+        if not isinstance(self.measured, str) or not self.measured.strip():
+            raise ValueError(f"SelectionRule {self.name!r}: measured={self.measured!r}; accepted: the record the "
+                             "rule comes from ('bench/RESULTS.md, <its title>')")
+
+    def names(self) -> tuple[str, ...]:
+        """Every backend the rule names."""
+        return self.prefer + self.over
 
     def matches(self, platform: Platform, config) -> bool:
-        if platform.vendor != self.vendor or (self.arch is not None and platform.arch != self.arch):
+        if self.vendor is not None and platform.vendor != self.vendor:
+            return False
+        if self.arch is not None and platform.arch != self.arch:
             return False
         low, high = self.num_heads
         if not low <= config.dims.num_heads <= high:
             return False
-        kv_dtype = getattr(config, "kv_cache_dtype", None)
+        kv_dtype = getattr(config, "kv_cache_dtype", None) or getattr(config, "kv_dtype", None)
         if self.kv_cache_dtypes is not None and kv_dtype not in self.kv_cache_dtypes:
             return False
+        if self.num_tokens is not None:
+            tokens = getattr(config, "num_tokens", None)
+            low, high = self.num_tokens
+            if tokens is None or tokens < low or (high is not None and tokens > high):
+                return False
         if self.needs_wgmma:
             from mla_multi.kernels.launch_config import wgmma_decode_reason
 
@@ -153,8 +224,29 @@ class SelectionRule:
                 return False
         return self.when is None or bool(self.when(platform, config))
 
+    def apply(self, order: Sequence[str]) -> tuple[str, ...]:
+        """`order` with the rule's delta applied (the same order where it changes nothing)."""
+        order = tuple(order)
+        if self.over:
+            targets = [order.index(n) for n in self.over if n in order]
+            if not targets:
+                return order
+            first = order[min(targets)]
+            late = [n for n in self.prefer if n in order and order.index(n) > order.index(first)]
+            if not late:
+                return order
+            rest = [n for n in order if n not in late]
+            at = rest.index(first)
+            return tuple(rest[:at] + late + rest[at:])
+        ahead = [n for n in self.prefer if n in order]
+        return tuple(ahead + [n for n in order if n not in ahead])
+
     def describe(self) -> str:
         return f"{self.name} ({self.measured})"
+
+    def delta(self) -> str:
+        """The rule's delta in words: 'FLASHMLA ahead of TRITON'."""
+        return f"{', '.join(self.prefer)} ahead of {', '.join(self.over) if self.over else 'every other backend'}"
 
 
 def few_sparse_tokens(platform: Platform, config) -> bool:
@@ -171,8 +263,8 @@ def few_sparse_tokens(platform: Platform, config) -> bool:
     return tokens == 1 or (config.dims.num_heads <= 64 and tokens <= platform.num_compute_units // 2)
 
 
-# Measured exceptions to the lists above, tried in order; the first that
-# matches a configuration gives its priority. Each names its measurement.
+# Measured exceptions to the lists above, as deltas: each that matches a configuration moves the backends it
+# prefers ahead of the ones it names, in this order. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
     SelectionRule(
         # 128 heads: B = 1 TRITON 17.0 µs, FLASHMLA 21.7; B = 2-16 within 4 % either way, TRITON behind from
@@ -181,7 +273,8 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         phase="sparse_decode",
         vendor="cuda",
         arch="sm_90",
-        priority=("TRITON", "FLASHMLA", "REFERENCE"),
+        prefer=("TRITON",),
+        over=("FLASHMLA",),
         when=few_sparse_tokens,
         measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
     ),
@@ -193,27 +286,43 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         vendor="cuda",
         arch="sm_90",
         needs_wgmma=True,
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
+        prefer=("TRITON",),
+        over=("FLASHINFER",),
         measured="bench/RESULTS.md, 'Decode on sm_90: the warpgroup kernels beside FlashInfer' (16-128 heads, bf16 and FP8)",
     ),
     SelectionRule(
         name="nvidia-decode-few-heads",
         phase="decode",
         vendor="cuda",
-        arch=None,
         num_heads=(1, 16),
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
+        prefer=("TRITON",),
+        over=("FLASHINFER",),
         measured="bench/RESULTS.md, 'Decode: every installed backend' (16 heads)",
     ),
     SelectionRule(
         name="nvidia-decode-fp8-up-to-32-heads",
         phase="decode",
         vendor="cuda",
-        arch=None,
         num_heads=(17, 32),
         kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
-        priority=("TRITON", "FLASHINFER", "CUDA_FLASH_ATTN", "FLASHMLA", "REFERENCE"),
+        prefer=("TRITON",),
+        over=("FLASHINFER",),
         measured="bench/RESULTS.md, 'Decode: every installed backend' (FP8 caches)",
+    ),
+    SelectionRule(
+        # planned with its batch (num_tokens = B x Q): H200, S = 8192, captured, FLASHMLA against TRITON µs:
+        # B = 32 129.2 / 145.8, B = 64 238.6 / 279.5, B = 128 535.4 / 569.7; at B = 8 and below TRITON is
+        # faster or equal. After the warpgroup rule: where it held, FLASHMLA, TRITON, FLASHINFER
+        name="nvidia-sm90-decode-flashmla-from-32-tokens",
+        phase="decode",
+        vendor="cuda",
+        arch="sm_90",
+        num_heads=(128, 128),
+        kv_cache_dtypes=frozenset({torch.bfloat16}),
+        num_tokens=(32, None),
+        prefer=("FLASHMLA",),
+        over=("TRITON",),
+        measured="bench/RESULTS.md, 'Dense decode on sm_90: FLASHMLA from B = 32 (H200)' (128 heads, bf16 cache)",
     ),
 )
 
@@ -258,6 +367,15 @@ class Registry:
     rules: tuple[SelectionRule, ...] = ()
 
     def __post_init__(self) -> None:
+        for rule in self.rules:
+            self._check_phase(rule.phase)
+            known = self.backends.get(rule.phase, {})
+            unknown = [n for n in rule.names() if n not in known]
+            if unknown:
+                raise UnknownBackendError(
+                    f"selection rule {rule.name!r} names {', '.join(unknown)}, not {rule.phase} backends; "
+                    f"valid names: {', '.join(known)}"
+                )
         self._select_cached = functools.lru_cache(maxsize=256)(self._select_uncached)
         self._load = functools.lru_cache(maxsize=64)(self._load_uncached)
 
@@ -277,23 +395,75 @@ class Registry:
         self._load.cache_clear()
 
     # -- lookup ---------------------------------------------------------------
-    def rule_for(self, phase: Phase, platform: Platform, config) -> SelectionRule | None:
-        """The first selection rule that matches `config` on `platform`, None when the platform's list applies."""
-        if config is None:
-            return None
-        return next((r for r in self.rules if r.phase == phase and r.matches(platform, config)), None)
-
-    def priority(self, phase: Phase, platform: Platform, config=None) -> tuple[str, ...]:
-        """The ordered backend names tried for `phase` on `platform` (for `config`, when a rule matches it)."""
+    def base_priority(self, phase: Phase, platform: Platform) -> tuple[str, ...]:
+        """The platform's own list for `phase`: the entry of (vendor, arch), else of vendor, else none."""
         self._check_phase(phase)
-        rule = self.rule_for(phase, platform, config)
-        if rule is not None:
-            return rule.priority
         table = self.priorities[phase]
         for key in ((platform.vendor, platform.arch), (platform.vendor, None)):
             if key in table:
-                return table[key]
+                return tuple(table[key])
         return ()
+
+    def ordering(self, phase: Phase, platform: Platform,
+                 config=None) -> tuple[tuple[str, ...], tuple[SelectionRule, ...]]:
+        """(the order tried for `config`, the rules that changed it): the platform's list with every matching
+        rule's delta applied in turn."""
+        order = self.base_priority(phase, platform)
+        applied = []
+        if config is not None:
+            for rule in self.rules:
+                if rule.phase == phase and rule.matches(platform, config):
+                    changed = rule.apply(order)
+                    if changed != order:
+                        order = changed
+                        applied.append(rule)
+        return order, tuple(applied)
+
+    def rules_for(self, phase: Phase, platform: Platform, config) -> tuple[SelectionRule, ...]:
+        """The selection rules that change the order of `config` on `platform`, in the order they apply."""
+        return self.ordering(phase, platform, config)[1]
+
+    def rule_for(self, phase: Phase, platform: Platform, config) -> SelectionRule | None:
+        """The last rule that changes the order of `config` on `platform` (the one with the last word), None
+        when the platform's list applies as it is; `rules_for` gives them all."""
+        applied = self.rules_for(phase, platform, config)
+        return applied[-1] if applied else None
+
+    def priority(self, phase: Phase, platform: Platform, config=None) -> tuple[str, ...]:
+        """The ordered backend names tried for `phase` on `platform` (for `config`, with the rules' deltas)."""
+        return self.ordering(phase, platform, config)[0]
+
+    def num_tokens_bounds(self, phase: Phase) -> tuple[int, ...]:
+        """The token counts at which a rule of `phase` starts or stops holding (its `num_tokens` ranges): a
+        planned call's selection can change only there, as far as the rules' ranges go."""
+        self._check_phase(phase)
+        bounds = set()
+        for rule in self.rules:
+            if rule.phase == phase and rule.num_tokens is not None:
+                low, high = rule.num_tokens
+                bounds.add(low)
+                if high is not None:
+                    bounds.add(high + 1)
+        return tuple(sorted(bounds))
+
+    def by_num_tokens(self, phase: Phase, config, platform: Platform | None = None, backend: str | None = None,
+                      max_tokens: int | None = None) -> list[tuple[int, int | None, type]]:
+        """[(low, high, backend class)]: what a call of `config` planned with low..high query tokens gets (high
+        None: no bound), one entry per range the rules' `num_tokens` bounds make, neighbours of one backend
+        joined, from 1 up to `max_tokens`. Raises `NoBackendError` as `select` does."""
+        self._check_phase(phase)
+        if max_tokens is not None:
+            check_positive_int("max_tokens", max_tokens)
+        starts = [1] + [b for b in self.num_tokens_bounds(phase) if b > 1 and (max_tokens is None or b <= max_tokens)]
+        ranges: list[tuple[int, int | None, type]] = []
+        for i, low in enumerate(starts):
+            high = starts[i + 1] - 1 if i + 1 < len(starts) else max_tokens
+            chosen = self.select(phase, dataclasses.replace(config, num_tokens=low), platform, backend)
+            if ranges and ranges[-1][2] is chosen:
+                ranges[-1] = (ranges[-1][0], high, chosen)
+            else:
+                ranges.append((low, high, chosen))
+        return ranges
 
     def check_name(self, phase: Phase, name: str) -> str:
         normalized = name.upper()
@@ -421,6 +591,7 @@ def decode_config(
     block_size: int = 64,
     max_query_len: int = 1,
     platform: Platform | None = None,
+    num_tokens: int | None = None,
 ) -> DecodeSelectorConfig:
     if not isinstance(dims, MLADims):
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
@@ -428,8 +599,14 @@ def decode_config(
         raise ValueError(f"dtype={dtype!r}; accepted: a torch.dtype")
     check_positive_int("block_size", block_size)
     check_positive_int("max_query_len", max_query_len)
+    _check_num_tokens(num_tokens)
     resolved = resolve_kv_cache_dtype(kv_cache_dtype, dtype, platform or current_platform())
-    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len)
+    return DecodeSelectorConfig(dims, dtype, resolved, block_size, max_query_len, num_tokens)
+
+
+def _check_num_tokens(num_tokens) -> None:
+    if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
+        raise ValueError(f"num_tokens={num_tokens!r}; accepted: None or an int >= 0")
 
 
 def select_prefill_backend(
@@ -448,9 +625,12 @@ def select_decode_backend(
     max_query_len: int = 1,
     backend: str | None = None,
     platform: Platform | None = None,
+    num_tokens: int | None = None,
 ) -> type[MLADecodeBackend]:
-    """The decode backend class for the configuration on the current platform; raises `NoBackendError`."""
-    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform)
+    """The decode backend class for the configuration on the current platform; raises `NoBackendError`.
+    num_tokens: the planned call's query tokens (batch x query length; None where unknown, as when a layer is
+    built): a rule may depend on it (`nvidia-sm90-decode-flashmla-from-32-tokens`)."""
+    config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform, num_tokens)
     return default_registry.select("decode", config, platform, backend)
 
 
@@ -461,8 +641,7 @@ def sparse_config(dims: MLADims, dtype: torch.dtype, kv_dtype: torch.dtype, topk
         raise ValueError(f"dims={dims!r}; accepted: an MLADims")
     for name, value in (("topk", topk), ("max_query_len", max_query_len)):
         check_positive_int(name, value)
-    if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
-        raise ValueError(f"num_tokens={num_tokens!r}; accepted: None or an int >= 0")
+    _check_num_tokens(num_tokens)
     return SparseSelectorConfig(dims, dtype, kv_dtype, topk, max_query_len, num_tokens, bool(with_lengths))
 
 

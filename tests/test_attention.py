@@ -305,45 +305,61 @@ def test_plan_rejects_other_metadata(planning_backends):
 
 def test_steps_with_context_take_the_split_key_prefill_where_the_chosen_one_repeats_the_rotary_key(monkeypatch):
     """A default prefill backend that reads K with its rotary part per head keeps steps without context;
-    steps whose prefills have cached context go to TRITON where it takes the rotary key apart and merges
-    the chunks in its kernel (stood in for here by a REFERENCE impl that says so); a forced backend, by
-    argument or environment, keeps every step."""
-    from mla_multi import attention
+    steps whose prefills have cached context go to the first backend of the platform's list that takes the
+    rotary key apart and merges the chunks in its kernel (TRITON on GPUs; here a registered stand-in, a
+    REFERENCE impl that declares both, listed after REFERENCE: the layer names no backend); a forced
+    backend, by argument or environment, keeps every step."""
     from mla_multi.backends.reference import ReferencePrefillBackend, ReferencePrefillImpl
+    from mla_multi.registry import default_registry
 
     class SplitKeyImpl(ReferencePrefillImpl):
         takes_split_key = True
         merges_chunks = True
 
+        short = False
+
+        def serves_short_prefills(self, dtype):
+            return self.short
+
     class SplitKey(ReferencePrefillBackend):
-        name = "TRITON"
+        name = "SPLITKEY"
 
         @staticmethod
         def get_prefill_impl_cls():
             return SplitKeyImpl
 
-    real = attention.select_prefill_backend
+    monkeypatch.setitem(default_registry.backends["prefill"], "SPLITKEY", SplitKey)
+    monkeypatch.setitem(default_registry.priorities["prefill"], ("cpu", None), ("REFERENCE", "SPLITKEY"))
+    default_registry.clear_cache()
+    try:
+        _check_split_key_steps(monkeypatch, SplitKeyImpl)
+    finally:
+        monkeypatch.undo()
+        default_registry.clear_cache()
 
-    def select(dims, dtype, *, backend=None, platform=None):
-        return SplitKey if backend == "TRITON" else real(dims, dtype, backend=backend, platform=platform)
 
-    monkeypatch.setattr(attention, "select_prefill_backend", select)
+def _check_split_key_steps(monkeypatch, SplitKeyImpl) -> None:
+    from mla_multi import attention
+
     dims = mm.MLADims(4, **SMALL)
     layer, _, _ = make_layer(dims, torch.float32, 16, workspace_tokens=64)
-    assert layer.backends() == {"prefill": "REFERENCE", "decode": "REFERENCE", "prefill_context": "TRITON"}
+    assert layer.backends() == {"prefill": "REFERENCE", "decode": "REFERENCE", "prefill_context": "SPLITKEY"}
+    assert not layer.short_prefills_on_context_backend
+    SplitKeyImpl.short = True  # its kernel the faster for short prefills (as TRITON's on sm_90)
+    assert layer._short_prefills()
     table = torch.arange(12, dtype=torch.int32).view(3, 4)
     fresh = mm.CommonAttentionMetadata.from_lengths([1, 9, 5], [30, 9, 5], table, 16)  # no prefill has context
     cached = mm.CommonAttentionMetadata.from_lengths([1, 9, 5], [30, 9, 40], table, 16)  # the last one has 35
     assert type(layer._step_prefill(fresh)[1]) is not SplitKeyImpl
     assert type(layer._step_prefill(cached)[1]) is SplitKeyImpl
-    # on sm_90, where TRITON runs the Gluon prefill kernel, steps whose prefills are all short go there too
-    assert not layer.short_prefills_on_context_backend  # a CPU layer
+    # where the context backend's kernel is the faster for short prefills (TRITON on sm_90), steps whose
+    # prefills are all short go there too
     layer.short_prefills_on_context_backend = True
     monkeypatch.setattr(attention, "SHORT_PREFILL_TOKENS", 8)
     short = mm.CommonAttentionMetadata.from_lengths([1, 8, 5], [30, 8, 5], table, 16)
     assert type(layer._step_prefill(short)[1]) is SplitKeyImpl
     assert type(layer._step_prefill(fresh)[1]) is not SplitKeyImpl  # a prefill of 9 tokens
-    assert layer.backends()["prefill_short"] == "TRITON"
+    assert layer.backends()["prefill_short"] == "SPLITKEY"
     layer.short_prefills_on_context_backend = False
     for forced in ({"prefill_backend": "REFERENCE"}, {}):
         if not forced:

@@ -58,16 +58,16 @@ def _kernel_launches(fn) -> list[str]:
 
 @pytest.mark.parametrize("heads,batch,seq_len", [(16, 1, 8192), (128, 8, 4096), (128, 64, 1024)])
 def test_planned_decode_calls_follow_new_data_and_launch_two_kernels_at_most(heads, batch, seq_len):
-    ops._DECODE_PLANS.clear()
+    ops._PLANS.clear()
     scale = 192**-0.5
     first = _decode_inputs(batch, heads, seq_len, seed=1)
     out = mm.ops.mla_decode(*first, scale)
     second = _decode_inputs(batch, heads, seq_len, seed=2)
     out2 = mm.ops.mla_decode(*second, scale)
-    assert len(ops._DECODE_PLANS) == 1
-    plan = next(iter(ops._DECODE_PLANS.values()))
-    assert list(plan.kernel_plans) == [False]  # one eager kernel plan
-    kernel_plan = plan.kernel_plans[False]
+    assert len([key for key in ops._PLANS if key[0] == "mla_decode"]) == 1
+    plan = next(plan for key, plan in ops._PLANS.items() if key[0] == "mla_decode")
+    assert list(plan.launch._kernels) == [(False, False)]  # one eager kernel plan
+    kernel_plan = plan.launch._kernels[(False, False)]
     from mla_multi.kernels.launch import direct_launch_reason
     from mla_multi.kernels.mla_decode import EAGER_TMA_MIN_ROWS
 
@@ -95,16 +95,16 @@ def test_small_eager_decode_skips_tma_and_a_captured_one_takes_it():
     scale = 192**-0.5
     plan = mm.ops.plan_mla_decode(*inputs, scale, backend="TRITON")
     eager = plan.run(*inputs)[0].clone()
-    kernel_plans = plan._plan.kernel_plans
-    assert list(kernel_plans) == [False] and not kernel_plans[False].tma
+    kernel_plans = plan._plan.launch._kernels
+    assert list(kernel_plans) == [(False, False)] and not kernel_plans[(False, False)].tma
     out = torch.full_like(eager, float("nan"))
     graph = capture_graph(lambda: plan.run(*inputs, out=out))
     graph.replay()
     torch.cuda.synchronize()
-    assert sorted(kernel_plans) == [False, True]
+    assert sorted(kernel_plans) == [(False, False), (True, False)]
     platform = current_platform()
     if not wgmma_decode_reason(platform, torch.bfloat16):
-        assert kernel_plans[True].tma == decode_config(platform, 128, 1, torch.bfloat16).tma
+        assert kernel_plans[(True, False)].tma == decode_config(platform, 128, 1, torch.bfloat16).tma
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     expected = _reference(*inputs, scale)
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2

@@ -619,7 +619,7 @@ def test_triton_sparse_in_place_decode_goes_through_the_dense_decode_impl(monkey
         lens = torch.full((32,), 2048, dtype=torch.int32)
         q_nope, q_pe = torch.zeros(32, 128, 512, dtype=torch.bfloat16), torch.zeros(32, 128, 64, dtype=torch.bfloat16)
         for scale in (0.5, 0.25):
-            out, lse = impl._decode_in_place(q_nope, q_pe, pages, table, lens, scale=scale)
+            out, lse = impl._decode_pages("in place", q_nope, q_pe, pages, table, lens, scale)
             assert out.shape == (32, 128, 512) and lse.shape == (32, 128)
         from mla_multi.platforms import current_platform
 

@@ -250,7 +250,7 @@ def test_varlen_attention_bad_input(change, match):
 
 
 def test_split_head_dim_qk():
-    from mla_multi.kernels.prefill import _split_head_dim_qk
+    from mla_multi.kernels.prefill_inputs import split_head_dim_qk as _split_head_dim_qk
 
     assert _split_head_dim_qk(192) == (128, 64)
     assert _split_head_dim_qk(576) == (512, 64)

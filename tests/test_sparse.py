@@ -396,7 +396,7 @@ def test_compiled_sparse_layer_matches_eager_over_mixed_steps():
 def test_sparse_decode_plans_once_per_layout_and_still_checks_the_data(monkeypatch):
     from mla_multi import ops, registry as registry_module
 
-    ops._SPARSE_PLANS.clear()
+    ops._PLANS.clear()
     selections = []
     select = registry_module.select_sparse_backend
 
@@ -437,7 +437,7 @@ def _recording_decode(monkeypatch) -> list:
 
 
 def _in_place_inputs(tokens: int, heads: int, topk: int, slots: int):
-    """(q_nope, q_pe, pages, lists, lengths) for `TritonSparseDecodeImpl._decode_in_place`: fp8_ds_mla pages
+    """(q_nope, q_pe, pages, lists, lengths) for `TritonSparseDecodeImpl._decode_pages`: fp8_ds_mla pages
     of one token, every list whole."""
     q = torch.randn(tokens, heads, 576, dtype=torch.bfloat16)
     pages = torch.zeros(slots, 1, FP8_DS_MLA_BYTES, dtype=torch.uint8)
@@ -455,7 +455,7 @@ def test_triton_sparse_decode_reads_the_lists_through_the_dense_impls_launch(mon
     impl = TritonSparseDecodeImpl(64, 512, 64, torch.device("cpu"))
     inputs = _in_place_inputs(3, 64, 128, 256)
     for masked in (True, False):
-        out, lse = impl._decode_in_place(*inputs, scale=0.1, masked_entries=masked)
+        out, lse = impl._decode_pages("masked" if masked else "in place", *inputs, 0.1)
         assert calls[-1]["masked_entries"] is masked and calls[-1]["out"] is out and calls[-1]["lse"] is lse
         assert out.shape == (3, 64, 512) and lse.shape == (3, 64) and lse.dtype == torch.float32
         assert calls[-1]["attn_logits"].shape[:3] == (3, 64, calls[-1]["num_kv_splits"])
@@ -473,6 +473,6 @@ def test_triton_sparse_decode_keeps_its_split_count_down_to_one_tile(monkeypatch
         impl = TritonSparseDecodeImpl(128, 512, 64, torch.device("cpu"))
         inputs = _in_place_inputs(1, 128, 2048, 4096)
         for masked in (True, False):
-            impl._decode_in_place(*inputs, scale=0.1, masked_entries=masked)
+            impl._decode_pages("masked" if masked else "in place", *inputs, 0.1)
             assert calls[-1]["num_kv_splits"] == 32, calls[-1]["num_kv_splits"]
             assert calls[-1]["attn_logits"].shape[2] == 32

@@ -48,6 +48,9 @@ class DecodeSelectorConfig:
     kv_cache_dtype is already resolved to a torch dtype (see
     `mla_multi.backends.base.resolve_kv_cache_dtype`); max_query_len is the
     number of query tokens per request (1, or more for speculative decoding).
+    num_tokens: the batch's query tokens where a call is planned (None where
+    unknown, as when a layer is built); a selection rule may depend on it
+    (`registry.SELECTION_RULES`).
     """
 
     dims: MLADims
@@ -55,6 +58,7 @@ class DecodeSelectorConfig:
     kv_cache_dtype: torch.dtype
     block_size: int
     max_query_len: int = 1
+    num_tokens: int | None = None
 
     def describe(self) -> str:
         d = self.dims
@@ -63,6 +67,7 @@ class DecodeSelectorConfig:
             f"qk_rope_head_dim={d.qk_rope_head_dim} dtype={dtype_name(self.dtype)} "
             f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} block_size={self.block_size} "
             f"max_query_len={self.max_query_len}"
+            + (f" num_tokens={self.num_tokens}" if self.num_tokens is not None else "")
         )
 
 
@@ -165,13 +170,6 @@ class _BackendDeclarations:
 # --------------------------------------------------------------------------- prefill
 
 
-@dataclasses.dataclass
-class MLAPrefillBuilderState:
-    """Per-builder resources a prefill backend keeps across batches (workspaces, wrappers)."""
-
-    device: torch.device | None = None
-
-
 class MLAPrefillImpl(ABC):
     """Prefill attention over new tokens (causal) and cached-context chunks (non-causal).
 
@@ -217,8 +215,19 @@ class MLAPrefillImpl(ABC):
         dtype, and with `return_softmax_lse` also lse [N, Tq] float32.
         """
 
-    # Whether `forward_varlen` takes the keys' shared rotary part apart (k [T, N, P] and k_pe [T, R]).
+    # What the layer may ask of an impl beyond `forward_varlen`, declared here (False: not offered) and
+    # overridden by the backends that offer it; `MLAAttention` reads these and names no backend.
+    # `forward_varlen` takes the keys' shared rotary part apart (k [T, N, P] and k_pe [T, R]):
     takes_split_key: bool = False
+    # `forward_varlen(out=)` writes the output into a given [T, N, V] buffer:
+    takes_out: bool = False
+    # `run_prefill_context_chunk(merge_into=)` merges a chunk's result into a given (out, lse) inside the kernel:
+    merges_chunks: bool = False
+
+    def serves_short_prefills(self, dtype: torch.dtype) -> bool:
+        """Whether steps whose prefills are all short (`attention.SHORT_PREFILL_TOKENS`) and have no context
+        are better run here than on another chosen prefill backend (this impl's kernel is the faster there)."""
+        return False
 
     def reserve_workspace(self, workspace_manager) -> None:
         """Size `workspace_manager` (the layer's shared workspace) for what the backend's library keeps there
@@ -275,11 +284,6 @@ class MLAPrefillImpl(ABC):
 class MLAPrefillBackend(_BackendDeclarations, ABC):
     """A prefill implementation and the declaration of what it can run."""
 
-    @classmethod
-    def create_builder_state(cls, dims: MLADims, device: torch.device) -> MLAPrefillBuilderState:
-        """Resources allocated once per metadata builder; override to allocate workspaces."""
-        return MLAPrefillBuilderState(device=device)
-
     @staticmethod
     @abstractmethod
     def get_prefill_impl_cls() -> type[MLAPrefillImpl]:
@@ -321,11 +325,31 @@ class MLADecodeImpl(ABC):
         self.block_size = block_size
         self.device = device
 
+    # The split count is the impl's to choose per batch (`choose_num_kv_splits`), so that every layer of a
+    # step launches with the one its first layer chose; False: the library decides (or there are no splits).
+    chooses_num_kv_splits: ClassVar[bool] = False
+    # rows of split partials reserved (`reserve_workspace`), where the impl keeps partials in the workspace
+    max_partial_rows: int | None = None
+
     def reserve_workspace(self, workspace_manager, max_num_seqs: int, max_model_len: int, max_query_len: int = 1,
                           dtype: torch.dtype | None = None) -> None:
         """Size `workspace_manager` for the worst case before it is locked (default: nothing to reserve).
 
         `dtype` is the query's (the output's) dtype where the caller knows it."""
+
+    def choose_num_kv_splits(self, batch: int, q_len: int, bound: int | None, kv_cache_dtype, num_kv_splits=None,
+                             max_blocks: int | None = None, min_tokens_per_split: int | None = None) -> int | None:
+        """The split count of a batch of `batch` requests of `q_len` tokens whose lengths are at most `bound`
+        (impls with `chooses_num_kv_splits`); None: the library's to choose."""
+        return num_kv_splits
+
+    def bind(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
+             max_seq_len: int | None = None, **options) -> "DecodeLaunch":
+        """The decode of tensors laid out as these, planned once: everything that depends only on the layout
+        (the split count, launch configurations, bound kernels) is decided here, and the returned launch only
+        runs. The one way into an impl's kernels for the functional ops, the layer and the sparse paths.
+        Default: a launch that calls `forward_mqa`."""
+        return DecodeLaunch(self, num_kv_splits, max_seq_len, options)
 
     @abstractmethod
     def forward_mqa(
@@ -354,6 +378,41 @@ class MLADecodeImpl(ABC):
         Returns out with q_nope's shape and dtype and lse [B, (Q,) N] float32;
         the output may live in the workspace, valid until its next use.
         """
+
+
+class DecodeLaunch:
+    """A decode bound to one layout by `MLADecodeImpl.bind`: calling it runs tensors laid out as those it was
+    bound for (new values, new lengths) and returns (out, lse).
+
+    `out` / `lse`, when given, are contiguous tensors of the shapes and dtypes the call would allocate and
+    receive the result; `attn_logits` is the split partials' buffer where the caller owns one
+    (`new_partials`); `workspace_manager` supplies reserved scratch (CUDA graphs).
+    """
+
+    def __init__(self, impl: MLADecodeImpl, num_kv_splits: int | None = None, max_seq_len: int | None = None,
+                 options: dict | None = None) -> None:
+        self.impl = impl
+        self.num_kv_splits = num_kv_splits
+        self.max_seq_len = max_seq_len
+        self.options = options or {}
+
+    def new_partials(self) -> torch.Tensor | None:
+        """A split-partials buffer of this launch's own (None where the impl keeps none)."""
+        return None
+
+    def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
+                 lse=None, attn_logits=None, workspace_manager=None):
+        impl = self.impl
+        impl.scale = float(scale)
+        result, result_lse = impl.forward_mqa(
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale, num_kv_splits=self.num_kv_splits,
+            workspace_manager=workspace_manager, max_seq_len=self.max_seq_len, **self.options,
+        )
+        if out is not None:
+            result = out.copy_(result)
+        if lse is not None and result_lse is not None:
+            result_lse = lse.copy_(result_lse)
+        return result, result_lse
 
 
 class MLADecodeBackend(_BackendDeclarations, ABC):

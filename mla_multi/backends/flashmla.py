@@ -109,9 +109,9 @@ def _probe() -> tuple[Any, str | None]:
 
 
 def clear_caches() -> None:
-    """Forget the probe of the installed flash_mla and the schedules made with it (tests swap libraries)."""
+    """Forget the probe of the installed flash_mla and the graph buffers of its schedules (tests swap libraries;
+    a sparse impl binds again when the module changes)."""
     _probe.cache_clear()
-    _sparse_calls.clear()
     _graph_buffers.clear()
 
 
@@ -315,24 +315,29 @@ class _SparseCall:
             )
 
 
-_sparse_calls: dict = {}
+class _SparseImpl(MLASparseImpl):
+    """What both FlashMLA sparse phases keep: the call bound to one layout (the impl belongs to one sparse op
+    plan, so later calls find it; a call of another layout binds again)."""
 
+    decode: ClassVar[bool]
 
-def _sparse_call(module, q_nope, indices, topk_length, num_slots: int, *, decode: bool) -> _SparseCall:
-    """The call of one layout: every shape, stride, alignment and integer its bound index launches were
-    specialised for is in the key."""
-    from mla_multi.kernels.launch import alignment_key
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._bound: tuple | None = None  # (the layout key, its _SparseCall)
 
-    tokens, heads, width = q_nope.shape
-    key = (decode, q_nope.device, tokens, heads, width, indices.shape[1], indices.stride(0), topk_length is not None,
-           num_slots, alignment_key(indices, topk_length))
-    call = _sparse_calls.get(key)
-    if call is None:
-        if len(_sparse_calls) >= 256:
-            _sparse_calls.clear()
-        call = _sparse_calls[key] = _SparseCall(module, tokens, heads, indices.shape[1], width, q_nope.device,
-                                                decode=decode, has_length=topk_length is not None)
-    return call
+    def _call(self, module, q_nope, indices, topk_length, num_slots: int) -> _SparseCall:
+        """The call of this layout: every shape, stride, alignment and integer its bound index launches were
+        specialised for is in the key."""
+        from mla_multi.kernels.launch import alignment_key
+
+        tokens, heads, width = q_nope.shape
+        key = (q_nope.device, tokens, heads, width, indices.shape[1], indices.stride(0), topk_length is not None,
+               num_slots, alignment_key(indices, topk_length), id(module))
+        bound = self._bound
+        if bound is None or bound[0] != key:
+            bound = self._bound = (key, _SparseCall(module, tokens, heads, indices.shape[1], width, q_nope.device,
+                                                    decode=self.decode, has_length=topk_length is not None))
+        return bound[1]
 
 
 def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:
@@ -346,15 +351,17 @@ def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:
     return reasons
 
 
-class FlashMLASparseDecodeImpl(MLASparseImpl):
+class FlashMLASparseDecodeImpl(_SparseImpl):
     """Sparse decode over the fp8_ds_mla cache, every query token its own request. FlashMLA's sm_90 kernel
     takes no per-token lengths: entries past topk_length become -1 in the sanitised copy of the indices."""
+
+    decode = True
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         module = _module()
         tokens, heads, _ = q_nope.shape
         num_slots = kv.shape[0] * kv.shape[1]
-        call = _sparse_call(module, q_nope, indices, topk_length, num_slots, decode=True)
+        call = self._call(module, q_nope, indices, topk_length, num_slots)
         clean, bad_rows = call.index_plan.sanitize(indices, num_slots, topk_length)
         sched = _sched(module, call.tile_scheduler_metadata, call.num_splits)
         out, lse = module.flash_mla_with_kvcache(
@@ -389,13 +396,15 @@ class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):
         return reasons + _sparse_reasons("sparse_decode", config)
 
 
-class FlashMLASparsePrefillImpl(MLASparseImpl):
+class FlashMLASparsePrefillImpl(_SparseImpl):
     """Sparse prefill over bf16 kv rows (indices outside [0, S_kv) and past topk_length become -1 first)."""
+
+    decode = False
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         module = _module()
         tokens, heads, _ = q_nope.shape
-        call = _sparse_call(module, q_nope, indices, topk_length, kv.shape[0], decode=False)
+        call = self._call(module, q_nope, indices, topk_length, kv.shape[0])
         clean, _ = call.index_plan.sanitize(indices, kv.shape[0], topk_length)
         out, _, lse = module.flash_mla_sparse_fwd(
             q=joined_query(q_nope, q_pe), kv=kv.unsqueeze(1), indices=clean.unsqueeze(1), sm_scale=float(scale),

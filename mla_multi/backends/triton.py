@@ -22,6 +22,7 @@ import torch
 
 from mla_multi.backends.base import (
     FP8_DTYPES,
+    DecodeLaunch,
     dtype_name,
     MLADecodeBackend,
     MLADecodeImpl,
@@ -56,6 +57,16 @@ def _latent_dims_reasons(dims) -> list[str]:
     """The decode kernels' latent row: 512 latent and 64 rotary values (DeepSeek's and Kimi-K2's)."""
     if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
         return [f"kv_lora_rank {dims.kv_lora_rank} / qk_rope_head_dim {dims.qk_rope_head_dim}; supported: 512 / 64"]
+    return []
+
+
+def _sparse_fp8_reasons(platform: Platform, kv_dtype: torch.dtype) -> list[str]:
+    """Why `platform` cannot read an FP8 or fp8_ds_mla sparse cache (the dequantising launch and the kernels'
+    FP8 reads convert float8_e4m3fn in Triton, which NVIDIA GPUs before sm_89 lack)."""
+    fp8 = kv_dtype == torch.uint8 or kv_dtype in FP8_DTYPES
+    if fp8 and platform.is_cuda() and not platform.has_device_capability(8, 9):
+        return [f"NVIDIA {platform.arch} has no float8_e4m3fn conversion in Triton (sm_89+): the FP8 and "
+                "fp8_ds_mla sparse caches need it"]
     return []
 
 
@@ -113,12 +124,13 @@ class TritonPrefillImpl(MLAPrefillImpl):
     def takes_split_key(self) -> bool:
         """Whether the keys' shared rotary part may come apart (`forward_varlen(k_pe=)`): the kernel then reads
         one rotary key for every head instead of a copy per head (a fifth of a chunk's K and V, for MLA)."""
-        from mla_multi.kernels.prefill import _split_head_dim_qk, split_key_reason
+        from mla_multi.kernels.prefill import split_key_reason
+        from mla_multi.kernels.prefill_inputs import split_head_dim_qk
 
         if _interpreted(current_platform()) or split_key_reason(current_platform()):
             return False
         rope = self.qk_rope_head_dim
-        return _split_head_dim_qk(self.qk_nope_head_dim + rope) == (self.qk_nope_head_dim, rope)
+        return split_head_dim_qk(self.qk_nope_head_dim + rope) == (self.qk_nope_head_dim, rope)
 
     # `forward_varlen(out=)` writes the output into a given [T, N, V] buffer
     takes_out = True
@@ -130,6 +142,16 @@ class TritonPrefillImpl(MLAPrefillImpl):
         from mla_multi.kernels.prefill import merge_reason
 
         return not _interpreted(current_platform()) and not merge_reason(current_platform())
+
+    def serves_short_prefills(self, dtype: torch.dtype) -> bool:
+        """Where sm_90's prefill kernel runs (a GPU launch of `dtype` at these head dims): it is the faster
+        for short prefills, the rotary key taken apart (bench/RESULTS.md, "Prefill on sm_90: ...")."""
+        from mla_multi.kernels.prefill_wgmma import wgmma_prefill_reason
+
+        if self.device is None or torch.device(self.device).type != "cuda":
+            return False
+        return not wgmma_prefill_reason(current_platform(), dtype, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                        self.v_head_dim)
 
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
                        k_pe=None, out=None, lse=None, merge=False):
@@ -161,15 +183,14 @@ class TritonPrefillBackend(_TritonRequirements, MLAPrefillBackend):
 
 
 class TritonDecodeImpl(MLADecodeImpl):
+    chooses_num_kv_splits = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.platform = current_platform()
         self.max_num_kv_splits: int | None = None
         self.max_model_len: int | None = None
         self.max_partial_rows: int | None = None
-        # eager calls without a step (the sparse decode's, a functional call's): their layout -> (the output's
-        # specs, the split count, the bound kernels), so that a repeated call allocates and launches only
-        self._eager_plans: dict = {}
 
     def _workspace_specs(self, num_rows: int, num_splits: int, out_shape, out_dtype):
         from mla_multi.kernels.mla_decode import attn_logits_width
@@ -239,77 +260,110 @@ class TritonDecodeImpl(MLADecodeImpl):
             )
         return max(1, min(int(num_kv_splits), limit))
 
-    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
-                    workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
-                    masked_entries: bool = False, min_tokens_per_split: int | None = None):
-        """See `MLADecodeImpl.forward_mqa`. `step_plans` (a step's `metadata.backend_plans`) keeps the
-        workspace views and the bound kernels of the step, so that every later layer only launches.
-        `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the block table);
-        `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits` too."""
-        from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
-
-        if k_scale is not None and not torch.is_tensor(k_scale):
-            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
-        key = eager_key = None
-        if step_plans is not None and workspace_manager is not None:
-            key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
-                   id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
-                   max_seq_len, id(workspace_manager), self.scale, capturing(q_nope), masked_entries)
-            found = step_plans.get(key)
-            if found is not None and found[0] is workspace_manager._buffer:
-                _, attn_logits, out, lse, plan = found
-                plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
-                return out, lse
-        elif step_plans is None and workspace_manager is None and q_nope.device.type == "cuda":
-            from mla_multi import envs
-
-            # everything the split count and the bound kernels depend on: the layouts (the cache's 4-byte
-            # alignment too), the bounds, the reservation, a capture in progress, the MLA_MULTI_* environment
-            eager_key = (layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache), kv_cache.data_ptr() % 4,
-                         layout_key(block_table), layout_key(seq_lens), None if k_scale is None else layout_key(k_scale),
-                         num_kv_splits, max_seq_len, masked_entries, min_tokens_per_split, capturing(q_nope),
-                         self.max_num_kv_splits,
-                         self.max_model_len, self.max_partial_rows, envs.snapshot())
-            found = self._eager_plans.get(eager_key)
-            if found is not None:
-                (partials, out_spec, lse_spec), plan = found
-                out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in (out_spec, lse_spec))
-                attn_logits = shared_split_partials(*partials, q_nope.device)
-                plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
-                return out, lse
+    def bind(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
+             max_seq_len: int | None = None, masked_entries: bool = False,
+             min_tokens_per_split: int | None = None) -> TritonDecodeLaunch:
+        """See `MLADecodeImpl.bind`: the split count (`choose_num_kv_splits`) and, on a GPU, the kernels bound
+        at the first launch. `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the
+        block table); `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits`
+        too."""
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
             batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1],
             min_tokens_per_split=min_tokens_per_split,
         )
-        out_shape = tuple(q_nope.shape)
-        specs = self._workspace_specs(batch * q_len, num_kv_splits, out_shape, q_nope.dtype)
-        if workspace_manager is not None:
-            attn_logits, out, lse = workspace_manager.get_simultaneous(*specs)
-        else:
-            out, lse = (torch.empty(shape, dtype=dtype, device=q_nope.device) for shape, dtype in specs[1:])
-            attn_logits = shared_split_partials(batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank,
-                                                q_nope.device)
-        if (key is None and eager_key is None) or q_nope.device.type != "cuda":
-            return mla_decode_fwd(
-                q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
-                num_kv_splits=num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=self.platform,
-                masked_entries=masked_entries,
-            )
-        plan = DecodeKernelPlan(
-            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
-            platform=self.platform, masked_entries=masked_entries,
+        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries)
+
+    def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
+                    workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
+                    masked_entries: bool = False, min_tokens_per_split: int | None = None):
+        """See `MLADecodeImpl.forward_mqa`: `bind`, then launch. `step_plans` (a step's
+        `metadata.backend_plans`, owned by the caller) keeps the step's launches, so that every later layer
+        only launches; without it every call binds anew."""
+        from mla_multi.kernels.launch import layout_key
+        from mla_multi.kernels.mla_decode import capturing
+
+        if k_scale is not None and not torch.is_tensor(k_scale):
+            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
+        bind = functools.partial(
+            self.bind, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale, num_kv_splits=num_kv_splits,
+            max_seq_len=max_seq_len, masked_entries=masked_entries, min_tokens_per_split=min_tokens_per_split,
         )
-        plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, self.scale)
-        if key is not None:
-            step_plans[key] = (workspace_manager._buffer, attn_logits, out, lse, plan)
+        if step_plans is None:
+            launch = bind()
         else:
-            if len(self._eager_plans) >= 64:
-                self._eager_plans.clear()
-            partials = (batch * q_len, self.num_heads, num_kv_splits, self.kv_lora_rank)
-            self._eager_plans[eager_key] = ((partials, specs[1], specs[2]), plan)
+            key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
+                   id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
+                   max_seq_len, min_tokens_per_split, id(workspace_manager), capturing(q_nope), masked_entries)
+            launch = step_plans.get(key)
+            if launch is None:
+                launch = step_plans[key] = bind()
+        return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
+                      workspace_manager=workspace_manager)
+
+
+class TritonDecodeLaunch(DecodeLaunch):
+    """TRITON's decode bound to one layout (`TritonDecodeImpl.bind`): the split count, the output's specs and,
+    on a GPU, the bound kernels (`DecodeKernelPlan`), one per capture state and scratch source, made at their
+    first launch. Partials come from the given `workspace_manager` (views kept while its buffer stays), the
+    caller (`attn_logits`) or the device's shared workspace (`shared_split_partials`)."""
+
+    def __init__(self, impl: TritonDecodeImpl, q_nope: torch.Tensor, num_kv_splits: int, masked_entries: bool) -> None:
+        super().__init__(impl, num_kv_splits)
+        batch = q_nope.shape[0]
+        q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
+        self.device = q_nope.device
+        self.masked_entries = masked_entries
+        self.out_spec = (tuple(q_nope.shape), q_nope.dtype)
+        self.lse_spec = (tuple(q_nope.shape[:-1]), torch.float32)
+        self.partial_dims = (batch * q_len, impl.num_heads, num_kv_splits, impl.kv_lora_rank)
+        # bound kernels on a GPU; under the interpreter every launch goes through Triton
+        self.bound = q_nope.device.type == "cuda" and not interpreter_active()
+        self._kernels: dict = {}  # (capturing, from a workspace) -> DecodeKernelPlan
+        self._views = None  # (the workspace's buffer, its (partials, out, lse) views)
+
+    def new_partials(self) -> torch.Tensor:
+        from mla_multi.kernels.mla_decode import split_partials
+
+        return split_partials(*self.partial_dims, self.device)
+
+    def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
+                 lse=None, attn_logits=None, workspace_manager=None):
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
+
+        impl = self.impl
+        if workspace_manager is not None:
+            views = self._views
+            if views is None or views[0] is not workspace_manager._buffer:
+                specs = impl._workspace_specs(self.partial_dims[0], self.num_kv_splits, *self.out_spec)
+                found = workspace_manager.get_simultaneous(*specs)
+                views = self._views = (workspace_manager._buffer, found)
+            partials, step_out, step_lse = views[1]
+            attn_logits = partials if attn_logits is None else attn_logits
+            out = step_out if out is None else out
+            lse = step_lse if lse is None else lse
+        else:
+            if out is None:
+                out = torch.empty(self.out_spec[0], dtype=self.out_spec[1], device=q_nope.device)
+            if lse is None:
+                lse = torch.empty(self.lse_spec[0], dtype=torch.float32, device=q_nope.device)
+            if attn_logits is None:
+                attn_logits = shared_split_partials(*self.partial_dims, q_nope.device)
+        if not self.bound:
+            return mla_decode_fwd(
+                q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
+                num_kv_splits=self.num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=impl.platform,
+                masked_entries=self.masked_entries,
+            )
+        state = (capturing(q_nope), workspace_manager is not None)
+        kernels = self._kernels.get(state)
+        if kernels is None:
+            kernels = self._kernels[state] = DecodeKernelPlan(
+                q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
+                platform=impl.platform, masked_entries=self.masked_entries,
+            )
+        kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
         return out, lse
 
 
@@ -337,7 +391,84 @@ class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):
 _SPARSE_MIN_TOKENS_PER_SPLIT = 64
 
 
-class TritonSparseDecodeImpl(MLASparseImpl):
+class _SparseThroughDense(MLASparseImpl):
+    """Sparse MLA on the dense split-KV decode kernels: every query token a request whose block-table row is
+    its compacted index list over a cache of one-token pages. The dense impls and their launches are bound
+    at the first call and kept: the impl belongs to one layout (the sparse op's plan), so a later call only
+    compacts and launches; a call of another layout binds again."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dense: dict = {}  # the pages' dtype -> the dense decode impl reading them
+        self._launches: dict = {}  # which way (in place, masked, dequantised...) -> (its layout key, the launch)
+        from mla_multi.kernels.sparse_indices import Scratch
+
+        self._scratch = Scratch()  # the compacted table and lengths, reused by eager calls
+
+    def _decode_pages(self, way: str, q_nope, q_pe, pages, table, lens, scale: float, k_scale=None):
+        """Decode one-token `pages` [slots, 1, W] through `table` [T, n] and `lens` [T] with the dense kernels.
+        way: "masked" (fp8_ds_mla pages read in place, `table` the index lists as they are: -1 masked by the
+        kernels), "in place" (fp8_ds_mla pages read in place, a compacted table) or "pages" (16-bit or FP8
+        pages, a compacted table). Read in place, a list splits down to one 64-token tile."""
+        in_place = way != "pages"
+        launch = self._dense_launch(way, q_nope, q_pe, pages, table, lens, k_scale, masked_entries=way == "masked",
+                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT if in_place else None)
+        return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale)
+
+    def _dense_launch(self, way: str, q_nope, q_pe, pages, table, lens, k_scale, *, masked_entries=False,
+                      min_tokens_per_split=None):
+        """The dense decode launch of `way` for these tensors: the one bound before where their layout is the
+        same, else a new one."""
+        from mla_multi.kernels.launch import layout_key
+        from mla_multi.kernels.mla_decode import capturing
+
+        key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
+               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope))
+        found = self._launches.get(way)
+        if found is not None and found[0] == key:
+            return found[1]
+        impl = self._dense.get(pages.dtype)
+        if impl is None:
+            impl = self._dense[pages.dtype] = TritonDecodeImpl(
+                self.num_heads, 1.0, self.kv_lora_rank, self.qk_rope_head_dim, pages.dtype, 1, q_nope.device
+            )
+        launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
+                           min_tokens_per_split=min_tokens_per_split)
+        self._launches[way] = (key, launch)
+        return launch
+
+    def _through_dense(self, q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink, *,
+                       out_of_range_is_none: bool = False, in_place: bool = False, lists_as_they_are: bool = False):
+        """Compact the indices into one-token pages and decode them with the dense kernels. `in_place`: an
+        fp8_ds_mla cache the kernels read as it is (splits down to one tile); with `lists_as_they_are` and no
+        topk_length they take the index lists themselves (-1 masked), and nothing is compacted."""
+        from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
+
+        num_slots = kv.shape[0] * kv.shape[1]
+        pages = kv.reshape(num_slots, 1, kv.shape[-1])
+        if (in_place and lists_as_they_are and topk_length is None and not out_of_range_is_none
+                and indices.stride(-1) == 1):
+            tokens, topk = indices.shape
+            # every token's whole index list
+            lens = self._scratch.full("full lengths", (tokens,), topk, torch.int32, indices.device)
+            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale)
+        else:
+            tokens, topk = indices.shape
+            out = (self._scratch.get("table", (tokens, max(topk, 1)), torch.int32, indices.device),
+                   self._scratch.get("lens", (tokens,), torch.int32, indices.device))
+            table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none,
+                                          out=out)
+            if not in_place and kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: rows dequantised first
+                pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+            out, lse = self._decode_pages("in place" if in_place else "pages", q_nope, q_pe, pages, table, lens,
+                                          scale, k_scale)
+        if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
+            factor = torch.sigmoid(lse - attn_sink)
+            out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
+        return out, lse
+
+
+class TritonSparseDecodeImpl(_SparseThroughDense):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
     kernels): 16-bit and per-tensor FP8 caches as they are; an fp8_ds_mla cache in place on sm_90 (the
@@ -345,16 +476,10 @@ class TritonSparseDecodeImpl(MLASparseImpl):
     kernels read the index lists themselves, -1 masked, and nothing is compacted), elsewhere its named rows
     first dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._in_place = None  # the dense decode impl that reads fp8_ds_mla pages in place (made on first use)
-
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        in_place = None
-        if kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype):
-            in_place = functools.partial(self._decode_in_place, scale=scale)
-        return _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                            in_place=in_place, lists_as_they_are=self._lists_as_they_are(q_nope))
+        in_place = kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype)
+        return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
+                                   in_place=in_place, lists_as_they_are=in_place and self._lists_as_they_are(q_nope))
 
     def _lists_as_they_are(self, q_nope) -> bool:
         """Whether the in-place kernels read the index lists themselves (-1 masked in the kernel) rather than a
@@ -368,7 +493,6 @@ class TritonSparseDecodeImpl(MLASparseImpl):
     @functools.cached_property
     def _platform_reason(self) -> str:
         """Why this device's decode kernels cannot read fp8_ds_mla rows in place ("" where they can)."""
-        from mla_multi.kernels import interpreter_active
         from mla_multi.kernels.mla_decode import ds_mla_decode_reason
 
         if self.device is None or torch.device(self.device).type != "cuda" or interpreter_active():
@@ -386,70 +510,6 @@ class TritonSparseDecodeImpl(MLASparseImpl):
         if kv.data_ptr() % 4 or kv.stride(0) % 4 or kv.stride(1) % 4:
             return ds_mla_decode_reason(current_platform(), kv)
         return ""
-
-    def _decode_in_place(self, q_nope, q_pe, pages, table, lens, *, scale, masked_entries=False):
-        """The dense decode impl over an fp8_ds_mla cache of one-token pages (`pages` [slots, 1, 656]), its split
-        count chosen with splits down to one tile (and kept, with the bound kernels, per layout by the impl's
-        eager plans). masked_entries: `table` is the index lists as they are (-1: no token, masked by the
-        kernel) and `lens` their full length."""
-        decode = self._in_place
-        if decode is None:
-            decode = self._in_place = TritonDecodeImpl(
-                self.num_heads, 1.0, self.kv_lora_rank, self.qk_rope_head_dim, torch.uint8, 1, q_nope.device
-            )
-        decode.scale = float(scale)
-        return decode.forward_mqa(q_nope, q_pe, pages, table, lens, masked_entries=masked_entries,
-                                  min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
-
-
-def _sparse_through_dense_decode(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                 out_of_range_is_none: bool = False, in_place=None, lists_as_they_are: bool = False):
-    """Compact the indices into one-token pages and decode them with the dense kernels; `in_place`, for an
-    fp8_ds_mla cache its kernels read as it is: (q_nope, q_pe, pages, table, lens, masked_entries=False) ->
-    (out, lse). With `lists_as_they_are` and no topk_length, `in_place` takes the index lists themselves
-    (masked_entries=True)."""
-    from mla_multi import ops
-    from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
-
-    num_slots = kv.shape[0] * kv.shape[1]
-    if (in_place is not None and lists_as_they_are and topk_length is None and not out_of_range_is_none
-            and indices.stride(-1) == 1):
-        # the kernels read the index lists as they are (-1 masked): no compaction launch
-        out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), indices,
-                            _full_lengths(indices), masked_entries=True)
-    else:
-        table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none)
-        if in_place is not None:
-            out, lse = in_place(q_nope, q_pe, kv.reshape(num_slots, 1, kv.shape[-1]), table, lens)
-        else:
-            if kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: its named rows dequantised into pages
-                pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
-            else:
-                pages = kv.reshape(num_slots, 1, kv.shape[-1])
-            out, lse = ops.mla_decode(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, backend="TRITON",
-                                      return_lse=True)
-    if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
-        factor = torch.sigmoid(lse - attn_sink)
-        out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
-    return out, lse
-
-
-_FULL_LENGTHS: dict = {}
-
-
-def _full_lengths(indices: torch.Tensor) -> torch.Tensor:
-    """int32 [tokens] holding topk: every token's whole index list (kept per shape and device, except when made
-    during a CUDA-graph capture, whose memory the graph owns)."""
-    tokens, topk = indices.shape
-    key = (indices.device, tokens, topk)
-    lengths = _FULL_LENGTHS.get(key)
-    if lengths is None:
-        lengths = torch.full((tokens,), topk, dtype=torch.int32, device=indices.device)
-        if not (indices.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if len(_FULL_LENGTHS) >= 64:
-                _FULL_LENGTHS.clear()
-            _FULL_LENGTHS[key] = lengths
-    return lengths
 
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
@@ -469,11 +529,7 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
         if platform.is_cuda() and config.kv_dtype == torch.float8_e4m3fnuz:
             reasons.append("a float8_e4m3fnuz cache on NVIDIA: its FP8 flavour is float8_e4m3fn")
         if not _interpreted(platform):
-            from mla_multi.kernels.sparse_decode import fp8_reason
-
-            reason = fp8_reason(platform, config.kv_dtype)
-            if reason:
-                reasons.append(reason)
+            reasons += _sparse_fp8_reasons(platform, config.kv_dtype)
         return reasons
 
     @staticmethod
@@ -481,13 +537,13 @@ class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
         return TritonSparseDecodeImpl
 
 
-class TritonSparsePrefillImpl(MLASparseImpl):
+class TritonSparsePrefillImpl(_SparseThroughDense):
     """Every query token a decode request over the kv rows as one-token pages: the compacted indices (an index
     outside [0, S_kv) is no token) feed the dense decode kernels."""
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        return _sparse_through_dense_decode(q_nope, q_pe, kv.unsqueeze(1), indices, scale, None, topk_length,
-                                            attn_sink, out_of_range_is_none=True)
+        return self._through_dense(q_nope, q_pe, kv.unsqueeze(1), indices, scale, None, topk_length, attn_sink,
+                                   out_of_range_is_none=True)
 
 
 class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):

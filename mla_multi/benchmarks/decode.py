@@ -98,7 +98,7 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.kernels.launch_config import decode_config
-    from mla_multi.kernels.mla_decode import attn_logits_width, mla_decode_fwd
+    from mla_multi.kernels.mla_decode import DecodeKernelPlan, attn_logits_width, capturing
     from mla_multi.platforms import current_platform
 
     platform = current_platform()
@@ -128,11 +128,15 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
     config = config or decode_config(platform, heads, 1, cache_dtype)
     state = {"i": 0}
 
+    kernels = {}  # capturing or not -> the kernels bound once (a captured launch may take TMA)
+
     def call(table):
-        mla_decode_fwd(
-            q_nope, q_pe, cache, table, seq_lens, 576**-0.5,
-            k_scale=k_scale, num_kv_splits=splits, attn_logits=attn_logits, out=out, lse=lse, config=config,
-        )
+        plan = kernels.get(capturing(q_nope))
+        if plan is None:
+            plan = kernels[capturing(q_nope)] = DecodeKernelPlan(
+                q_nope, q_pe, cache, table, seq_lens, k_scale, splits, attn_logits, out, lse, config=config
+            )
+        plan.launch(q_nope, q_pe, cache, table, seq_lens, k_scale, attn_logits, out, lse, 576**-0.5)
 
     def run():
         call(block_tables[state["i"] % copies])
@@ -184,7 +188,8 @@ GRAPHABLE_EXCLUDED = ("REFERENCE",)
 
 
 def installed_decode_backends(config) -> tuple[list[str], str | None, dict[str, list[str]]]:
-    """(backends that can run `config` here, the registry's choice, reasons of the others)."""
+    """(backends that can run `config` here, the registry's choice for it (for its `num_tokens` where the
+    config was planned with one), reasons of the others)."""
     from mla_multi import registry
 
     rows = registry.default_registry.explain("decode", config)
@@ -209,7 +214,9 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
     from mla_multi.workspace import WorkspaceManager
 
     dims = MLADims.deepseek_v3(num_heads=heads)
-    config = registry.decode_config(dims, torch.bfloat16, cache_dtype, block_size, q_len)
+    # planned with its batch, as `ops.mla_decode` and the layer's step plan it: "chosen" is the registry's
+    # choice at this batch (a rule may depend on it)
+    config = registry.decode_config(dims, torch.bfloat16, cache_dtype, block_size, q_len, num_tokens=batch * q_len)
     usable, chosen, _ = installed_decode_backends(config)
     if backends:
         usable = [b for b in usable if b in backends]
@@ -253,12 +260,15 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
                 plans = [impl.plan(seq_lens.cpu(), table, q_len, k_scale=k_scale, cuda_graph=True, slot=base + i)
                          for i, table in enumerate(tables)]
             outs = []
+            # each copy's decode bound once (`MLADecodeImpl.bind`), as the layer's step binds it
+            launches = [impl.bind(q_nope, q_pe, cache, table, seq_lens, k_scale=k_scale, max_seq_len=seq_len,
+                                  **({} if plan is None else {"plan": plan}))
+                        for table, plan in zip(tables, plans)]
 
-            def run_all(impl=impl, workspace=workspace, plans=plans, outs=outs):
-                for table, plan in zip(tables, plans):
-                    extra = {} if plan is None else {"plan": plan}
-                    out = impl.forward_mqa(q_nope, q_pe, cache, table, seq_lens, k_scale=k_scale,
-                                           workspace_manager=workspace, max_seq_len=seq_len, **extra)[0]
+            def run_all(launches=launches, workspace=workspace, outs=outs):
+                for table, launch in zip(tables, launches):
+                    out = launch(q_nope, q_pe, cache, table, seq_lens, scale, k_scale=k_scale,
+                                 workspace_manager=workspace)[0]
                     if not outs:  # the first copy's output, before a workspace reuse overwrites it
                         outs.append(out.float().clone())
 
@@ -276,10 +286,9 @@ def bench_backends_case(batch, seq_len, heads, block_size, cache_dtype, q_len=1,
             row["tflop_s"][name] = flops / (ms * 1e-3) / 1e12
             del graph
             # the eager call as an engine makes it (the plan made outside, the host path included)
-            extra = {} if plans[0] is None else {"plan": plans[0]}
             eager = triton.testing.do_bench(
-                lambda: impl.forward_mqa(q_nope, q_pe, cache, tables[0], seq_lens, k_scale=k_scale,
-                                         workspace_manager=workspace, max_seq_len=seq_len, **extra),
+                lambda: launches[0](q_nope, q_pe, cache, tables[0], seq_lens, scale, k_scale=k_scale,
+                                    workspace_manager=workspace),
                 warmup=25, rep=100, return_mode="median")
             row.setdefault("eager_us", {})[name] = eager * 1e3
         except Exception as error:  # one backend failing must not hide the others

@@ -22,3 +22,14 @@ def interpreter_active() -> bool:
         return bool(knobs.runtime.interpret)
     except Exception:  # a Triton without knobs reads the variable itself
         return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def rows_of_heads(tensor) -> bool:
+    """Whether each token's heads lie side by side inside its row: a [rows, heads, dim] tensor with the heads'
+    stride at least dim and the row stride at least all of them (or [rows, dim] with the row stride at least
+    dim), as the TMA descriptors of the sm_90 kernels view a tensor ([rows, columns]). A [T, N, D] view of an
+    [N, T, D] tensor, as transformers leaves the query, is not."""
+    if tensor.dim() == 2:
+        return tensor.stride(0) >= tensor.shape[1]
+    heads, dim = tensor.shape[1], tensor.shape[2]
+    return (heads == 1 or tensor.stride(1) >= dim) and tensor.stride(0) >= (heads - 1) * tensor.stride(1) + dim

@@ -635,8 +635,6 @@ def _check_inputs(
     return batch, q_len, num_heads, kv_lora_rank, rope_dim
 
 
-
-
 def mla_decode_fwd(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -689,54 +687,12 @@ def mla_decode_fwd(
     Returns:
         (out, lse), the buffers passed in.
     """
-    if platform is None:
-        from mla_multi.platforms import current_platform
-
-        platform = current_platform()
-    try:
-        key = decode_plan_key(
-            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, config,
-            platform, error_flag,
-        ) + (bool(masked_entries),)
-    except (AttributeError, TypeError):  # not tensors: the plan's checks say what was wrong
-        key = None
-    plan = _KERNEL_PLANS.get(key)
-    if plan is None:
-        plan = DecodeKernelPlan(
-            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
-            config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries,
-        )
-        if len(_KERNEL_PLANS) >= _KERNEL_PLANS_MAX:
-            _KERNEL_PLANS.clear()
-        if key is not None and not isinstance(num_kv_splits, bool):
-            _KERNEL_PLANS[key] = plan
+    plan = DecodeKernelPlan(
+        q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
+        config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries,
+    )
     plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
     return out, lse
-
-
-# key (`decode_plan_key`) -> DecodeKernelPlan: a repeated call with the same shapes, strides, dtypes and
-# alignment skips the checks, the launch configuration and Triton's argument binding
-_KERNEL_PLANS: dict = {}
-_KERNEL_PLANS_MAX = 512
-
-
-def _layout(tensor: torch.Tensor) -> tuple:
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
-
-
-def decode_plan_key(
-    q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, config, platform,
-    error_flag,
-) -> tuple:
-    """What a `DecodeKernelPlan` depends on: every tensor's shape, strides, dtype, device and 16-byte
-    alignment (Triton's specialisation), the split count, the configuration, the platform and whether a
-    CUDA graph is being captured (`eager_tma`)."""
-    return (
-        _layout(q_nope), _layout(q_pe), _layout(kv_cache), kv_cache.data_ptr() % 4, _layout(block_table),
-        _layout(seq_lens), None if k_scale is None else _layout(k_scale), num_kv_splits, _layout(attn_logits),
-        _layout(out), _layout(lse), config, id(platform), None if error_flag is None else _layout(error_flag),
-        None if error_flag is None else error_flag.data_ptr(), capturing(q_nope),
-    )
 
 
 def capturing(tensor: torch.Tensor) -> bool:
@@ -760,9 +716,12 @@ class DecodeKernelPlan:
     """The launches of one decode shape: checked once, configured once, bound once.
 
     Built from one set of tensors (see `mla_decode_fwd` for their meaning);
-    `launch` then runs any tensors with the same `decode_plan_key` without
+    `launch` then runs any tensors with the same shapes, strides, dtypes,
+    devices and 16-byte alignment (Triton's specialisation), the cache's
+    4-byte alignment and capture state (`eager_tma`) included, without
     further Python work than passing them on: no checks, no configuration,
-    no allocation, no synchronisation.
+    no allocation, no synchronisation. The plan belongs to its caller
+    (`TritonDecodeLaunch`); `mla_decode_fwd` makes one a call.
     """
 
     def __init__(

@@ -63,7 +63,9 @@ import functools
 import torch
 
 from mla_multi import errors
+from mla_multi.kernels import rows_of_heads
 from mla_multi.kernels.launch import BoundLaunch, alignment_key
+from mla_multi.kernels.prefill_inputs import check_inputs
 from mla_multi.kernels.mla_decode_wgmma import gluon, gluon_available
 
 if gluon is not None:
@@ -81,7 +83,8 @@ if gluon is not None:
 
     _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
-__all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "BLOCK_M", "BLOCK_N", "STAGES"]
+__all__ = ["wgmma_prefill_reason", "varlen_attention_wgmma", "takes", "takes_reason", "layout_reason",
+           "query_for_kernel", "BLOCK_M", "BLOCK_N", "STAGES"]
 
 BLOCK_M = 128  # query rows a program: two warpgroups of 64
 BLOCK_N = 128  # keys a tile
@@ -649,21 +652,63 @@ def _descriptor(tensor: torch.Tensor, block: list[int]):
 
 
 def takes(q, k, v, k_pe, platform) -> bool:
-    """Whether `prefill.varlen_attention` hands these tensors to this kernel: `wgmma_prefill_reason` holds,
-    every tensor's rows start on 16 bytes (TMA), and there are at least a tile of queries and of keys."""
-    if q.device.type != "cuda" or wgmma_prefill_reason(platform, q.dtype, q.shape[2], v.shape[2]):
-        return False
+    """Whether `prefill.varlen_attention` hands these tensors to this kernel as they are: CUDA tensors and
+    `takes_reason` empty (see `query_for_kernel` for a query whose layout alone keeps it out)."""
+    return q.device.type == "cuda" and not takes_reason(q, k, v, k_pe, platform)
+
+
+def takes_reason(q, k, v, k_pe, platform, *, query_layout: bool = True) -> str:
+    """Why this kernel does not take these tensors ("" where it does; their device is the caller's to check):
+    `wgmma_prefill_reason`, at least a tile of queries and of keys, the key's split, and every tensor's layout
+    (`layout_reason`: its rows on 16 bytes, each token's heads side by side, for TMA). query_layout=False
+    leaves q's layout out: the reason for a contiguous copy of q."""
+    why = wgmma_prefill_reason(platform, q.dtype, q.shape[2], v.shape[2])
+    if why:
+        return why
     if q.shape[0] < BLOCK_M or k.shape[0] < BLOCK_N:
-        return False
+        return f"{q.shape[0]} queries / {k.shape[0]} keys: fewer than a tile ({BLOCK_M} / {BLOCK_N})"
     if k.shape[2] != (NOPE_DIM if k_pe is not None else NOPE_DIM + ROPE_DIM):
-        return False
+        return f"k has {k.shape[2]} columns a head; accepted: {NOPE_DIM} with k_pe apart, else {NOPE_DIM + ROPE_DIM}"
     if k_pe is not None and k_pe.dim() == 3 and k_pe.shape[1] > 1:  # a rotary key per head: not run on a GPU yet
-        return False
-    for tensor in (q, k, v, k_pe):
-        if tensor is not None and (tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16
-                                   or tensor.stride(-1) != 1 or not _rows_of_heads(tensor)):
-            return False
-    return True
+        return "a rotary key per head (k_pe [S, heads, 64]): not run on a GPU yet"
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("k_pe", k_pe)):
+        if tensor is None or (name == "q" and not query_layout):
+            continue
+        why = layout_reason(tensor)
+        if why:
+            return f"{name}: {why}"
+    return ""
+
+
+def layout_reason(tensor: torch.Tensor) -> str:
+    """Why the kernel's TMA descriptors cannot read `tensor` ([rows, heads, dim] or [rows, dim]) where it lies
+    ("" where they can): each descriptor views it as [rows, columns] with the row stride of dim 0, so its
+    address and row stride must be multiples of 16 bytes, its last dimension contiguous and each row's heads
+    side by side (`_rows_of_heads`). A [T, N, D] view of a [N, T, D] tensor (transformers' query,
+    ``query_states[0].transpose(0, 1)``) is not: its heads lie T rows apart."""
+    if tensor.stride(-1) != 1:
+        return f"strides {tuple(tensor.stride())}: the last dimension is not contiguous"
+    if tensor.data_ptr() % 16 or (tensor.stride(0) * tensor.element_size()) % 16:
+        return (f"address {tensor.data_ptr()} / row stride {tensor.stride(0)}: rows do not start on 16 bytes")
+    if not _rows_of_heads(tensor):
+        return (f"shape {tuple(tensor.shape)} with strides {tuple(tensor.stride())}: each row's heads do not lie "
+                "side by side (heads outermost, as a [T, N, D] view of a [N, T, D] tensor)")
+    return ""
+
+
+def query_for_kernel(q, k, v, k_pe, platform) -> torch.Tensor | None:
+    """The query `prefill.varlen_attention`'s default launch gives this kernel: q itself where `takes` holds; a
+    contiguous copy of q where only q's layout keeps the kernel from it (transformers' query is a [T, N, 192]
+    view of [1, N, T, 192]: copied once, T x N x 192 values read and written, where the kernel reads each
+    query tile once and its K and V once a tile: the Triton kernel it would otherwise fall back to is 1.14-1.27x
+    this one's time); None where the kernel does not take these tensors. Their device is the caller's to check
+    (`prefill._sm90_kernel` asks for CUDA tensors only)."""
+    why = takes_reason(q, k, v, k_pe, platform)
+    if not why:
+        return q
+    if why.startswith("q: ") and not takes_reason(q, k, v, k_pe, platform, query_layout=False):
+        return q.contiguous()
+    return None
 
 
 def _tma_rows(out: torch.Tensor) -> bool:
@@ -673,13 +718,8 @@ def _tma_rows(out: torch.Tensor) -> bool:
             and (out.stride(1) * out.element_size()) % 16 == 0 and _rows_of_heads(out))
 
 
-def _rows_of_heads(tensor: torch.Tensor) -> bool:
-    """Whether each token's heads lie side by side inside its row ([rows, heads, dim] with the heads' stride at
-    least dim and the row stride at least all of them), as the descriptors view the tensor."""
-    if tensor.dim() == 2:
-        return tensor.stride(0) >= tensor.shape[1]
-    heads, dim = tensor.shape[1], tensor.shape[2]
-    return (heads == 1 or tensor.stride(1) >= dim) and tensor.stride(0) >= (heads - 1) * tensor.stride(1) + dim
+# whether each token's heads lie side by side inside its row, as the descriptors view the tensor
+_rows_of_heads = rows_of_heads
 
 
 @functools.lru_cache(maxsize=16)
@@ -731,9 +771,7 @@ def varlen_attention_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     are sorted by cost (None: `band_of`); False: each program walks its items in a fixed order (`_item`),
     which balances equal sequences up to `PERSISTENT_MAX_SEQLEN_Q` but leaves programs finishing apart on
     ragged batches and long sequences; None: `takes_dynamic`."""
-    from mla_multi.kernels.prefill import _check_inputs
-
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, k_pe)
     if merge and (out is None or lse is None or not return_lse):
         raise ValueError("merge=True needs out and lse holding the result to merge into, and return_lse=True")
     for name, tensor in (("q", q), ("k", k), ("v", v), ("k_pe", k_pe)):

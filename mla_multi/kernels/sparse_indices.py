@@ -107,13 +107,17 @@ def _compact_indices_kernel(
 
 
 def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
-                    out_of_range_is_none: bool = False):
+                    out_of_range_is_none: bool = False, out: tuple | None = None):
     """(table [T, topk] int32, lens [T] int32): each token's valid indices first, in order, as the block-table
     row of a paged cache of one-token pages (slot = page), and their count; a token with a bad index (outside
-    [-1, num_slots)) gets lens = topk + 1, which the dense decode turns into NaN rows, and the error flag."""
+    [-1, num_slots)) gets lens = topk + 1, which the dense decode turns into NaN rows, and the error flag.
+    `out`: a (table, lens) pair of those shapes to write (`scratch`) instead of new tensors."""
     tokens, topk = indices.shape
-    table = torch.empty((tokens, max(topk, 1)), dtype=torch.int32, device=indices.device)
-    lens = torch.empty(tokens, dtype=torch.int32, device=indices.device)
+    if out is None:
+        table = torch.empty((tokens, max(topk, 1)), dtype=torch.int32, device=indices.device)
+        lens = torch.empty(tokens, dtype=torch.int32, device=indices.device)
+    else:
+        table, lens = out
     if tokens:
         launch = _bound(
             _compact_indices_kernel, (tokens,),
@@ -125,6 +129,33 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
         launch(indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
                num_slots, topk, indices.stride(0), table.stride(0))
     return table, lens
+
+
+class Scratch:
+    """Index buffers that live only while one call's kernels run, kept for the calls of one layout: an eager
+    call reuses them (the next call's kernels follow this one's in stream order), a call being captured in a
+    CUDA graph gets its own (the graph must not share them with later eager calls)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.empty(shape, dtype=dtype, device=device)
+        found = self._buffers.get(name)
+        if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
+            found = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return found
+
+
+    def full(self, name: str, shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of `value` everywhere, made once (a capture gets its own)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.full(shape, value, dtype=dtype, device=device)
+        found = self._buffers.get(name)
+        if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
+            found = self._buffers[name] = torch.full(shape, value, dtype=dtype, device=device)
+        return found
 
 
 # bound launches of the index kernels, by the layouts of their tensors (see `mla_multi.kernels.launch`)
@@ -223,6 +254,7 @@ class SparseIndexPlan:
         self.bad_is_error = bad_is_error
         self.has_length = has_length
         self.gpu = device.type == "cuda"
+        self.scratch = Scratch()  # the sanitised copy and the marks, reused by eager calls
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             self._sanitize = BoundLaunch(
@@ -246,8 +278,8 @@ class SparseIndexPlan:
             bad = (outside & (indices != -1)).any(dim=-1)
             errors.error_flag(indices.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
             return clean, bad.to(torch.int8)
-        clean = torch.empty((self.tokens, self.topk), dtype=torch.int32, device=self.device)
-        bad_rows = torch.empty(self.tokens, dtype=torch.int8, device=self.device) if self.bad_is_error else clean
+        clean = self.scratch.get("clean", (self.tokens, self.topk), torch.int32, self.device)
+        bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device) if self.bad_is_error else clean
         if self.tokens:
             self._sanitize(indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
                            self.topk, indices.stride(0), clean.stride(0))
