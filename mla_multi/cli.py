@@ -441,23 +441,6 @@ class UsageError(Exception):
     """A mistake in how the command was called: printed as one line, exit status 2."""
 
 
-def needs_gpu(command: str, needed: int = 1, hint: str = "") -> int:
-    """The one message for a command that cannot run without GPUs; returns the exit status (2).
-
-    Every benchmark that needs a device says it in these words, whether run as `mla-multi bench ...`
-    or as a script.
-    """
-    try:
-        import torch
-
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken probe counts as no device
-        found = 0
-    what = "a CUDA or ROCm GPU" if needed == 1 else f"{needed} CUDA or ROCm GPUs"
-    print(f"{command}: error: needs {what}; torch sees {found}" + (f" ({hint})" if hint else ""), file=sys.stderr)
-    return 2
-
-
 def _run_module_main(prog: str, main, argv: list[str]) -> int:
     """Run a module's `main(argv)` with its argparse usage lines naming the whole command (`prog`)."""
     saved = sys.argv[0] if sys.argv else None

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     nprocs = max(world_sizes)
     if args.device == "cuda":
         if not torch.cuda.is_available() or torch.cuda.device_count() < nprocs:
-            from mla_multi.cli import needs_gpu
+            from mla_multi.benchmarks import needs_gpu
 
             return needs_gpu("mla-multi bench dcp", nprocs, hint="--device cpu runs it over gloo")
     backend = args.backend or ("TRITON" if args.device == "cuda" else "REFERENCE")

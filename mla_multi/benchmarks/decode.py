@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--q-len", default="1", help="comma list of query tokens per request (with --backends)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        from mla_multi.cli import needs_gpu
+        from mla_multi.benchmarks import needs_gpu
 
         return needs_gpu("mla-multi bench decode")
     if args.reduce:

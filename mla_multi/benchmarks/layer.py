@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if not torch.cuda.is_available():
-        from mla_multi.cli import needs_gpu
+        from mla_multi.benchmarks import needs_gpu
 
         return needs_gpu("mla-multi bench layer")
     decode_names = [None if b == "default" else b for b in args.decode_backends.split(",") if b] or [None]

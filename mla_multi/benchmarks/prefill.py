@@ -449,7 +449,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        from mla_multi.cli import needs_gpu
+        from mla_multi.benchmarks import needs_gpu
 
         return needs_gpu("mla-multi bench prefill")
     configs = [None] + [parse_config(c) for c in args.configs.split(",") if c]

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}; accepted: 1 or more")
     if not torch.cuda.is_available():
-        from mla_multi.cli import needs_gpu
+        from mla_multi.benchmarks import needs_gpu
 
         return needs_gpu(f"mla-multi bench {phase.replace('_', '-')}")
     wanted = [b for b in args.backends.split(",") if b] or None
