@@ -7,6 +7,9 @@ backends for DeepSeek-V3 dimensions; `selected_backends()` returns them.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from mla_multi import envs
@@ -42,6 +45,7 @@ __all__ = [
     "WorkspaceManager",
     "allocate_kv_cache",
     "current_platform",
+    "import_selection_errors",
     "ops",
     "reorder_batch_to_split_decodes_and_prefills",
     "select_decode_backend",
@@ -64,24 +68,62 @@ def default_dtype(platform: Platform | None = None) -> torch.dtype:
     return DEFAULT_DTYPE
 
 
-def _select_defaults() -> dict[str, str]:
+def _select_defaults() -> tuple[dict[str, str | None], dict[str, NoBackendError]]:
+    """The import-time choice per phase for DeepSeek-V3 dims; a phase no backend can run (a forced backend
+    that cannot run these defaults, such as TRITON under the interpreter, which takes no bfloat16) is
+    recorded with its reasons instead of failing the import."""
     platform = current_platform()
     dims = MLADims.deepseek_v3()
     dtype = DEFAULT_DTYPE
-    return {
-        "prefill": select_prefill_backend(dims, dtype).name,
-        "decode": select_decode_backend(dims, dtype, "auto", 64).name,
-    }
+    chosen: dict[str, str | None] = {}
+    errors: dict[str, NoBackendError] = {}
+    for phase, select in (("prefill", lambda: select_prefill_backend(dims, dtype)),
+                          ("decode", lambda: select_decode_backend(dims, dtype, "auto", 64))):
+        try:
+            chosen[phase] = select().name
+        except NoBackendError as error:
+            chosen[phase] = None
+            errors[phase] = error
+    return chosen, errors
 
 
-envs.validate_all()
-envs.configure_logging()
-from mla_multi.registry import check_forced_names  # noqa: E402
+def _fail_import(error: Exception) -> None:
+    """Re-raise `error`, or, inside the `mla-multi` command, print it as one line and exit with status 2."""
+    orig_argv = getattr(sys, "orig_argv", [])
+    if os.path.basename(sys.argv[0] if sys.argv else "") in ("mla-multi", "mla-multi.exe") or (
+            "-m" in orig_argv and orig_argv[orig_argv.index("-m") + 1:][:1] == ["mla_multi"]):
+        sys.stderr.write(f"mla-multi: error: {error}\n")
+        raise SystemExit(2)
+    raise error
 
-check_forced_names()
-_SELECTED = _select_defaults()
+
+try:
+    envs.validate_all()
+    envs.configure_logging()
+    from mla_multi.registry import check_forced_names  # noqa: E402
+
+    check_forced_names()
+except (envs.EnvironmentValueError, UnknownBackendError) as _error:
+    _fail_import(_error)
+_SELECTED, _SELECTION_ERRORS = _select_defaults()
+if _SELECTION_ERRORS:
+    import logging as _logging
+
+    _logging.getLogger("mla_multi").info(
+        "import-time selection: %s", "; ".join(f"{phase}: {error}" for phase, error in _SELECTION_ERRORS.items()))
 
 
 def selected_backends() -> dict[str, str]:
-    """{"prefill": name, "decode": name} chosen at import for DeepSeek-V3 dims (128 heads, bf16, block size 64)."""
+    """{"prefill": name, "decode": name} chosen at import for DeepSeek-V3 dims (128 heads, bf16, block size 64).
+
+    Raises the recorded `NoBackendError` (with every reason) when a phase had no backend for those
+    dims, as when a forced backend cannot run them; `import_selection_errors()` reports it without raising.
+    """
+    for error in _SELECTION_ERRORS.values():
+        raise error
     return dict(_SELECTED)
+
+
+def import_selection_errors() -> dict[str, str]:
+    """{phase: the NoBackendError's message} for each phase the import-time selection could not fill."""
+    return {phase: str(error) for phase, error in _SELECTION_ERRORS.items()}

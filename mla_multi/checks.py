@@ -39,10 +39,13 @@ def check_tensor(
     dtypes: Sequence[torch.dtype] | None = None,
     shape: Sequence[int | None] | None = None,
     device: torch.device | None = None,
+    shape_from: str | None = None,
 ) -> torch.Tensor:
     """Raise ValueError naming `name` unless `value` is a tensor of the given rank/dtype/shape/device.
 
-    `shape` entries of None are free; the last dimension must be contiguous.
+    `shape` entries of None are free; the last dimension must be contiguous. `shape_from` says which other
+    arguments the expected shape comes from ("q_nope's 512 + q_pe's 64 columns"), so that a shape error
+    names them too: the mistake may be theirs.
     """
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name}={describe(value)}; accepted: a torch.Tensor")
@@ -51,7 +54,9 @@ def check_tensor(
     dim = len(value_shape)
     if ndim is not None and (dim != ndim if isinstance(ndim, int) else dim not in ndim):
         ranks = (ndim,) if isinstance(ndim, int) else ndim
-        raise ValueError(f"{name} has {dim} dims {tuple(value_shape)}; accepted: {' or '.join(map(str, ranks))} dims")
+        source = f" ({shape_from})" if shape_from else ""
+        raise ValueError(f"{name} has {dim} dims {tuple(value_shape)}; accepted: {' or '.join(map(str, ranks))} dims"
+                         f"{source}")
     if dtypes is not None and value.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {str(value.dtype).replace('torch.', '')}; accepted: {_names(dtypes)}")
     if shape is not None:
@@ -63,7 +68,8 @@ def check_tensor(
                     break
         if mismatch:
             expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} has shape {list(value_shape)}; accepted: {expected}")
+            source = f" ({shape_from})" if shape_from else ""
+            raise ValueError(f"{name} has shape {list(value_shape)}; accepted: {expected}{source}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}; all tensors must be on {device}")
     if dim > 0 and value_shape[-1] > 1 and value.stride(-1) != 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -90,6 +91,25 @@ def _triton_prefill_kernel(platform) -> dict:
             "sm90_kernel": "available"}
 
 
+def resolve_spec(text: str):
+    """The ready platform spec named `text`: a device name (MI300X, H100, ...) or an arch (gfx942, sm_90, ...).
+
+    An arch takes the first spec of that arch in `platforms.specs.SPECS` (gfx942: MI300X, sm_90: H100).
+    """
+    from mla_multi.platforms.specs import SPECS
+
+    wanted = text.strip().lower()
+    for name, spec in SPECS.items():
+        if name.lower() == wanted:
+            return spec
+    for spec in SPECS.values():
+        if spec.arch.lower() == wanted and spec.vendor != "cpu":
+            return spec
+    archs = list(dict.fromkeys(spec.arch for spec in SPECS.values() if spec.vendor != "cpu"))
+    raise ValueError(f"unknown platform spec {text!r}; accepted: a device name ({', '.join(SPECS)}) "
+                     f"or an arch ({', '.join(archs)})")
+
+
 def collect_info(as_spec: str | None = None) -> dict:
     """Everything `mla-multi info` prints, as a JSON-friendly dict."""
     import torch
@@ -108,13 +128,14 @@ def collect_info(as_spec: str | None = None) -> dict:
     detected = platforms.current_platform()
     info["detected_platform"] = detected.describe()
     info["detection_error"] = platforms.detection_error()
-    target = platforms.get_spec(as_spec) if as_spec else detected
+    target = resolve_spec(as_spec) if as_spec else detected
     info["platform"] = target.describe()
     info["impersonated"] = as_spec is not None
 
+    info["import_selection_errors"] = mm.import_selection_errors()
     dims = MLADims.deepseek_v3()
     dtype = mm.DEFAULT_DTYPE
-    with platforms.override(target):
+    with platforms.override(target), _quiet_registry(as_spec is not None):
         configs = {
             "prefill": registry.prefill_config(dims, dtype),
             "decode": registry.decode_config(dims, dtype, "auto", 64, platform=target),
@@ -160,6 +181,22 @@ def _rocm_aiter_routes(target) -> dict | None:
     from mla_multi.backends.rocm_aiter import route_table
 
     return route_table(target)
+
+
+@contextlib.contextmanager
+def _quiet_registry(quiet: bool):
+    """Hold back the registry's fallback warnings while it selects for an impersonated device: the report
+    prints every rejected backend's reasons itself."""
+    import logging
+
+    logger = logging.getLogger("mla_multi")  # the registry's logger
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _one_token_choice(config, target) -> dict | None:
@@ -225,6 +262,9 @@ def _print_info(info: dict) -> None:
     print("libraries: " + ", ".join(f"{k}={v or '-'}" for k, v in info["libraries"].items()))
     env = info["environment"]
     print("environment overrides: " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else "none"))
+    for phase, error in info.get("import_selection_errors", {}).items():
+        print(f"import-time selection (DeepSeek-V3 defaults): no {phase} backend; "
+              + error.splitlines()[0].rstrip(":") + " (reasons below); selected_backends() raises it")
     if info.get("triton_interpreter"):
         print(f"Triton interpreter: {info['triton_interpreter']}")
     for phase, data in info["phases"].items():
@@ -260,7 +300,10 @@ def _print_info(info: dict) -> None:
             print("  " + plan.replace("\n", "\n  "))
     decode = info.get("triton_decode")
     if isinstance(decode, dict):
-        print(f"\nTRITON decode kernels (DeepSeek dims): warpgroup kernels {decode['warpgroup_kernels']}")
+        warpgroup = decode["warpgroup_kernels"]
+        print("\nTRITON decode kernels (DeepSeek dims): "
+              + ("the sm_90 warpgroup kernels are available" if warpgroup == "available"
+                 else f"no sm_90 warpgroup kernels ({warpgroup})"))
         for case, kernel in decode["kernels"].items():
             print(f"  {case:<28} {kernel}")
     prefill = info.get("triton_prefill")
@@ -406,64 +449,128 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+_BENCH_PHASES = ("decode", "prefill", "dcp", "layer", "sparse-decode", "sparse-prefill")
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called: printed as one line, exit status 2."""
+
+
+def _run_module_main(prog: str, main, argv: list[str]) -> int:
+    """Run a module's `main(argv)` with its argparse usage lines naming the whole command (`prog`)."""
+    saved = sys.argv[0] if sys.argv else None
+    if sys.argv:
+        sys.argv[0] = prog  # argparse's default prog is the basename of sys.argv[0]
+    else:
+        sys.argv.append(prog)
+    try:
+        return int(main(argv) or 0)
+    finally:
+        if saved is None:
+            sys.argv.pop(0)
+        else:
+            sys.argv[0] = saved
+
+
 def cmd_bench(args) -> int:
+    prog = f"mla-multi bench {args.phase}"
     if args.phase.startswith("sparse-"):
         from mla_multi.benchmarks import sparse
 
-        return int(sparse.main(args.rest, phase=args.phase.replace("-", "_")) or 0)
+        return _run_module_main(prog, lambda argv: sparse.main(argv, phase=args.phase.replace("-", "_")), args.rest)
     module = importlib.import_module(f"mla_multi.benchmarks.{args.phase}")
-    return int(module.main(args.rest) or 0)
+    return _run_module_main(prog, module.main, args.rest)
 
 
 def cmd_compile_check(args) -> int:
     from mla_multi import compile_check
 
-    return int(compile_check.main(args.rest) or 0)
+    return _run_module_main("mla-multi compile-check", compile_check.main, args.rest)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mla-multi")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mla-multi", description="MLA attention for AMD and NVIDIA GPUs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"mla-multi {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="platform, backends per phase with their reasons, overrides, versions")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--as", dest="as_spec", metavar="SPEC",
-                      help="show the selection on a ready platform spec (MI300X, MI355X, H100, ...)")
+                      help="show the selection on another device: a name (MI300X, MI355X, H100, A100, B200, ...) "
+                           "or an arch (gfx942, gfx950, sm_80, sm_90, sm_100, ...)")
     info.set_defaults(func=cmd_info)
     demo = sub.add_parser("demo", help="run a DeepSeek-V3-shaped MLA layer through the paged cache and check it")
-    demo.add_argument("--num-heads", type=int, default=None, help="heads (default 128 on a GPU, 16 on the CPU)")
-    demo.add_argument("--workspace-tokens", type=int, default=256, help="context tokens gathered per chunk")
+    demo.add_argument("--num-heads", type=_positive_int, default=None,
+                      help="heads (default 128 on a GPU, 16 on the CPU)")
+    demo.add_argument("--workspace-tokens", type=_positive_int, default=256, help="context tokens gathered per chunk")
     demo.add_argument("--sparse", action="store_true",
                       help="a sparse layer (DeepSeek-V3.2: top-k positions, the fp8_ds_mla cache) instead")
     demo.set_defaults(func=cmd_demo)
     warmup = sub.add_parser("warmup", help="build the kernels of one layer configuration ahead of serving")
-    warmup.add_argument("--num-heads", type=int, default=128)
+    warmup.add_argument("--num-heads", type=_positive_int, default=128)
     warmup.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="model dtype on a GPU")
     warmup.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | bfloat16 | float16")
-    warmup.add_argument("--block-size", type=int, default=64)
+    warmup.add_argument("--block-size", type=_positive_int, default=64)
     warmup.set_defaults(func=cmd_warmup)
     bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill, dcp (decode context parallelism), "
-                           "layer, sparse-decode or sparse-prefill")
-    bench.add_argument("phase", choices=("decode", "prefill", "dcp", "layer", "sparse-decode", "sparse-prefill"))
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
-    check = sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",
-                           add_help=False)
-    check.add_argument("rest", nargs=argparse.REMAINDER)
-    check.set_defaults(func=cmd_compile_check)
+                           "layer, sparse-decode or sparse-prefill",
+                           description="GPU benchmarks; `mla-multi bench PHASE --help` lists each one's options.")
+    bench.add_argument("phase", choices=_BENCH_PHASES, metavar="PHASE",
+                       help="one of: " + ", ".join(_BENCH_PHASES) + " (its options follow it)")
+    bench.set_defaults(func=cmd_bench, rest=[])
+    sub.add_parser("compile-check", help="compile every Triton kernel ahead of time for AMD and NVIDIA targets",
+                   add_help=False).set_defaults(func=cmd_compile_check, rest=[])
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}; accepted: an integer of 1 or more")
+    return value
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that report a user's mistake (a bad value, name, spec or configuration), not a bug."""
+    from mla_multi.envs import EnvironmentValueError
+    from mla_multi.registry import NoBackendError, UnknownBackendError
+
+    return (UsageError, EnvironmentValueError, UnknownBackendError, NoBackendError, ValueError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; a user's mistake is one line on stderr (`mla-multi CMD: error: ...`) and status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # bench and compile-check hand their own options to their modules untouched
-    # (argparse's REMAINDER would stop at the first "--option").
-    if argv[:1] == ["compile-check"]:
-        return cmd_compile_check(argparse.Namespace(rest=argv[1:]))
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("decode", "prefill", "dcp", "layer", "sparse-decode",
-                                                            "sparse-prefill"):
-        return cmd_bench(argparse.Namespace(phase=argv[1], rest=argv[2:]))
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    try:
+        # bench and compile-check hand their own options to their modules untouched
+        # (argparse's REMAINDER would stop at the first "--option").
+        if command == "compile-check":
+            return cmd_compile_check(argparse.Namespace(rest=argv[1:]))
+        if command == "bench" and len(argv) > 1 and argv[1] in _BENCH_PHASES:
+            command = f"bench {argv[1]}"
+            return cmd_bench(argparse.Namespace(phase=argv[1], rest=argv[2:]))
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except _user_errors() as error:
+        import logging
+
+        if logging.getLogger("mla_multi").isEnabledFor(logging.DEBUG):
+            import traceback
+
+            traceback.print_exc()
+        message = str(error).strip() or type(error).__name__
+        print(f"mla-multi{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

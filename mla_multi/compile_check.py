@@ -242,6 +242,20 @@ def compile_one(module_name: str, index: int, target_name: str) -> CompileResult
     return compile_spec(spec, target_name, module_name)
 
 
+def _options(spec: CompileSpec) -> dict:
+    """The spec's options, with FP fusion stated as the installed Triton's default: the same code as a launch
+    compiles, without Triton 3.9's warning (in every worker process) that the default is unset."""
+    options = dict(spec.options)
+    if "enable_fp_fusion" not in options:
+        import triton
+
+        language = getattr(getattr(triton, "knobs", None), "language", None)
+        default = getattr(language, "default_fp_fusion", None)
+        if default is not None and not getattr(language, "force_disable_fp_fusion", False):
+            options["enable_fp_fusion"] = bool(default)
+    return options
+
+
 def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> CompileResult:
     """Compile one spec for `target_name` and judge it (compile error, spills, shared memory)."""
     import triton
@@ -264,7 +278,7 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
             # Gluon kernels need their layouts' module attributes set before the body is built
             from triton.experimental.gluon._runtime import GluonASTSource as source_cls
         source = source_cls(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
-        compiled = triton.compile(source, target=target.gpu_target(), options=dict(spec.options))
+        compiled = triton.compile(source, target=target.gpu_target(), options=_options(spec))
         result.shared_bytes = int(compiled.metadata.shared)
         result.mma_repeat = mma_repeat(compiled.asm.get("ttgir", ""))
         if target.backend == "hip":
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_checks(targets, filters, args.jobs)
         elapsed = time.perf_counter() - start
     except ValueError as error:
-        print(f"compile-check: {error}", file=sys.stderr)
+        print(f"mla-multi compile-check: error: {error}", file=sys.stderr)
         return 2
     print(_format(results))
     failed = [r for r in results if not r.passed]

@@ -10,6 +10,7 @@ access (``mla_multi.envs.MLA_MULTI_NUM_KV_SPLITS``), so tests can monkeypatch
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
 from collections.abc import Callable
@@ -17,7 +18,11 @@ from typing import Any
 
 
 class EnvironmentValueError(ValueError):
-    """An `MLA_MULTI_*` variable holds a value that does not parse."""
+    """An `MLA_MULTI_*` variable holds a value that does not parse, or the name itself is unknown."""
+
+
+class UnknownVariableError(EnvironmentValueError):
+    """An `MLA_MULTI_*` variable that the package does not know (most often a misspelt one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,10 @@ class EnvVar:
         _PARSED[self.name] = (key, value)
         return value
 
+    def raw(self) -> str | None:
+        """The value as set in the environment (None when unset)."""
+        return os.environ.get(self.name)
+
     def is_set(self) -> bool:
         return os.environ.get(self.name, "").strip() != ""
 
@@ -66,8 +75,9 @@ def _encoded(name: str):
 
 
 def _backend_name(name: str, raw: str) -> str:
-    # The registry checks the name against the registered backends; here only
-    # the spelling is normalised so "triton" and "TRITON" mean the same.
+    # The registry checks the name against the registered backends at import,
+    # naming the variable (`registry.check_forced_names`); here only the
+    # spelling is normalised so "triton" and "TRITON" mean the same.
     return raw.upper()
 
 
@@ -113,8 +123,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "MLA_MULTI_PREFILL_BACKEND",
             None,
             _backend_name,
-            "Force the prefill backend by name (TRITON, ROCM_AITER, CUDA_FLASH_ATTN, REFERENCE). "
-            "A forced backend that cannot run the configuration raises with its reasons; it never falls back.",
+            "Force the prefill backend by name (TRITON, ROCM_AITER, CUDA_FLASH_ATTN, FLASHINFER, REFERENCE; "
+            "`mla-multi info` lists them). The name is checked at import; a forced backend that cannot run a "
+            "configuration raises with its reasons where that configuration is selected; it never falls back.",
         ),
         EnvVar(
             "MLA_MULTI_DECODE_BACKEND",
@@ -172,6 +183,21 @@ ENV_VARS: dict[str, EnvVar] = {
 }
 
 
+# Variables of the project's tests and CI, never read by the package itself: declared here so that
+# the import's check of names accepts them (and so that they are documented in one place).
+TOOLING_VARIABLES: dict[str, str] = {
+    "MLA_MULTI_CI_PLATFORM": "CI runner kind (cpu, cuda, rocm): tests/test_ci_expected_backends.py checks the "
+                             "backends that runner must select (set by .ci/run and ci/run-tests.sh).",
+    "MLA_MULTI_AITER_WHEEL": "A local amd-aiter wheel for the aiter contract tests (offline runs).",
+    "MLA_MULTI_AITER_SPEC": "The amd-aiter requirement the contract tests download (default pinned in the test).",
+    "MLA_MULTI_FLASH_ATTN_SDIST": "A local flash-attn sdist for the flash-attn contract tests (offline runs).",
+    "MLA_MULTI_FLASH_ATTN_SPEC": "The flash-attn requirement the contract tests download (default pinned in the test).",
+    "MLA_MULTI_FLASHINFER_WHEEL": "A local flashinfer-python wheel for the FlashInfer contract tests (offline runs).",
+    "MLA_MULTI_FLASHMLA_WHEEL": "A local sgl-flash-mla wheel for the FlashMLA contract tests (offline runs).",
+}
+
+PREFIX = "MLA_MULTI_"
+
 _NAMES = tuple(ENV_VARS)
 try:
     _ENCODED_NAMES: tuple | None = tuple(os.environ.encodekey(name) for name in _NAMES)
@@ -197,8 +223,33 @@ def snapshot() -> tuple:
     return tuple(map(os.environ.get, _NAMES))
 
 
+def known_names() -> tuple[str, ...]:
+    """Every `MLA_MULTI_*` name the package accepts in the environment: its own and its tests' and CI's."""
+    return (*ENV_VARS, *TOOLING_VARIABLES)
+
+
+def unknown_names(environ=None) -> list[str]:
+    """The `MLA_MULTI_*` names set in `environ` (default: the process's) that the package does not know."""
+    environ = os.environ if environ is None else environ
+    known = set(known_names())
+    return sorted(name for name in environ if name.startswith(PREFIX) and name not in known)
+
+
+def check_names(environ=None) -> None:
+    """Raise `UnknownVariableError` for the first unknown `MLA_MULTI_*` name, with the closest known one."""
+    unknown = unknown_names(environ)
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name, known_names(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(ENV_VARS)}"
+    others = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+    raise UnknownVariableError(f"{name} is not a variable of mla_multi; {hint}{others}")
+
+
 def validate_all() -> dict[str, Any]:
-    """Parse every variable now; raises `EnvironmentValueError` on the first bad one."""
+    """Check every `MLA_MULTI_*` name and parse every variable now; raises `EnvironmentValueError` on the first bad one."""
+    check_names()
     return {name: var.read() for name, var in ENV_VARS.items()}
 
 

@@ -186,17 +186,27 @@ class _DecodePlan:
                            attn_logits=attn_logits)
 
 
+def _width_source(first: str, first_tensor, second: str, second_tensor) -> str:
+    """Where a cache's expected width comes from, naming both arguments (either may be the one at fault)."""
+    a, b = first_tensor.shape[-1], second_tensor.shape[-1]
+    return f"{first}'s {a} + {second}'s {b} columns; DeepSeek's MLA: 512 + 64"
+
+
 def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend,
                  needs_lse: bool = False) -> _DecodePlan:
     """Check the inputs of `mla_decode` (all of them, once per key) and decide how to run them."""
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
-    checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None), device=device)
+    checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None), device=device,
+                        shape_from="q_nope's leading dims")
     width = q_nope.shape[-1] + q_pe.shape[-1]
-    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device)
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device,
+                        shape_from=_width_source("q_nope", q_nope, "q_pe", q_pe))
     batch = q_nope.shape[0]
-    checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(batch, None), device=device)
-    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
+    checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(batch, None), device=device,
+                        shape_from="one row per request of q_nope")
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device,
+                        shape_from="one per request of q_nope")
     checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
     checks.check_positive_int("num_kv_splits", num_kv_splits, allow_none=True)
     checks.report_pending_errors(device)
@@ -405,10 +415,13 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     num_heads, qk_head_dim = q.shape[1], q.shape[2]
-    checks.check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(None, num_heads, qk_head_dim), device=device)
-    checks.check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], num_heads, None), device=device)
+    checks.check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(None, num_heads, qk_head_dim), device=device,
+                        shape_from="q's heads and head dim")
+    checks.check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], num_heads, None), device=device,
+                        shape_from="k's tokens, q's heads")
     checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
-    checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(cu_seqlens_q.shape[0],), device=device)
+    checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(cu_seqlens_q.shape[0],), device=device,
+                        shape_from="cu_seqlens_q's length")
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q is empty; accepted: [B + 1] cumulative lengths starting at 0")
     checks.check_positive_int("max_seqlen_q", max_seqlen_q) if max_seqlen_q else None
@@ -529,11 +542,11 @@ def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, a
     checks.check_tensor("q_nope", q_nope, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     device = q_nope.device
     checks.check_tensor("q_pe", q_pe, ndim=q_nope.dim(), dtypes=(q_nope.dtype,), shape=(*q_nope.shape[:-1], None),
-                        device=device)
+                        device=device, shape_from="q_nope's leading dims")
     lead = tuple(q_nope.shape[:-2])
     heads = q_nope.shape[-2]
     checks.check_tensor("indices", indices, ndim=len(lead) + 1, dtypes=(torch.int32,), shape=(*lead, None),
-                        device=device)
+                        device=device, shape_from="one list per query token of q_nope")
     topk = indices.shape[-1]
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES + (torch.uint8,), device=device)
     from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
@@ -548,7 +561,8 @@ def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, a
         if k_scale is not None:
             raise ValueError(f"k_scale={k_scale!r} with an fp8_ds_mla cache (its scales are in the cache); accepted: None")
     elif kv_cache.shape[-1] != width:
-        raise ValueError(f"kv_cache has width {kv_cache.shape[-1]}; accepted: {width} (q_nope + q_pe widths) or a uint8 "
+        raise ValueError(f"kv_cache has width {kv_cache.shape[-1]}; accepted: {width} "
+                         f"({_width_source('q_nope', q_nope, 'q_pe', q_pe)}) or a uint8 "
                          f"fp8_ds_mla cache of {FP8_DS_MLA_BYTES} bytes a token")
     else:
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
@@ -598,10 +612,13 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     checks.check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
     device = q_nope.device
     tokens, heads = q_nope.shape[0], q_nope.shape[1]
-    checks.check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), shape=(tokens, heads, None), device=device)
+    checks.check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), shape=(tokens, heads, None), device=device,
+                        shape_from="q_nope's tokens and heads")
     width = q_nope.shape[-1] + q_pe.shape[-1]
-    checks.check_tensor("kv", kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, width), device=device)
-    checks.check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None), device=device)
+    checks.check_tensor("kv", kv, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, width), device=device,
+                        shape_from=_width_source("q_nope", q_nope, "q_pe", q_pe))
+    checks.check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None), device=device,
+                        shape_from="one list per token of q_nope")
     topk = indices.shape[-1]
     scale = checks.check_positive_float("scale", scale)
     _check_sparse_extras(tokens, heads, topk_length, attn_sink, device)
@@ -632,10 +649,13 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     checks.check_tensor("prefix_output", prefix_output, ndim=3, dtypes=FLOAT_DTYPES)
     device = prefix_output.device
     tokens, heads, _ = prefix_output.shape
-    checks.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), shape=tuple(prefix_output.shape), device=device)
+    checks.check_tensor("suffix_output", suffix_output, ndim=3, dtypes=(prefix_output.dtype,), shape=tuple(prefix_output.shape), device=device,
+                        shape_from="prefix_output's shape")
     lse_dtypes = (torch.float32, torch.float64)
-    checks.check_tensor("prefix_lse", prefix_lse, ndim=2, dtypes=lse_dtypes, shape=(heads, tokens), device=device)
-    checks.check_tensor("suffix_lse", suffix_lse, ndim=2, dtypes=(prefix_lse.dtype,), shape=(heads, tokens), device=device)
+    checks.check_tensor("prefix_lse", prefix_lse, ndim=2, dtypes=lse_dtypes, shape=(heads, tokens), device=device,
+                        shape_from="[heads, tokens] of prefix_output")
+    checks.check_tensor("suffix_lse", suffix_lse, ndim=2, dtypes=(prefix_lse.dtype,), shape=(heads, tokens), device=device,
+                        shape_from="[heads, tokens] of prefix_output")
     if _use_triton(prefix_output) and prefix_lse.dtype == torch.float32:
         from mla_multi.kernels.merge import merge_attn_states as merge_kernel
 
@@ -673,12 +693,15 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     tokens = kv_c.shape[0]
-    checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, None), device=device)
+    checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, None), device=device,
+                        shape_from="kv_c's tokens")
     if torch.is_tensor(kv_cache) and kv_cache.dtype == torch.uint8:
         return _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
     width = kv_c.shape[1] + k_pe.shape[1]
-    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device)
-    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device)
+    checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device,
+                        shape_from=_width_source("kv_c", kv_c, "k_pe", k_pe))
+    checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device,
+                        shape_from="one slot per token of kv_c")
     checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
@@ -758,8 +781,10 @@ def gather_cache(
     device = kv_cache.device
     checks.check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
     batch = block_table.shape[0]
-    checks.check_tensor("seq_starts", seq_starts, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
-    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device)
+    checks.check_tensor("seq_starts", seq_starts, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device,
+                        shape_from="one per row of block_table")
+    checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device,
+                        shape_from="one per row of block_table")
     checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
         raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")

@@ -524,7 +524,8 @@ class Registry:
                 if name == "REFERENCE" and platform.is_gpu():
                     logger.warning(
                         "%s on %s falls back to the slow REFERENCE backend; `mla-multi info` lists why the others "
-                        "were rejected: %s", phase, platform.name, all_reasons,
+                        "were rejected: %s", phase, platform.name,
+                        "; ".join(f"{rejected}: {' / '.join(why)}" for rejected, why in all_reasons.items()),
                     )
                 return self.load(phase, name)
             all_reasons[name] = reasons
@@ -673,11 +674,25 @@ def select_sparse_backend(
 
 
 def check_forced_names() -> None:
-    """Fail on an `MLA_MULTI_*_BACKEND` value that names no registered backend."""
+    """Fail on an `MLA_MULTI_*_BACKEND` value that names no registered backend, naming the variable.
+
+    Only the name is checked here (at import); whether the forced backend can run a configuration is
+    checked, with its reasons, where a configuration is selected.
+    """
+    import difflib
+
     for phase in PHASES:
         forced = _forced_from_env(phase)
-        if forced is not None:
+        if forced is None:
+            continue
+        try:
             default_registry.check_name(phase, forced)
+        except UnknownBackendError as error:
+            close = difflib.get_close_matches(forced, default_registry.names(phase), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            variable = _FORCING_VARIABLES[phase]
+            raw = envs.ENV_VARS[variable].raw() if hasattr(envs.ENV_VARS[variable], "raw") else forced
+            raise UnknownBackendError(f"{variable}={raw!r}: {error}{hint}") from None
 
 
 def names(phase: Phase) -> Sequence[str]:

@@ -2,6 +2,7 @@
 
 The contract tests read a library's published source with `ast` and never
 import it; an environment variable may point at a local copy for offline runs.
+Without the network (and without that variable) they skip, naming the variable.
 """
 
 import ast
@@ -9,6 +10,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 
 def published_distribution(pytestconfig, requirement: str, file_prefix: str, suffix: str, env_var: str,
@@ -24,11 +27,18 @@ def published_distribution(pytestconfig, requirement: str, file_prefix: str, suf
     found = sorted(cache.glob(f"{file_prefix}-{version}*{suffix}" if version else f"{file_prefix}-*{suffix}"))
     if not found:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", *pip_args, "-d", str(cache), requirement]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(pip_env or {})))
-        assert done.returncode == 0, (
-            f"could not download {requirement} ({' '.join(command)}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}\n"
-            f"Set {env_var} to a downloaded copy to run offline."
-        )
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                                  env=dict(os.environ, **(pip_env or {})))
+            failure = None if done.returncode == 0 else (
+                [line for line in (done.stderr or done.stdout).splitlines() if line.strip()] or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            failure = "pip download timed out after 900 s"
+        if failure is not None:
+            # No network (or no index): the contract test cannot read the published source, so it skips
+            # with the reason and the variable that supplies a local copy.
+            pytest.skip(f"could not download {requirement} from the package index ({failure.strip()}); "
+                        f"set {env_var} to a local copy of the {suffix} to run this contract test offline")
         found = sorted(cache.glob(f"{file_prefix}-*{suffix}"))
     assert found, f"no {file_prefix} distribution in {cache}"
     return found[-1]

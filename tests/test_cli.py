@@ -167,3 +167,105 @@ def test_sparse_bench_rejects_rounds_below_one(capsys):
             sparse.main(["--rounds", "0"], phase=phase)
         assert raised.value.code == 2
         assert "--rounds 0; accepted: 1 or more" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a user's mistakes: one line, status 2
+
+MISTAKES = {
+    # name: (extra environment, arguments, the words of the one line)
+    "unknown_spec": ({}, ["info", "--as", "NOTADEVICE"],
+                     "mla-multi info: error: unknown platform spec 'NOTADEVICE'; accepted: a device name"),
+    "bad_log_level": ({"MLA_MULTI_LOG_LEVEL": "DEBG"}, ["--help"],
+                      "mla-multi: error: MLA_MULTI_LOG_LEVEL='DEBG' is not accepted; expected one of DEBUG"),
+    "misspelt_variable": ({"MLA_MULTI_DECODE_BACKEN": "TRITON"}, ["info"],
+                          "mla-multi: error: MLA_MULTI_DECODE_BACKEN is not a variable of mla_multi; "
+                          "did you mean MLA_MULTI_DECODE_BACKEND?"),
+    "misspelt_backend": ({"MLA_MULTI_DECODE_BACKEND": "TRITN"}, ["info"],
+                         "mla-multi: error: MLA_MULTI_DECODE_BACKEND='TRITN': unknown decode backend 'TRITN'"),
+    "bad_head_count": ({}, ["demo", "--num-heads", "0"],
+                       "mla-multi demo: error: argument --num-heads: '0'; accepted: an integer of 1 or more"),
+    "unknown_phase": ({}, ["bench", "nope"], "mla-multi bench: error: argument PHASE: invalid choice: 'nope'"),
+    "unknown_target": ({}, ["compile-check", "--targets", "sm_1"], "mla-multi compile-check: error: "),
+}
+FINE = {
+    "version": ({}, ["--version"]),
+    "bench_help": ({}, ["bench", "--help"]),
+    "bench_decode_help": ({}, ["bench", "decode", "--help"]),
+    "layer_help": ({}, ["bench", "layer", "--help"]),
+    "forced_help": ({"MLA_MULTI_DECODE_BACKEND": "TRITON", "TRITON_INTERPRET": "1"}, ["--help"]),
+    "forced_info": ({"MLA_MULTI_DECODE_BACKEND": "TRITON", "TRITON_INTERPRET": "1"}, ["info"]),
+    "info_a100": ({}, ["info", "--as", "A100"]),
+}
+
+
+@pytest.fixture(scope="module")
+def commands():
+    """Every command of this section, run in parallel: name -> CompletedProcess."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MLA_MULTI_")}
+    base.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+    started = {}
+    for name, (env, args, *_) in {**MISTAKES, **FINE}.items():
+        started[name] = subprocess.Popen([sys.executable, "-m", "mla_multi", *args], env={**base, **env},
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=600)
+        results[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return results
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_a_users_mistake_is_one_line_with_status_2(commands, name):
+    done = commands[name]
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    # argparse's own errors print the usage above the line; the line itself is the last one
+    assert lines and lines[-1].startswith(MISTAKES[name][2]), done.stderr
+    if not lines[0].startswith("usage:"):
+        assert len(lines) == 1, done.stderr
+
+
+def test_version_help_and_usage_lines(commands):
+    from mla_multi import __version__
+
+    assert commands["version"].returncode == 0
+    assert commands["version"].stdout.strip() == f"mla-multi {__version__}"
+    bench = commands["bench_help"]
+    assert bench.returncode == 0 and bench.stdout.startswith("usage: mla-multi bench [-h] PHASE")
+    assert "rest" not in bench.stdout
+    for name, prog in (("bench_decode_help", "mla-multi bench decode"), ("layer_help", "mla-multi bench layer")):
+        assert commands[name].returncode == 0 and commands[name].stdout.startswith(f"usage: {prog} "), commands[name].stdout
+
+
+def test_a_forced_backend_that_cannot_run_the_defaults_keeps_the_command(commands):
+    assert commands["forced_help"].returncode == 0, commands["forced_help"].stderr
+    info = commands["forced_info"]
+    assert info.returncode == 0, info.stderr
+    assert "import-time selection (DeepSeek-V3 defaults): no decode backend; The forced decode backend TRITON" in info.stdout
+    assert "bfloat16 is not supported under the Triton interpreter" in info.stdout
+
+
+def test_info_is_quiet_and_its_lines_read(commands):
+    a100 = commands["info_a100"]
+    assert a100.returncode == 0 and a100.stderr == "", a100.stderr  # no fallback warning, no raw dict
+    forced = commands["forced_info"].stdout
+    assert "no sm_90 warpgroup kernels (the warpgroup decode kernel needs sm_90" in forced
+    assert "warpgroup kernels the warpgroup" not in forced
+
+
+@pytest.mark.parametrize("arch, name", [("gfx942", "MI300X"), ("gfx950", "MI355X"), ("sm_80", "A100"),
+                                        ("sm_90", "H100"), ("sm_100", "B200"), ("GFX942", "MI300X"), ("h200", "H200")])
+def test_as_takes_an_arch_or_a_name(arch, name):
+    assert cli.resolve_spec(arch).name == name
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible: the benchmarks would run")
+@pytest.mark.parametrize("phase", ["decode", "prefill", "layer", "sparse-decode", "sparse-prefill", "dcp"])
+def test_every_benchmark_says_it_needs_a_gpu_in_the_same_words(phase, capsys):
+    assert cli.main(["bench", phase]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mla-multi bench {phase}: error: needs "), err
+    assert "CUDA or ROCm GPU" in err and "torch sees 0" in err

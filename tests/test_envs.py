@@ -234,7 +234,8 @@ ADD_BACKEND_AND_IMPORT = textwrap.dedent(
 
     sys.meta_path.insert(0, AddBackend())
     import mla_multi
-    print(mla_multi.registry.names("decode"), mla_multi.selected_backends()["decode"])
+    print(mla_multi.registry.names("decode"), "import_selection_errors:", sorted(mla_multi.import_selection_errors()))
+    print(mla_multi.selected_backends()["decode"])
     '''
 )
 
@@ -252,6 +253,13 @@ def imports(tmp_path_factory):
         "unknown_prefill": ({"MLA_MULTI_PREFILL_BACKEND": "no_such_backend"}, "import mla_multi", None),
         "registered": ({}, ADD_BACKEND_AND_IMPORT, module_dir),
         "forced_misfit": ({"MLA_MULTI_DECODE_BACKEND": "rocm_only"}, ADD_BACKEND_AND_IMPORT, module_dir),
+        "misspelt_name": ({"MLA_MULTI_DECODE_BACKEN": "TRITON"}, "import mla_multi", None),
+        "unknown_name": ({"MLA_MULTI_LOGLEVEL": "DEBUG"}, "import mla_multi", None),
+        "tooling_names": ({name: "x" for name in envs.TOOLING_VARIABLES}, "import mla_multi", None),
+        "misspelt_backend": ({"MLA_MULTI_DECODE_BACKEND": "TRITN"}, "import mla_multi", None),
+        "interpreter_forced": ({"MLA_MULTI_DECODE_BACKEND": "TRITON", "MLA_MULTI_PREFILL_BACKEND": "TRITON",
+                                "TRITON_INTERPRET": "1"},
+                               "import mla_multi; print(sorted(mla_multi.import_selection_errors()))", None),
     }
     processes = {name: start_import(*scenario) for name, scenario in scenarios.items()}
     results = {}
@@ -285,12 +293,15 @@ def test_import_fails_on_unknown_backend_name(imports, scenario, phase):
     assert "valid names:" in result.stderr and "REFERENCE" in result.stderr
 
 
-def test_import_fails_when_the_forced_backend_does_not_fit(imports):
+def test_a_forced_backend_that_does_not_fit_fails_the_first_selection_not_the_import(imports):
     # Control: registered but not forced, the import succeeds and the name is known.
     result = imports["registered"]
     assert result.returncode == 0, result.stderr
     assert "ROCM_ONLY" in result.stdout
     result = imports["forced_misfit"]
+    # The import itself succeeded (the names were printed) and recorded the failure with its reasons ...
+    assert "ROCM_ONLY" in result.stdout and "import_selection_errors: ['decode']" in result.stdout, result.stderr
+    # ... and the first selection that uses it, selected_backends(), raises it.
     assert result.returncode != 0
     assert "NoBackendError" in result.stderr
     assert "The forced decode backend ROCM_ONLY cannot run this configuration" in result.stderr
@@ -309,3 +320,69 @@ def test_snapshot_follows_the_environment(monkeypatch):
     assert envs.snapshot() != during and envs.MLA_MULTI_NUM_KV_SPLITS == 8  # parsed again for a new value
     monkeypatch.delenv("MLA_MULTI_NUM_KV_SPLITS")
     assert envs.snapshot() == before and envs.MLA_MULTI_NUM_KV_SPLITS is None
+
+
+# --------------------------------------------------------------------------- strict names, forced names at import
+
+
+def test_a_misspelt_variable_fails_the_import_with_the_closest_name(imports):
+    result = imports["misspelt_name"]
+    assert result.returncode != 0
+    assert "UnknownVariableError: MLA_MULTI_DECODE_BACKEN is not a variable of mla_multi; " \
+           "did you mean MLA_MULTI_DECODE_BACKEND?" in result.stderr
+    result = imports["unknown_name"]
+    assert result.returncode != 0
+    assert "MLA_MULTI_LOGLEVEL is not a variable of mla_multi; did you mean MLA_MULTI_LOG_LEVEL?" in result.stderr
+
+
+def test_the_tests_and_ci_variables_are_known(imports):
+    result = imports["tooling_names"]
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_mla_multi_name_in_the_repository_is_declared():
+    """tests/, ci/, .ci/, bench/ and .github/ may only use names envs.py declares (the import rejects others)."""
+    import re
+
+    used: dict[str, str] = {}
+    for folder in ("tests", "ci", ".ci", "bench", ".github", "mla_multi"):
+        for path in (REPO_ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in ("", ".py", ".sh", ".yml", ".yaml", ".json", ".md"):
+                for name in re.findall(r"\bMLA_MULTI_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
+                    used.setdefault(name, str(path.relative_to(REPO_ROOT)))
+    # Names that are not environment variables: a module constant, and the deliberately unknown ones of this file.
+    not_variables = {"MLA_MULTI_TOKEN_HEADS_DIVIDE", "MLA_MULTI_NOT_A_VARIABLE", "MLA_MULTI_UNRELATED",
+                     "MLA_MULTI_DECODE_BACKEN", "MLA_MULTI_LOGLEVEL", "MLA_MULTI_NUM_KV_SPLIT",
+                     "MLA_MULTI_ZZZZZZZZZZZZZZ"}
+    undeclared = {name: where for name, where in used.items()
+                  if name not in envs.known_names() and name not in not_variables}
+    assert not undeclared, f"used but not declared in mla_multi/envs.py: {undeclared}"
+
+
+def test_unknown_names_and_check_names(clean_env):
+    assert envs.unknown_names() == []
+    envs.check_names()
+    clean_env.setenv("MLA_MULTI_NUM_KV_SPLIT", "4")
+    assert envs.unknown_names() == ["MLA_MULTI_NUM_KV_SPLIT"]
+    with pytest.raises(envs.UnknownVariableError, match="did you mean MLA_MULTI_NUM_KV_SPLITS"):
+        envs.check_names()
+    with pytest.raises(EnvironmentValueError, match="MLA_MULTI_NUM_KV_SPLIT is not a variable"):
+        envs.validate_all()
+    clean_env.setenv("MLA_MULTI_ZZZZZZZZZZZZZZ", "1")
+    with pytest.raises(envs.UnknownVariableError, match="also unknown: MLA_MULTI_ZZZZZZZZZZZZZZ"):
+        envs.check_names()
+
+
+def test_a_misspelt_backend_name_names_its_variable(imports):
+    result = imports["misspelt_backend"]
+    assert result.returncode != 0
+    assert "MLA_MULTI_DECODE_BACKEND='TRITN': unknown decode backend 'TRITN'" in result.stderr
+    assert "did you mean TRITON?" in result.stderr
+
+
+def test_forcing_triton_under_the_interpreter_keeps_the_import(imports):
+    # TRITON under the interpreter takes no bfloat16, the dtype of the import-time defaults: the import
+    # records that and succeeds; a configuration it can run (float16) selects it.
+    result = imports["interpreter_forced"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['decode', 'prefill']"

@@ -1,6 +1,25 @@
 """GPU benchmarks behind `mla-multi bench decode|prefill` (also runnable as bench/*.py), and the timings
 the maintainer scripts in bench/ share."""
 
+import sys
+
+
+def needs_gpu(command: str, needed: int = 1, hint: str = "") -> int:
+    """The one message for a command that cannot run without GPUs; returns the exit status (2).
+
+    Every benchmark that needs a device says it in these words, whether run as `mla-multi bench ...`
+    or as a script.
+    """
+    try:
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken probe counts as no device
+        found = 0
+    what = "a CUDA or ROCm GPU" if needed == 1 else f"{needed} CUDA or ROCm GPUs"
+    print(f"{command}: error: needs {what}; torch sees {found}" + (f" ({hint})" if hint else ""), file=sys.stderr)
+    return 2
+
 
 def in_turn(runs: list, index: int) -> list:
     """The order of round `index`: the columns' order, reversed every other round, so that no column always

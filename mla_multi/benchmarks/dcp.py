@@ -278,10 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     nprocs = max(world_sizes)
     if args.device == "cuda":
         if not torch.cuda.is_available() or torch.cuda.device_count() < nprocs:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            print(f"the dcp benchmark needs {nprocs} GPUs, found {count} (--device cpu runs it over gloo)",
-                  file=sys.stderr)
-            return 2
+            from mla_multi.benchmarks import needs_gpu
+
+            return needs_gpu("mla-multi bench dcp", nprocs, hint="--device cpu runs it over gloo")
     backend = args.backend or ("TRITON" if args.device == "cuda" else "REFERENCE")
     options = {"device": args.device, "world_sizes": world_sizes, "cases": cases, "heads": args.heads,
                "block_size": args.block_size, "interleave": args.interleave, "backend": backend,

@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--q-len", default="1", help="comma list of query tokens per request (with --backends)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("the decode benchmark needs a GPU", file=sys.stderr)
-        return 2
+        from mla_multi.benchmarks import needs_gpu
+
+        return needs_gpu("mla-multi bench decode")
     if args.reduce:
         from mla_multi.kernels import mla_decode
         from mla_multi.kernels.launch_config import DecodeReduceLaunchConfig

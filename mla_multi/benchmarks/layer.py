@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if not torch.cuda.is_available():
-        print("mla-multi bench layer needs a CUDA or ROCm GPU")
-        return 2
+        from mla_multi.benchmarks import needs_gpu
+
+        return needs_gpu("mla-multi bench layer")
     decode_names = [None if b == "default" else b for b in args.decode_backends.split(",") if b] or [None]
     prefill_names = [None if b == "default" else b for b in args.prefill_backends.split(",") if b] or [None]
     print("| step | decode / prefill backend | metadata µs | plan µs | eager µs | back to back µs | captured µs | "

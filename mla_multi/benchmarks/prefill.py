@@ -449,8 +449,9 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("prefill benchmark: no GPU visible to torch", file=sys.stderr)
-        return 1
+        from mla_multi.benchmarks import needs_gpu
+
+        return needs_gpu("mla-multi bench prefill")
     configs = [None] + [parse_config(c) for c in args.configs.split(",") if c]
     heads = [int(h) for h in args.heads.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]

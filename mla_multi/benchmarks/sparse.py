@@ -270,8 +270,9 @@ def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}; accepted: 1 or more")
     if not torch.cuda.is_available():
-        print("bench sparse: needs a CUDA or ROCm device", file=sys.stderr)
-        return 2
+        from mla_multi.benchmarks import needs_gpu
+
+        return needs_gpu(f"mla-multi bench {phase.replace('_', '-')}")
     wanted = [b for b in args.backends.split(",") if b] or None
     rows = []
     for a, b, c in _parse_cases(args.cases):
