@@ -189,6 +189,8 @@ TOOLING_VARIABLES: dict[str, str] = {
     "MLA_MULTI_CI_PLATFORM": "CI runner kind (cpu, cuda, rocm): tests/test_ci_expected_backends.py checks the "
                              "backends that runner must select (set by .ci/run and ci/run-tests.sh).",
     "MLA_MULTI_AITER_WHEEL": "A local amd-aiter wheel for the aiter contract tests (offline runs).",
+    "MLA_MULTI_AITER_SOURCE": "A local aiter checkout whose source the aiter contract tests read beside "
+                              "tests/fake_aiter/contract.json.",
     "MLA_MULTI_AITER_SPEC": "The amd-aiter requirement the contract tests download (default pinned in the test).",
     "MLA_MULTI_FLASH_ATTN_SDIST": "A local flash-attn sdist for the flash-attn contract tests (offline runs).",
     "MLA_MULTI_FLASH_ATTN_SPEC": "The flash-attn requirement the contract tests download (default pinned in the test).",
