@@ -55,8 +55,10 @@ def quantize_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     values = (tiles / scales.unsqueeze(-1)).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
     rows = torch.empty(tokens, FP8_DS_MLA_BYTES, dtype=torch.uint8, device=kv_c.device)
     rows[:, :KV_LORA_RANK] = values.reshape(tokens, KV_LORA_RANK).view(torch.uint8)
-    rows[:, KV_LORA_RANK:KV_LORA_RANK + 4 * NUM_TILES] = scales.contiguous().view(torch.uint8).reshape(tokens, -1)
-    rows[:, KV_LORA_RANK + 4 * NUM_TILES:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(tokens, -1)
+    # explicit widths: -1 is ambiguous for zero tokens
+    rows[:, KV_LORA_RANK:KV_LORA_RANK + 4 * NUM_TILES] = scales.contiguous().view(torch.uint8).reshape(tokens, 4 * NUM_TILES)
+    rows[:, KV_LORA_RANK + 4 * NUM_TILES:] = (
+        k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(tokens, 2 * ROPE_DIM))
     return rows
 
 

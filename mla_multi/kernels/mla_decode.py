@@ -390,7 +390,8 @@ def _mla_decode_split_kernel(
     inv_l = tl.where(invalid, float("nan"), inv_l)
     # natural-log LSE: m is in the log2 domain
     lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    lse = tl.where(invalid, float("nan"), lse)
+    # a NaN (or +inf) score reached the softmax: l_i is NaN and so are the row and its LSE (the NaN policy)
+    lse = tl.where(invalid | (l_i != l_i), float("nan"), lse)
 
     # The output rows are derived again from a loop result (l_i >= 0, so the
     # term is 0): otherwise the compiler keeps the query loads' per-row

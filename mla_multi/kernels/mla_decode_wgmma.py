@@ -494,7 +494,8 @@ if gluon is not None:
         inv_l = gl.where(invalid, float("nan"), inv_l)
         # m is in the log2 domain
         lse = gl.where(has_mass, (m_i + gl.log2(gl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        lse = gl.where(invalid, float("nan"), lse)
+        # a NaN (or +inf) score reached the softmax: l_i is NaN and so are the row and its LSE (the NaN policy)
+        lse = gl.where(invalid | (l_i != l_i), float("nan"), lse)
         return inv_l, lse
 
     @gluon.jit
