@@ -17,6 +17,7 @@ from mla_multi.metadata import (
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
+from mla_multi import platforms
 from mla_multi.platforms import Platform, current_platform
 from mla_multi.registry import NoBackendError, UnknownBackendError, select_decode_backend, select_prefill_backend
 from mla_multi.workspace import WorkspaceLockedError, WorkspaceManager
@@ -67,9 +68,15 @@ envs.configure_logging()
 from mla_multi.registry import check_forced_names  # noqa: E402
 
 check_forced_names()
-_SELECTED = _select_defaults()
+# Chosen at import where the platform is known without a GPU context (NVML / amdsmi, or no GPU); else on the
+# first call, so that the import never initialises CUDA / HIP (a parent that forks workers keeps the GPU free).
+_SELECTED = _select_defaults() if platforms.known_without_context() else None
 
 
 def selected_backends() -> dict[str, str]:
-    """{"prefill": name, "decode": name} chosen at import for DeepSeek-V3 dims (128 heads, bf16, block size 64)."""
+    """{"prefill": name, "decode": name} chosen for DeepSeek-V3 dims (128 heads, bf16, block size 64): at import,
+    or on the first call where the device can only be described through a GPU context."""
+    global _SELECTED
+    if _SELECTED is None:
+        _SELECTED = _select_defaults()
     return dict(_SELECTED)
