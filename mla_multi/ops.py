@@ -673,7 +673,7 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     from mla_multi.registry import select_sparse_backend
 
     backend_cls = select_sparse_backend("sparse_prefill", dims, q_nope.dtype, kv.dtype, topk, backend=backend)
-    if kv.shape[0] == 0 or topk == 0:  # no row to attend to: every token's documented 0 and -inf, on every backend
+    if kv.shape[0] == 0:  # no row to attend to: every token's documented 0 and -inf, on every backend
         out = torch.zeros(tokens, heads, q_nope.shape[-1], dtype=q_nope.dtype, device=device)
         lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=device)
         return (out, lse) if return_lse else out

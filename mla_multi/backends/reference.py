@@ -216,6 +216,10 @@ def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix
         s_weight > 0, suffix_output.to(compute) * s_weight, 0.0
     )
     lse = torch.where(empty, neg_inf.expand_as(max_lse), torch.log(safe_total) + safe_max)
+    # a NaN LSE on either side (a state a NaN reached) makes the merged row and its LSE NaN (the NaN policy)
+    nan_lse = torch.isnan(p_lse) | torch.isnan(s_lse)
+    output = output.masked_fill(nan_lse.transpose(0, 1).unsqueeze(-1), float("nan"))
+    lse = lse.masked_fill(nan_lse, float("nan"))
     return output.to(prefix_output.dtype), lse.to(prefix_lse.dtype)
 
 
