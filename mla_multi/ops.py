@@ -91,6 +91,12 @@ def mla_decode(
     request whose seq_len lies outside [0, max_blocks * block_size], or that
     reads a block-table entry outside [0, num_blocks), gets NaN (TRITON,
     REFERENCE) and is recorded for `raise_pending_errors`.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` and `k_scale` (FP8 caches only: refused
+    for others) must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    seq_lens may be int32 or int64.
     """
     if torch.compiler.is_compiling():
         return library.mla_decode_traced(
@@ -395,6 +401,11 @@ def mla_prefill(
     whose boundaries are not non-decreasing from 0 within the token count, or
     longer than max_seqlen_*, gets NaN rows (TRITON, REFERENCE) and is recorded
     for `raise_pending_errors`.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    cu_seqlens_* may be int32 or int64 (converted once to int32).
     """
     if torch.compiler.is_compiling():
         return library.mla_prefill_traced(
@@ -505,6 +516,13 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     outside [-1, num_slots) makes its token's rows and LSE NaN and is recorded
     for `raise_pending_errors`; with them (always on CPU tensors) it is a
     ValueError.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` and `k_scale` (per-tensor FP8 caches only:
+    refused for 16-bit and fp8_ds_mla caches) must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    A sink of +inf gives 0 rows, -inf changes nothing, NaN gives NaN rows (a token with no valid index stays
+    0 and -inf).
     """
     if torch.compiler.is_compiling():
         return library.mla_sparse_decode_traced(
@@ -647,7 +665,12 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     indices int32 [T, topk] into the rows of kv, -1 or >= S_kv = no token;
     topk_length int32 [T]; attn_sink float32 [N] as in `mla_sparse_decode`.
     Returns out [T, N, 512] in q's dtype, and lse [T, N] float32 with
-    `return_lse`; a token with no valid index gives 0 and -inf.
+    `return_lse`; a token with no valid index gives 0 and -inf, and so does
+    every token over `kv` of no rows ([0, 576]), on every backend.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
     """
     if torch.compiler.is_compiling():
         return library.mla_sparse_prefill_traced(
@@ -688,8 +711,9 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     """Combine two partial attentions over disjoint keys by their LSE.
 
     outputs [T, N, D], lse [N, T] float32. An LSE of +inf counts as -inf; when
-    both are -inf the output is 0 and the LSE -inf. Returns (output [T, N, D]
-    in prefix_output's dtype, lse [N, T] float32).
+    both are -inf the output is 0 and the LSE -inf; a NaN LSE on either side
+    gives a NaN row and LSE. Returns (output [T, N, D] in prefix_output's
+    dtype, lse [N, T] float32).
     """
     if torch.compiler.is_compiling():
         return library.merge_attn_states_traced(prefix_output, prefix_lse, suffix_output, suffix_lse)
@@ -716,7 +740,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     writers: which one is unspecified, and on a GPU rows may interleave). An fp8
     cache is written as value / scale saturated to the fp8 range. Without the
     data checks a slot past the cache is skipped too and recorded for
-    `raise_pending_errors`.
+    `raise_pending_errors`. Zero tokens are a no-op in every cache format.
+    `scale` must be finite and positive, and is refused for a cache that is
+    not FP8 (ValueError naming it).
     """
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
@@ -819,7 +845,8 @@ def gather_cache(
     rows instead of a new tensor.
     Without the data checks a row outside its block-table row or in a block
     outside the cache is NaN, a negative length gives no rows; both are
-    recorded for `raise_pending_errors`.
+    recorded for `raise_pending_errors`. `scale` must be finite and positive,
+    and is refused for a cache that is not FP8 (ValueError naming it).
     """
     if torch.compiler.is_compiling():
         return library.gather_cache_traced(
