@@ -546,6 +546,10 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
             checks.check_scale("k_scale", k_scale, required=True)
         _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
     tokens, heads, topk = plan.tokens, plan.heads, plan.topk
+    if tokens == 0:  # an empty batch of any rank: empty outputs of the query's lead shape, nothing launched
+        out = torch.empty(*plan.lead, heads, q_nope.shape[-1], dtype=q_nope.dtype, device=plan.device)
+        lse = torch.empty(*plan.lead, heads, dtype=torch.float32, device=plan.device)
+        return (out, lse) if return_lse else out
     lengths = topk_length
     if topk_length is not None and plan.q_len > 1:
         lengths = topk_length.repeat_interleave(plan.q_len)

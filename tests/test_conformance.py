@@ -449,14 +449,15 @@ def case_sparse_decode_4d_lengths(col):
     check_rows(out, lse, ref_out.reshape(2, 2, HEADS, LKV), ref_lse.reshape(2, 2, HEADS), col.tol)
 
 
-@case("sparse_decode", "empty batches: [0, N, 512] and [0, Q, N, 512] -> empty outputs of the query's lead shape")
+@case("sparse_decode", "empty batches: [0, N, 512] and [0, Q, N, 512], every cache format -> empty outputs of the query's lead shape")
 def case_sparse_decode_empty(col):
-    cache, _, _ = sparse_cache(col, "16bit")
-    for lead in ((0,), (0, 4)):
-        q_nope, q_pe = sparse_queries(col, 0, lead=lead)
-        idx = torch.zeros(*lead, 8, dtype=torch.int32, device=col.device)
-        out, lse = sparse_decode(col, q_nope, q_pe, cache, idx, SCALE)
-        assert tuple(out.shape) == (*lead, HEADS, LKV) and tuple(lse.shape) == (*lead, HEADS)
+    for fmt in ("16bit", "fp8", "fp8_ds_mla"):
+        cache, _, k_scale = sparse_cache(col, fmt)
+        for lead in ((0,), (0, 4)):
+            q_nope, q_pe = sparse_queries(col, 0, lead=lead)
+            idx = torch.zeros(*lead, 8, dtype=torch.int32, device=col.device)
+            out, lse = sparse_decode(col, q_nope, q_pe, cache, idx, SCALE, k_scale=k_scale)
+            assert tuple(out.shape) == (*lead, HEADS, LKV) and tuple(lse.shape) == (*lead, HEADS), fmt
 
 
 @case("sparse_decode", "attn_sink [+inf, -inf]: head 0 all 0 (LSE unchanged), head 1 as without a sink; "
