@@ -148,11 +148,6 @@ def check_backend_arg(phase: str, backend) -> None:
                      f"{phase} backend name: {', '.join(registry.names(phase))}")
 
 
-def empty_batch(*tensors) -> bool:
-    """Whether the first of `tensors` (the query) has no rows: an empty batch of any rank, answered with empty
-    outputs without launching anything."""
-    return tensors[0].numel() == 0 and tensors[0].shape[0] == 0
-
 
 def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     """Whether the checks that read tensor data run for tensors on `device`.

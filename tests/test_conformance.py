@@ -871,6 +871,7 @@ def interpreter_table():
     return run_interpreter_script(__file__, "--child", timeout=1500)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("item", CASES, ids=[c.name for c in CASES])
 def test_conformance_triton_interpreter(interpreter_table, item):
     """TRITON under the interpreter, float16: every row passes (TRITON takes every configuration of the table
@@ -879,6 +880,7 @@ def test_conformance_triton_interpreter(interpreter_table, item):
     assert result == "pass", result
 
 
+@pytest.mark.interpreter
 def test_conformance_table_size(interpreter_table, record_property):
     """The table on the CPU: cases x backends (REFERENCE in process, TRITON under the interpreter)."""
     passed = sum(1 for c in CASES if interpreter_table[c.name] == "pass")
