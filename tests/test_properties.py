@@ -267,6 +267,9 @@ class GpuRunner(Runner):
     max_prefill_len = 200
     out_tol, lse_tol = 1e-2, 2e-2
     sparse_backend = None  # the registry's choice
+    # sm_90's per-tensor FP8 QK path rounds the query to e4m3, which the float64 math here does not model (the
+    # conformance table checks that format within the FP8 tolerance); fp8_ds_mla rows are dequantised to bf16
+    sparse_formats = ("same", "fp8_ds_mla")
     max_sparse_heads = 128
     max_sparse_topk = 300
     sparse_tol, sparse_lse_tol = 1.5e-2, 2e-2

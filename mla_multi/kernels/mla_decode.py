@@ -383,15 +383,16 @@ def _mla_decode_split_kernel(
     tl.atomic_or(Error_flag, SEQ_RANGE_ERROR, mask=bad_seq_len)
     invalid = bad_block | bad_seq_len
 
-    has_mass = l_i > 0.0
+    # l_i >= 0, or NaN where a NaN (or +inf) score reached the softmax: `!= 0` keeps NaN rows on the mass path,
+    # so that their output and LSE come out NaN (the NaN policy) at no extra cost
+    has_mass = l_i != 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     if HAS_K_SCALE:
         inv_l = inv_l * k_scale
     inv_l = tl.where(invalid, float("nan"), inv_l)
     # natural-log LSE: m is in the log2 domain
     lse = tl.where(has_mass, (m_i + tl.log2(tl.where(has_mass, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    # a NaN (or +inf) score reached the softmax: l_i is NaN and so are the row and its LSE (the NaN policy)
-    lse = tl.where(invalid | (l_i != l_i), float("nan"), lse)
+    lse = tl.where(invalid, float("nan"), lse)
 
     # The output rows are derived again from a loop result (l_i >= 0, so the
     # term is 0): otherwise the compiler keeps the query loads' per-row

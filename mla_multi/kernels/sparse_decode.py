@@ -109,13 +109,11 @@ def _sparse_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
         m_i = m_new
 
-    has_any = l_i > 0.0
+    # l_i >= 0, or NaN where a NaN (or +inf) score reached the softmax: `!= 0` keeps NaN rows on the mass path,
+    # so that their output and LSE come out NaN (the NaN policy)
+    has_any = l_i != 0.0
     lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
     out = tl.where(has_any[:, None], acc / tl.where(has_any, l_i, 1.0)[:, None], 0.0)
-    # a NaN (or +inf) score reached the softmax: l_i is NaN and so are the row and its LSE (the NaN policy)
-    nan_row = l_i != l_i
-    lse = tl.where(nan_row, float("nan"), lse)
-    out = tl.where(nan_row[:, None], float("nan"), out)
     if SPLIT:  # this split's normalised output and LSE; `_sparse_reduce_kernel` merges them (and the sink)
         is_bad = tl.max(bad, axis=0) > 0
         lse = tl.where(is_bad, float("nan"), lse)
