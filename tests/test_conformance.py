@@ -347,6 +347,13 @@ def case_decode_bad_k_scale(col):
     if col.device.type == "cpu" or mm.checks.data_checks_enabled(col.device):
         expect_error(lambda: mm.ops.mla_decode(q_nope, q_pe, cache, table, seq, SCALE, k_scale=k_scale,
                                                backend=col.backend), "k_scale=", "-0.1")
+        # a planned decode (plan_mla_decode / run) checks the value on every run too
+        k_scale.fill_(0.1)
+        plan = run_op(lambda: mm.ops.plan_mla_decode(q_nope, q_pe, cache, table, seq, SCALE, k_scale=k_scale,
+                                                     backend=col.backend))
+        plan.run(q_nope, q_pe, cache, table, seq, k_scale=k_scale)
+        k_scale.fill_(INF)
+        expect_error(lambda: plan.run(q_nope, q_pe, cache, table, seq, k_scale=k_scale), "k_scale=", "inf")
 
 
 @case("decode", "k_scale with a cache that is not FP8 -> ValueError naming k_scale (refused, never applied)")
