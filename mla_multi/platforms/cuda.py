@@ -109,15 +109,5 @@ def detect_cuda(device_index: int = 0) -> Platform:
     """Describe the CUDA device `device_index`. Creates the CUDA context (unavoidable for properties)."""
     props = torch.cuda.get_device_properties(device_index)
     capability = (int(props.major), int(props.minor))
-    fp8 = torch.float8_e4m3fn if capability >= (8, 9) else None
-    return Platform(
-        name=str(props.name),
-        vendor="cuda",
-        arch=f"sm_{capability[0]}{capability[1]}",
-        num_compute_units=int(props.multi_processor_count),
-        warp_size=int(getattr(props, "warp_size", 32) or 32),
-        fp8_dtype=fp8,
-        max_shared_memory_per_block=_shared_memory_per_block(props, capability),
-        device_capability=capability,
-        device_index=device_index,
-    )
+    return cuda_platform(str(props.name), capability, int(props.multi_processor_count), device_index,
+                         shared_memory=_shared_memory_per_block(props, capability))

@@ -96,16 +96,4 @@ def detect_rocm(device_index: int = 0) -> Platform:
     props = torch.cuda.get_device_properties(device_index)
     arch = parse_gcn_arch_name(str(getattr(props, "gcnArchName", "")))
     warp = int(getattr(props, "warp_size", 0) or warp_size_for_arch(arch))
-    compute_units = int(props.multi_processor_count)
-    return Platform(
-        name=str(props.name) or arch,
-        vendor="rocm",
-        arch=arch,
-        num_compute_units=compute_units,
-        warp_size=warp,
-        fp8_dtype=fp8_dtype_for_arch(arch),
-        max_shared_memory_per_block=_LDS_BYTES.get(arch, _DEFAULT_LDS_BYTES),
-        device_capability=None,
-        device_index=device_index,
-        num_xcds=xcds_for(arch, compute_units),
-    )
+    return rocm_platform(str(props.name), arch, int(props.multi_processor_count), device_index, warp)
