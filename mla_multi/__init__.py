@@ -22,6 +22,7 @@ from mla_multi.metadata import (
     reorder_batch_to_split_decodes_and_prefills,
     split_decodes_and_prefills,
 )
+from mla_multi import platforms
 from mla_multi.platforms import Platform, current_platform
 from mla_multi.registry import NoBackendError, UnknownBackendError, select_decode_backend, select_prefill_backend
 from mla_multi.workspace import WorkspaceLockedError, WorkspaceManager
@@ -105,20 +106,35 @@ try:
     check_forced_names()
 except (envs.EnvironmentValueError, UnknownBackendError) as _error:
     _fail_import(_error)
-_SELECTED, _SELECTION_ERRORS = _select_defaults()
-if _SELECTION_ERRORS:
-    import logging as _logging
+# Chosen at import where the platform is known without a GPU context (NVML / amdsmi, or no GPU); else on the
+# first call, so that the import never initialises CUDA / HIP (a parent that forks workers keeps the GPU free).
+_SELECTED: dict | None = None
+_SELECTION_ERRORS: dict = {}
 
-    _logging.getLogger("mla_multi").info(
-        "import-time selection: %s", "; ".join(f"{phase}: {error}" for phase, error in _SELECTION_ERRORS.items()))
+
+def _select_once() -> None:
+    global _SELECTED, _SELECTION_ERRORS
+    _SELECTED, _SELECTION_ERRORS = _select_defaults()
+    if _SELECTION_ERRORS:
+        import logging
+
+        logging.getLogger("mla_multi").info(
+            "import-time selection: %s", "; ".join(f"{phase}: {error}" for phase, error in _SELECTION_ERRORS.items()))
+
+
+if platforms.known_without_context():
+    _select_once()
 
 
 def selected_backends() -> dict[str, str]:
-    """{"prefill": name, "decode": name} chosen at import for DeepSeek-V3 dims (128 heads, bf16, block size 64).
+    """{"prefill": name, "decode": name} chosen for DeepSeek-V3 dims (128 heads, bf16, block size 64): at import,
+    or on the first call where the device can only be described through a GPU context.
 
     Raises the recorded `NoBackendError` (with every reason) when a phase had no backend for those
     dims, as when a forced backend cannot run them; `import_selection_errors()` reports it without raising.
     """
+    if _SELECTED is None:
+        _select_once()
     for error in _SELECTION_ERRORS.values():
         raise error
     return dict(_SELECTED)
@@ -126,4 +142,6 @@ def selected_backends() -> dict[str, str]:
 
 def import_selection_errors() -> dict[str, str]:
     """{phase: the NoBackendError's message} for each phase the import-time selection could not fill."""
+    if _SELECTED is None:
+        _select_once()
     return {phase: str(error) for phase, error in _SELECTION_ERRORS.items()}

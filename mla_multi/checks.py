@@ -10,6 +10,7 @@ them the kernels stay inside their tensors and record bad indices on the device
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -108,24 +109,50 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
 
 
 def check_positive_float(name: str, value) -> float:
-    """`value` as a float, or a ValueError naming `name` and `value` unless it is a real number > 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}={value!r}; accepted: a positive float")
+    """`value` as a float, or a ValueError naming `name` and `value` unless it is a finite real number > 0 (not a
+    bool): a softmax or cache scale of inf or NaN has no meaning (inf * 0 is NaN), so it is refused on every call."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r}; accepted: a finite positive float")
     return float(value)
 
 
-def check_scale(name: str, scale, required: bool) -> None:
+_SCALE_ACCEPTED = "a finite positive float or a 1-element floating-point tensor holding one"
+
+
+def check_scale(name: str, scale, required: bool, *, refuse_unused: bool = False) -> None:
+    """A ValueError naming `name` unless `scale` is None (where not `required`), a finite positive float, or a
+    1-element floating-point tensor whose value (read where the data checks run, see `data_checks_enabled`) is
+    finite and positive. `required`: the cache is FP8 and needs it. `refuse_unused`: a scale given for a cache
+    that is not FP8 (which no backend would apply) is refused rather than ignored."""
     if scale is None:
         if required:
-            raise ValueError(f"{name}=None with an fp8 kv_cache; accepted: a positive float or a 1-element float32 tensor")
+            raise ValueError(f"{name}=None with an fp8 kv_cache; accepted: {_SCALE_ACCEPTED}")
         return
+    if refuse_unused and not required:
+        raise ValueError(f"{name}={describe(scale)} with a kv_cache that is not FP8 (its values are not scaled); "
+                         "accepted: None (a scale applies to float8_e4m3fn / float8_e4m3fnuz caches only)")
     if torch.is_tensor(scale):
         if scale.numel() != 1 or not scale.dtype.is_floating_point:
-            raise ValueError(f"{name}={describe(scale)}; accepted: a positive float or a 1-element float32 tensor")
-        if data_checks_enabled(scale.device) and not float(scale.detach().cpu().reshape(())) > 0:
-            raise ValueError(f"{name}={scale.item()!r}; accepted: a positive scale")
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"{name}={scale!r}; accepted: a positive float or a 1-element float32 tensor")
+            raise ValueError(f"{name}={describe(scale)}; accepted: {_SCALE_ACCEPTED}")
+        if data_checks_enabled(scale.device):
+            value = float(scale.detach().cpu().reshape(()))
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name}=tensor([{value!r}]); accepted: {_SCALE_ACCEPTED}")
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < math.inf:
+        raise ValueError(f"{name}={scale!r}; accepted: {_SCALE_ACCEPTED}")
+
+
+def check_backend_arg(phase: str, backend) -> None:
+    """A ValueError naming `backend` unless it is None or a string (the registry then says whether it names a
+    backend of `phase`), listing the valid names; a list or another unhashable value is refused here, before it
+    reaches a plan cache's key."""
+    if backend is None or isinstance(backend, str):
+        return
+    from mla_multi import registry
+
+    raise ValueError(f"backend={backend!r} ({type(backend).__name__}); accepted: None (the registry chooses) or one "
+                     f"{phase} backend name: {', '.join(registry.names(phase))}")
+
 
 
 def data_checks_enabled(device: torch.device | str | None = None) -> bool:
@@ -190,3 +217,8 @@ def check_slot_data(slot_mapping: torch.Tensor, num_slots: int) -> None:
     bad = slots[slots >= num_slots]
     if bad.numel():
         raise ValueError(f"slot_mapping holds slots {bad[:8].tolist()}; accepted: negative (skip) or in [0, {num_slots})")
+
+
+def as_int32(values: torch.Tensor) -> torch.Tensor:
+    """Lengths or offsets (int32 or int64, both accepted by the ops) as the int32 the kernels read."""
+    return values if values.dtype == torch.int32 else values.to(torch.int32)

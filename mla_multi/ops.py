@@ -94,6 +94,12 @@ def mla_decode(
     request whose seq_len lies outside [0, max_blocks * block_size], or that
     reads a block-table entry outside [0, num_blocks), gets NaN (TRITON,
     REFERENCE) and is recorded for `raise_pending_errors`.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` and `k_scale` (FP8 caches only: refused
+    for others) must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    seq_lens may be int32 or int64.
     """
     if torch.compiler.is_compiling():
         return library.mla_decode_traced(
@@ -101,6 +107,7 @@ def mla_decode(
             k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
         )
     scale = checks.check_positive_float("scale", scale)
+    checks.check_backend_arg("decode", backend)
     try:
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
         key += (bool(return_lse),)
@@ -113,7 +120,7 @@ def mla_decode(
         _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
-        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
         checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
     out, lse = plan.run(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale)
     if return_lse and lse is None:
@@ -149,6 +156,8 @@ def _scale_key(k_scale):
         return k_scale
     if torch.is_tensor(k_scale):
         return _layout(k_scale)
+    if not isinstance(k_scale, (int, float)):  # a string, a list...: not a key; the checks name k_scale
+        raise TypeError("k_scale")
     return ("value", float(k_scale))
 
 
@@ -207,7 +216,7 @@ def _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_
                         shape_from="one row per request of q_nope")
     checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device,
                         shape_from="one per request of q_nope")
-    checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+    checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
     checks.check_positive_int("num_kv_splits", num_kv_splits, allow_none=True)
     checks.report_pending_errors(device)
     checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
@@ -282,6 +291,7 @@ class MLADecodePlan:
         plan = self._plan
         if plan.data_checks:
             checks.report_pending_errors(plan.device)
+            checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
         return plan.run(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale, out=out, lse=lse,
                         attn_logits=self._attn_logits)
@@ -292,6 +302,7 @@ def plan_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_s
     """Plan `mla_decode` for tensors laid out as these (their values are not read, except by the data
     checks where they are on); `MLADecodePlan.run` then only launches. Arguments as in `mla_decode`."""
     scale = checks.check_positive_float("scale", scale)
+    checks.check_backend_arg("decode", backend)
     plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype, num_kv_splits, backend)
@@ -323,6 +334,7 @@ class MLAPrefillPlan:
             )
         if self._plan.data_checks:
             _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)
         return self._plan.impl.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               causal=self.causal, return_softmax_lse=self.return_lse)
 
@@ -331,6 +343,7 @@ def plan_mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      return_lse=False, backend=None) -> MLAPrefillPlan:
     """Plan `mla_prefill` for tensors laid out as these; `MLAPrefillPlan.run` then skips the checks and the
     selection. Arguments as in `mla_prefill` (max_seqlen_* are fixed by the plan)."""
+    checks.check_backend_arg("prefill", backend)
     plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
     key = (_layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
            max_seqlen_k, float(scale), bool(causal), backend, envs.snapshot())
@@ -360,12 +373,18 @@ def mla_prefill(
     whose boundaries are not non-decreasing from 0 within the token count, or
     longer than max_seqlen_*, gets NaN rows (TRITON, REFERENCE) and is recorded
     for `raise_pending_errors`.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    cu_seqlens_* may be int32 or int64 (converted once to int32).
     """
     if torch.compiler.is_compiling():
         return library.mla_prefill_traced(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             causal=causal, return_lse=return_lse, backend=backend,
         )
+    checks.check_backend_arg("prefill", backend)
     try:
         key = (
             "mla_prefill", _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
@@ -380,6 +399,7 @@ def mla_prefill(
         _remember(key, plan)
     elif plan.data_checks:
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)  # int64 taken too
     return plan.impl.forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
     )
@@ -419,9 +439,9 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                         shape_from="q's heads and head dim")
     checks.check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], num_heads, None), device=device,
                         shape_from="k's tokens, q's heads")
-    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
-    checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(cu_seqlens_q.shape[0],), device=device,
-                        shape_from="cu_seqlens_q's length")
+    checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=checks.INDEX_DTYPES, device=device)
+    checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(cu_seqlens_q.shape[0],),
+                        device=device, shape_from="cu_seqlens_q's length")
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q is empty; accepted: [B + 1] cumulative lengths starting at 0")
     checks.check_positive_int("max_seqlen_q", max_seqlen_q) if max_seqlen_q else None
@@ -467,6 +487,13 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     outside [-1, num_slots) makes its token's rows and LSE NaN and is recorded
     for `raise_pending_errors`; with them (always on CPU tensors) it is a
     ValueError.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` and `k_scale` (per-tensor FP8 caches only:
+    refused for 16-bit and fp8_ds_mla caches) must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
+    A sink of +inf gives 0 rows, -inf changes nothing, NaN gives NaN rows (a token with no valid index stays
+    0 and -inf).
     """
     if torch.compiler.is_compiling():
         return library.mla_sparse_decode_traced(
@@ -474,6 +501,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
             backend=backend, return_lse=return_lse,
         )
     scale = checks.check_positive_float("scale", scale)
+    checks.check_backend_arg("sparse_decode", backend)
     try:
         key = ("mla_sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
                _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
@@ -485,14 +513,20 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         _remember(key, plan)
     elif plan.data_checks:
         checks.report_pending_errors(plan.device)
+        if torch.is_tensor(k_scale):  # a float k_scale is part of the key, checked when planned; a tensor's value not
+            checks.check_scale("k_scale", k_scale, required=True)
         _check_sparse_index_data(indices, topk_length, plan.num_slots, plan.topk, out_of_range_is_bad=True)
     tokens, heads, topk = plan.tokens, plan.heads, plan.topk
+    if tokens == 0:  # an empty batch of any rank: empty outputs of the query's lead shape, nothing launched
+        out = torch.empty(*plan.lead, heads, q_nope.shape[-1], dtype=q_nope.dtype, device=plan.device)
+        lse = torch.empty(*plan.lead, heads, dtype=torch.float32, device=plan.device)
+        return (out, lse) if return_lse else out
     lengths = topk_length
     if topk_length is not None and plan.q_len > 1:
         lengths = topk_length.repeat_interleave(plan.q_len)
     if plan.q_len > 1 or q_nope.dim() == 4:  # [B, Q, ..] as tokens
-        q_nope, q_pe, indices = (q_nope.reshape(tokens, heads, -1), q_pe.reshape(tokens, heads, -1),
-                                 indices.reshape(tokens, topk))
+        q_nope, q_pe, indices = (q_nope.reshape(tokens, heads, q_nope.shape[-1]),
+                                 q_pe.reshape(tokens, heads, q_pe.shape[-1]), indices.reshape(tokens, topk))
     out, lse = plan.impl.forward(
         q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale,
         topk_length=lengths, attn_sink=attn_sink,
@@ -565,7 +599,7 @@ def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, a
                          f"({_width_source('q_nope', q_nope, 'q_pe', q_pe)}) or a uint8 "
                          f"fp8_ds_mla cache of {FP8_DS_MLA_BYTES} bytes a token")
     else:
-        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES)
+        checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
     batch = lead[0]
     q_len = lead[1] if len(lead) == 2 else 1
     tokens = batch * q_len
@@ -602,13 +636,19 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     indices int32 [T, topk] into the rows of kv, -1 or >= S_kv = no token;
     topk_length int32 [T]; attn_sink float32 [N] as in `mla_sparse_decode`.
     Returns out [T, N, 512] in q's dtype, and lse [T, N] float32 with
-    `return_lse`; a token with no valid index gives 0 and -inf.
+    `return_lse`; a token with no valid index gives 0 and -inf, and so does
+    every token over `kv` of no rows ([0, 576]), on every backend.
+
+    Non-finite input (README "Non-finite input and edge cases"): `scale` must be finite and positive
+    (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
+    and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
     """
     if torch.compiler.is_compiling():
         return library.mla_sparse_prefill_traced(
             q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, backend=backend,
             return_lse=return_lse,
         )
+    checks.check_backend_arg("sparse_prefill", backend)
     checks.check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
     device = q_nope.device
     tokens, heads = q_nope.shape[0], q_nope.shape[1]
@@ -630,6 +670,10 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
     from mla_multi.registry import select_sparse_backend
 
     backend_cls = select_sparse_backend("sparse_prefill", dims, q_nope.dtype, kv.dtype, topk, backend=backend)
+    if kv.shape[0] == 0:  # no row to attend to: every token's documented 0 and -inf, on every backend
+        out = torch.zeros(tokens, heads, q_nope.shape[-1], dtype=q_nope.dtype, device=device)
+        lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=device)
+        return (out, lse) if return_lse else out
     impl = backend_cls.get_impl_cls()(heads, dims.kv_lora_rank, dims.qk_rope_head_dim, device)
     out, lse = impl.forward(q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
     if return_lse:
@@ -641,8 +685,9 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse):
     """Combine two partial attentions over disjoint keys by their LSE.
 
     outputs [T, N, D], lse [N, T] float32. An LSE of +inf counts as -inf; when
-    both are -inf the output is 0 and the LSE -inf. Returns (output [T, N, D]
-    in prefix_output's dtype, lse [N, T] float32).
+    both are -inf the output is 0 and the LSE -inf; a NaN LSE on either side
+    gives a NaN row and LSE. Returns (output [T, N, D] in prefix_output's
+    dtype, lse [N, T] float32).
     """
     if torch.compiler.is_compiling():
         return library.merge_attn_states_traced(prefix_output, prefix_lse, suffix_output, suffix_lse)
@@ -672,7 +717,9 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     writers: which one is unspecified, and on a GPU rows may interleave). An fp8
     cache is written as value / scale saturated to the fp8 range. Without the
     data checks a slot past the cache is skipped too and recorded for
-    `raise_pending_errors`.
+    `raise_pending_errors`. Zero tokens are a no-op in every cache format.
+    `scale` must be finite and positive, and is refused for a cache that is
+    not FP8 (ValueError naming it).
     """
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_traced(kv_c, k_pe, kv_cache, slot_mapping, scale=scale)
@@ -686,7 +733,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
         # checked when planned; the data checks run on every call where they are on
         if plan.data_checks:
             checks.report_pending_errors(plan.device)
-            checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+            checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
         plan.launch(kv_c, k_pe, kv_cache, slot_mapping, plan.scale if plan.scale is not None else scale)
         return None
@@ -702,11 +749,13 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
                         shape_from=_width_source("kv_c", kv_c, "k_pe", k_pe))
     checks.check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(tokens,), device=device,
                         shape_from="one slot per token of kv_c")
-    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache={checks.describe(kv_cache)} is not contiguous; accepted: a contiguous cache")
     checks.report_pending_errors(device)
     checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    if tokens == 0:  # a step without new tokens (an idle rank, a drained batch): nothing to write
+        return None
     if _use_triton(kv_cache) and _use_triton(kv_c):
         from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
 
@@ -744,6 +793,8 @@ def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     checks.report_pending_errors(device)
     checks.check_slot_data(slot_mapping, num_slots)
+    if tokens == 0:  # a step without new tokens: nothing to write
+        return None
     slots = slot_mapping.long()
     # a negative slot skips its token; a slot past the cache is skipped too and recorded
     errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)
@@ -770,7 +821,8 @@ def gather_cache(
     rows instead of a new tensor.
     Without the data checks a row outside its block-table row or in a block
     outside the cache is NaN, a negative length gives no rows; both are
-    recorded for `raise_pending_errors`.
+    recorded for `raise_pending_errors`. `scale` must be finite and positive,
+    and is refused for a cache that is not FP8 (ValueError naming it).
     """
     if torch.compiler.is_compiling():
         return library.gather_cache_traced(
@@ -785,7 +837,7 @@ def gather_cache(
                         shape_from="one per row of block_table")
     checks.check_tensor("seq_lens", seq_lens, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(batch,), device=device,
                         shape_from="one per row of block_table")
-    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES)
+    checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES + (kv_cache.dtype,):
         raise ValueError(f"out_dtype={out_dtype}; accepted: a float dtype")
     checks.report_pending_errors(device)

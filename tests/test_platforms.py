@@ -207,6 +207,8 @@ def fresh_detection(monkeypatch):
     monkeypatch.setattr(platforms, "_detected", None)
     monkeypatch.setattr(platforms, "_detection_error", None)
     monkeypatch.setattr(platforms, "_override_stack", [])
+    # the faked torch probes below, not a real NVML / amdsmi that may be on the machine
+    monkeypatch.setattr(platforms, "probe_without_context", lambda: None)
     return monkeypatch
 
 

@@ -35,14 +35,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _softmax_with_lse(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax over the last dim and its natural-log LSE; fully masked rows give p 0 and lse -inf."""
+    """softmax over the last dim and its natural-log LSE, as the kernels compute it: p = exp(s - max) / sum
+    (normalised by the sum itself, so that rounding in the LSE cannot scale a row), lse = max + log(sum).
+
+    The non-finite policy (README "Non-finite input and edge cases"): a fully masked row gives p 0 and lse -inf;
+    a NaN score, or a score of +inf, among a row's unmasked ones makes the row's p and lse NaN.
+    """
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
-    return probs, torch.where(finite, lse, torch.full_like(lse, float("-inf")))
+    if scores.shape[-1] == 0:
+        shape = scores.shape[:-1]
+        return scores, torch.full(shape, float("-inf"), dtype=scores.dtype, device=scores.device)
+    top = scores.amax(dim=-1, keepdim=True)  # NaN where a score is NaN
+    empty = top == float("-inf")
+    shifted = torch.exp(scores - torch.where(empty, torch.zeros_like(top), top))  # NaN where top is +inf or NaN
+    total = shifted.sum(dim=-1, keepdim=True)
+    probs = torch.where(empty, torch.zeros_like(shifted), shifted / torch.where(empty, torch.ones_like(total), total))
+    lse = torch.where(empty, torch.full_like(top, float("-inf")), top + torch.log(total))
+    return probs, lse.squeeze(-1)
 
 
 def varlen_attention_reference(
@@ -206,6 +216,10 @@ def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix
         s_weight > 0, suffix_output.to(compute) * s_weight, 0.0
     )
     lse = torch.where(empty, neg_inf.expand_as(max_lse), torch.log(safe_total) + safe_max)
+    # a NaN LSE on either side (a state a NaN reached) makes the merged row and its LSE NaN (the NaN policy)
+    nan_lse = torch.isnan(p_lse) | torch.isnan(s_lse)
+    output = output.masked_fill(nan_lse.transpose(0, 1).unsqueeze(-1), float("nan"))
+    lse = lse.masked_fill(nan_lse, float("nan"))
     return output.to(prefix_output.dtype), lse.to(prefix_lse.dtype)
 
 
@@ -319,16 +333,16 @@ def sparse_attention_reference(
     # rows no valid index names are never read: their contents (poison, stale data) must not reach the sums
     rows = rows.masked_fill(~valid.unsqueeze(-1), 0)
     scores = torch.einsum("tnd,tkd->tnk", q.to(compute), rows) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [T, N]; -inf where nothing is valid
-    finite = torch.isfinite(lse)
-    weights = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    weights = torch.where(finite.unsqueeze(-1), weights, torch.zeros_like(weights))
+    # [T, N]: lse -inf where nothing is valid, NaN where a valid score is NaN or +inf (a NaN or inf query or row)
+    weights, lse = _softmax_with_lse(scores, valid.unsqueeze(1))
     out = torch.einsum("tnk,tkd->tnd", weights, rows[..., :latent_width])
     if attn_sink is not None:
+        # a sink of +inf takes every row's mass (0), -inf none; a NaN sink makes the row NaN; a row without a
+        # valid index keeps 0 and -inf
+        finite = torch.isfinite(lse)
         sink = attn_sink.to(compute).unsqueeze(0)
         factor = torch.sigmoid(torch.where(finite, lse, torch.zeros_like(lse)) - sink)
-        out = out * torch.where(finite, factor, torch.ones_like(factor)).unsqueeze(-1)
+        out = out * torch.where(lse == float("-inf"), torch.ones_like(factor), factor).unsqueeze(-1)
     out = out.masked_fill(bad.view(-1, 1, 1), float("nan"))
     lse = lse.masked_fill(bad.view(-1, 1), float("nan"))
     return out, lse.to(torch.float64 if compute == torch.float64 else torch.float32), bad

@@ -88,6 +88,10 @@ def _merge_attn_states_kernel(
     # uninitialised values (0 * NaN = NaN).
     merged = tl.where(p_scale[:, None] > 0.0, p_out * p_scale[:, None], 0.0)
     merged += tl.where(s_scale[:, None] > 0.0, s_out * s_scale[:, None], 0.0)
+    # a NaN LSE on either side (a state a NaN reached) makes the merged row and its LSE NaN (the NaN policy)
+    nan_lse = (p_lse != p_lse) | (s_lse != s_lse)
+    merged = tl.where(nan_lse[:, None], float("nan"), merged)
+    out_lse = tl.where(nan_lse, float("nan"), out_lse)
     tl.store(
         Out + token * stride_o_t + offs_h[:, None] * stride_o_h + offs_d[None, :],
         merged.to(Out.dtype.element_ty),

@@ -383,7 +383,9 @@ def _mla_decode_split_kernel(
     tl.atomic_or(Error_flag, SEQ_RANGE_ERROR, mask=bad_seq_len)
     invalid = bad_block | bad_seq_len
 
-    has_mass = l_i > 0.0
+    # l_i >= 0, or NaN where a NaN (or +inf) score reached the softmax: `!= 0` keeps NaN rows on the mass path,
+    # so that their output and LSE come out NaN (the NaN policy) at no extra cost
+    has_mass = l_i != 0.0
     inv_l = tl.where(has_mass, 1.0 / tl.where(has_mass, l_i, 1.0), 0.0)
     if HAS_K_SCALE:
         inv_l = inv_l * k_scale

@@ -468,7 +468,9 @@ if gluon is not None:
     @gluon.jit
     def _finish_rows(m_i, l_i, invalid, K_scale, HAS_K_SCALE: gl.constexpr):
         """(1 / sum, natural-log LSE) per row; NaN for a request with bad index data, 0 / -inf for no mass."""
-        has_mass = l_i > 0.0
+        # l_i >= 0, or NaN where a NaN (or +inf) score reached the softmax: `!= 0` keeps NaN rows on the mass
+        # path, so that their output and LSE come out NaN (the NaN policy) at no extra cost
+        has_mass = l_i != 0.0
         inv_l = gl.where(has_mass, 1.0 / gl.where(has_mass, l_i, 1.0), 0.0)
         if HAS_K_SCALE:
             inv_l = inv_l * gl.load(K_scale).to(gl.float32)

@@ -53,21 +53,47 @@ def fp8_dtype_for_arch(arch: str) -> torch.dtype | None:
     return None
 
 
-def detect_rocm(device_index: int = 0) -> Platform:
-    """Describe the HIP device `device_index` (ROCm PyTorch exposes it as a CUDA device)."""
-    props = torch.cuda.get_device_properties(device_index)
-    arch = parse_gcn_arch_name(str(getattr(props, "gcnArchName", "")))
-    warp = int(getattr(props, "warp_size", 0) or warp_size_for_arch(arch))
-    compute_units = int(props.multi_processor_count)
+def rocm_platform(name: str, arch: str, compute_units: int, device_index: int, warp: int | None = None) -> Platform:
+    """The `Platform` of an AMD device from what amdsmi or torch's properties tell of it."""
     return Platform(
-        name=str(props.name) or arch,
+        name=name or arch,
         vendor="rocm",
         arch=arch,
         num_compute_units=compute_units,
-        warp_size=warp,
+        warp_size=warp or warp_size_for_arch(arch),
         fp8_dtype=fp8_dtype_for_arch(arch),
         max_shared_memory_per_block=_LDS_BYTES.get(arch, _DEFAULT_LDS_BYTES),
         device_capability=None,
         device_index=device_index,
         num_xcds=xcds_for(arch, compute_units),
     )
+
+
+def probe_amdsmi(index: int = 0) -> Platform | None:
+    """Describe the HIP device of amdsmi index `index` without creating a HIP context (amdsmi's ASIC info: the
+    gfx target and the compute units); None where amdsmi is missing or does not say them."""
+    try:
+        import amdsmi
+
+        amdsmi.amdsmi_init()
+        try:
+            handle = amdsmi.amdsmi_get_processor_handles()[index]
+            info = amdsmi.amdsmi_get_gpu_asic_info(handle)
+        finally:
+            amdsmi.amdsmi_shut_down()
+        arch = parse_gcn_arch_name(str(info.get("target_graphics_version", "")))
+        compute_units = int(info["num_compute_units"])
+        name = str(info.get("market_name") or arch)
+    except Exception:
+        return None
+    if compute_units <= 0:
+        return None
+    return rocm_platform(name, arch, compute_units, 0)
+
+
+def detect_rocm(device_index: int = 0) -> Platform:
+    """Describe the HIP device `device_index` (ROCm PyTorch exposes it as a CUDA device)."""
+    props = torch.cuda.get_device_properties(device_index)
+    arch = parse_gcn_arch_name(str(getattr(props, "gcnArchName", "")))
+    warp = int(getattr(props, "warp_size", 0) or warp_size_for_arch(arch))
+    return rocm_platform(str(props.name), arch, int(props.multi_processor_count), device_index, warp)
