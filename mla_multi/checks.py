@@ -142,19 +142,6 @@ def check_scale(name: str, scale, required: bool, *, refuse_unused: bool = False
         raise ValueError(f"{name}={scale!r}; accepted: {_SCALE_ACCEPTED}")
 
 
-def check_backend_arg(phase: str, backend) -> None:
-    """A ValueError naming `backend` unless it is None or a string (the registry then says whether it names a
-    backend of `phase`), listing the valid names; a list or another unhashable value is refused here, before it
-    reaches a plan cache's key."""
-    if backend is None or isinstance(backend, str):
-        return
-    from mla_multi import registry
-
-    raise ValueError(f"backend={backend!r} ({type(backend).__name__}); accepted: None (the registry chooses) or one "
-                     f"{phase} backend name: {', '.join(registry.names(phase))}")
-
-
-
 def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     """Whether the checks that read tensor data run for tensors on `device`.
 

@@ -24,6 +24,7 @@ from mla_multi import checks, envs, errors, library
 from mla_multi.backends import reference
 from mla_multi.backends.base import FP8_DTYPES
 from mla_multi.dims import MLADims
+from mla_multi.registry import names as registry_names
 from mla_multi.registry import select_decode_backend, select_prefill_backend
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,6 +51,16 @@ __all__ = [
 
 raise_pending_errors = errors.raise_pending_errors
 error_flag = errors.error_flag
+
+
+def _check_backend_arg(phase: str, backend) -> None:
+    """A ValueError naming `backend` unless it is None or a string (the registry then says whether it names a
+    backend of `phase`), listing the valid names; a list or another unhashable value is refused here, before it
+    reaches a plan cache's key."""
+    if backend is None or isinstance(backend, str):
+        return
+    raise ValueError(f"backend={backend!r} ({type(backend).__name__}); accepted: None (the registry chooses) or one "
+                     f"{phase} backend name: {', '.join(registry_names(phase))}")
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
@@ -107,7 +118,7 @@ def mla_decode(
             k_scale=k_scale, num_kv_splits=num_kv_splits, backend=backend, return_lse=return_lse,
         )
     scale = checks.check_positive_float("scale", scale)
-    checks.check_backend_arg("decode", backend)
+    _check_backend_arg("decode", backend)
     try:
         key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
         key += (bool(return_lse),)
@@ -302,7 +313,7 @@ def plan_mla_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k_s
     """Plan `mla_decode` for tensors laid out as these (their values are not read, except by the data
     checks where they are on); `MLADecodePlan.run` then only launches. Arguments as in `mla_decode`."""
     scale = checks.check_positive_float("scale", scale)
-    checks.check_backend_arg("decode", backend)
+    _check_backend_arg("decode", backend)
     plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     key = _decode_plan_key(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend)
     return MLADecodePlan(plan, key, scale, tuple(q_nope.shape), q_nope.dtype, num_kv_splits, backend)
@@ -343,7 +354,7 @@ def plan_mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      return_lse=False, backend=None) -> MLAPrefillPlan:
     """Plan `mla_prefill` for tensors laid out as these; `MLAPrefillPlan.run` then skips the checks and the
     selection. Arguments as in `mla_prefill` (max_seqlen_* are fixed by the plan)."""
-    checks.check_backend_arg("prefill", backend)
+    _check_backend_arg("prefill", backend)
     plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
     key = (_layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k), max_seqlen_q,
            max_seqlen_k, float(scale), bool(causal), backend, envs.snapshot())
@@ -384,7 +395,7 @@ def mla_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             causal=causal, return_lse=return_lse, backend=backend,
         )
-    checks.check_backend_arg("prefill", backend)
+    _check_backend_arg("prefill", backend)
     try:
         key = (
             "mla_prefill", _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
@@ -501,7 +512,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
             backend=backend, return_lse=return_lse,
         )
     scale = checks.check_positive_float("scale", scale)
-    checks.check_backend_arg("sparse_decode", backend)
+    _check_backend_arg("sparse_decode", backend)
     try:
         key = ("mla_sparse_decode", _layout(q_nope), _layout(q_pe), _layout(kv_cache), _layout(indices), _scale_key(k_scale),
                _optional_layout(topk_length), _optional_layout(attn_sink), backend, envs.snapshot())
@@ -559,17 +570,18 @@ class _SparsePlan:
     data_checks: bool
 
 
-def _check_sparse_index_data(indices, topk_length, num_slots: int, topk: int, out_of_range_is_bad: bool) -> None:
+def _check_sparse_index_data(indices, topk_length, num_slots: int, topk: int, out_of_range_is_bad: bool,
+                             name: str = "indices", lengths_name: str = "topk_length") -> None:
     """With the data checks on: decode indices inside [-1, num_slots), topk_length inside [0, topk]."""
     if out_of_range_is_bad:
         values = indices.detach().cpu()
         bad = values[(values < -1) | (values >= num_slots)]
         if bad.numel():
-            raise ValueError(f"indices hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
+            raise ValueError(f"{name} hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
     if topk_length is not None:
         lengths = topk_length.detach().cpu()
         if bool((lengths < 0).any()) or bool((lengths > topk).any()):
-            raise ValueError(f"topk_length={lengths.tolist()}; accepted: values in [0, {topk}]")
+            raise ValueError(f"{lengths_name}={lengths.tolist()}; accepted: values in [0, {topk}]")
 
 
 def _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend) -> _SparsePlan:
@@ -648,7 +660,7 @@ def mla_sparse_prefill(q_nope, q_pe, kv, indices, scale, *, topk_length=None, at
             q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, backend=backend,
             return_lse=return_lse,
         )
-    checks.check_backend_arg("sparse_prefill", backend)
+    _check_backend_arg("sparse_prefill", backend)
     checks.check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES)
     device = q_nope.device
     tokens, heads = q_nope.shape[0], q_nope.shape[1]
@@ -911,37 +923,6 @@ def _v4_cache_format(name: str, cache, kv_format, device, *, extra_of: str | Non
     return fmt
 
 
-def _check_v4_indices_data(name: str, indices, lengths_name: str, topk_length, num_slots: int,
-                           out_of_range_is_bad: bool) -> None:
-    """With the data checks on: decode indices inside [-1, num_slots), lengths inside [0, topk]."""
-    if out_of_range_is_bad:
-        values = indices.detach().cpu()
-        bad = values[(values < -1) | (values >= num_slots)]
-        if bad.numel():
-            raise ValueError(f"{name} hold {bad[:8].tolist()}; accepted: -1 (no token) or slots in [0, {num_slots})")
-    if topk_length is not None:
-        lengths = topk_length.detach().cpu()
-        topk = indices.shape[-1]
-        if bool((lengths < 0).any()) or bool((lengths > topk).any()):
-            raise ValueError(f"{lengths_name}={lengths.tolist()}; accepted: values in [0, {topk}]")
-
-
-@dataclasses.dataclass
-class _SparseV4Plan:
-    backend_cls: type
-    impl: object
-    device: torch.device
-    lead: tuple
-    tokens: int
-    heads: int
-    q_len: int
-    kv_format: str
-    extra_kv_format: str | None
-    num_slots: int
-    extra_num_slots: int
-    data_checks: bool
-
-
 def _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
                     extra_topk_length, extra_kv_format, backend, *, kv_name: str, extra_name: str) -> _SparseV4Plan:
     decode = phase == "sparse_decode"
@@ -1015,10 +996,10 @@ def _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, ex
 
 
 def _check_v4_plan_data(plan, decode, indices, topk_length, extra_indices, extra_topk_length) -> None:
-    _check_v4_indices_data("indices", indices, "topk_length", topk_length, plan.num_slots, decode)
+    _check_sparse_index_data(indices, topk_length, plan.num_slots, indices.shape[-1], decode)
     if extra_indices is not None:
-        _check_v4_indices_data("extra_indices", extra_indices, "extra_topk_length", extra_topk_length,
-                               plan.extra_num_slots, decode)
+        _check_sparse_index_data(extra_indices, extra_topk_length, plan.extra_num_slots, extra_indices.shape[-1],
+                                 decode, name="extra_indices", lengths_name="extra_topk_length")
 
 
 def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
