@@ -923,6 +923,22 @@ def _v4_cache_format(name: str, cache, kv_format, device, *, extra_of: str | Non
     return fmt
 
 
+@dataclasses.dataclass
+class _SparseV4Plan:
+    backend_cls: type
+    impl: object
+    device: torch.device
+    lead: tuple
+    tokens: int
+    heads: int
+    q_len: int
+    kv_format: str
+    extra_kv_format: str | None
+    num_slots: int
+    extra_num_slots: int
+    data_checks: bool
+
+
 def _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
                     extra_topk_length, extra_kv_format, backend, *, kv_name: str, extra_name: str) -> _SparseV4Plan:
     decode = phase == "sparse_decode"
