@@ -312,18 +312,20 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
     ),
     SelectionRule(
         # planned with its batch (num_tokens = B x Q): H200, S = 8192, captured, FLASHMLA against TRITON µs:
-        # B = 32 129.2 / 145.8, B = 64 238.6 / 279.5, B = 128 535.4 / 569.7; at B = 8 and below TRITON is
-        # faster or equal. After the warpgroup rule: where it held, FLASHMLA, TRITON, FLASHINFER
-        name="nvidia-sm90-decode-flashmla-from-32-tokens",
+        # B = 32 151.1 / 148.7, B = 64 269.5 / 283.0, B = 128 543.8 / 672.0 (an earlier run: 129.2 / 145.8,
+        # 238.6 / 279.5, 535.4 / 569.7); at B = 8 and below TRITON is faster, and at B = 32 the functional op's
+        # FLASHMLA path (its schedule and empty-row masks every call) took 165.6 µs captured. After the
+        # warpgroup rule: where it held, FLASHMLA, TRITON, FLASHINFER
+        name="nvidia-sm90-decode-flashmla-from-64-tokens",
         phase="decode",
         vendor="cuda",
         arch="sm_90",
         num_heads=(128, 128),
         kv_cache_dtypes=frozenset({torch.bfloat16}),
-        num_tokens=(32, None),
+        num_tokens=(64, None),
         prefer=("FLASHMLA",),
         over=("TRITON",),
-        measured="bench/RESULTS.md, 'Dense decode on sm_90: FLASHMLA from B = 32 (H200)' (128 heads, bf16 cache)",
+        measured="bench/RESULTS.md, 'Dense decode on sm_90: FLASHMLA from B = 64 (H200)' (128 heads, bf16 cache)",
     ),
 )
 
@@ -633,7 +635,7 @@ def select_decode_backend(
 ) -> type[MLADecodeBackend]:
     """The decode backend class for the configuration on the current platform; raises `NoBackendError`.
     num_tokens: the planned call's query tokens (batch x query length; None where unknown, as when a layer is
-    built): a rule may depend on it (`nvidia-sm90-decode-flashmla-from-32-tokens`). needs_lse: the caller uses
+    built): a rule may depend on it (`nvidia-sm90-decode-flashmla-from-64-tokens`). needs_lse: the caller uses
     the decode LSE (a backend whose kernel writes none declines)."""
     config = decode_config(dims, dtype, kv_cache_dtype, block_size, max_query_len, platform, num_tokens,
                            needs_lse)

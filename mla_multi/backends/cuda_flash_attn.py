@@ -426,7 +426,7 @@ class FlashAttnPrefillImpl(MLAPrefillImpl):
         )
         if not return_softmax_lse:
             return out
-        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "flash attention")
+        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "flash attention", out)
 
 
 class FlashAttnPrefillBackend(MLAPrefillBackend):

@@ -1189,7 +1189,7 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         if not return_softmax_lse:
             return result[0] if isinstance(result, (tuple, list)) else result
         out, lse = result[0], result[1]
-        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "aiter")
+        return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "aiter", out)
 
 
 class AiterMLAPrefillBackend(MLAPrefillBackend):
