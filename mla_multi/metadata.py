@@ -67,6 +67,21 @@ def host_int32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32)
 
 
+def _checked_lengths(query_lens, seq_lens, block_table, block_size: int) -> tuple[list[int], list[int], int]:
+    """(query_lens, seq_lens as int lists, the block table's capacity in tokens), or a ValueError naming what does
+    not fit: lengths of unequal count, a block table that is not 2-D int32 with a row per request, a block size."""
+    query_lens = _as_int_list(query_lens, "query_lens")
+    seq_lens_list = _as_int_list(seq_lens, "seq_lens")
+    if len(query_lens) != len(seq_lens_list):
+        raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens_list)}; they must match")
+    if not torch.is_tensor(block_table) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table={_describe(block_table)}; accepted: a 2-D int32 tensor [num_reqs, max_blocks]")
+    if block_table.shape[0] != len(query_lens):
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
+    check_positive_int("block_size", block_size)
+    return query_lens, seq_lens_list, block_table.shape[1] * block_size
+
+
 def _as_int_list(values, name: str) -> list[int]:
     if torch.is_tensor(values):
         if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
@@ -183,18 +198,7 @@ class CommonAttentionMetadata:
         """
         if reorder:
             return cls._from_lengths_in_any_order(query_lens, seq_lens, block_table, block_size, decode_threshold)
-        query_lens = _as_int_list(query_lens, "query_lens")
-        seq_lens_list = _as_int_list(seq_lens, "seq_lens")
-        if len(query_lens) != len(seq_lens_list):
-            raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens_list)}; they must match")
-        if not torch.is_tensor(block_table) or block_table.dim() != 2 or block_table.dtype != torch.int32:
-            raise ValueError(
-                f"block_table={_describe(block_table)}; accepted: a 2-D int32 tensor [num_reqs, max_blocks]"
-            )
-        if block_table.shape[0] != len(query_lens):
-            raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
-        check_positive_int("block_size", block_size)
-        capacity = block_table.shape[1] * block_size
+        query_lens, seq_lens_list, capacity = _checked_lengths(query_lens, seq_lens, block_table, block_size)
         if any(map(operator.gt, query_lens, seq_lens_list)) or max(seq_lens_list, default=0) > capacity:
             for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):  # the first bad request, named
                 if q > s:
@@ -267,18 +271,7 @@ class CommonAttentionMetadata:
                                    decode_threshold: int) -> CommonAttentionMetadata:
         """`from_lengths(..., reorder=True)`: the caller's requests checked in the caller's order (errors name
         the caller's request), then built decodes first with their `batch_order`."""
-        query_lens = _as_int_list(query_lens, "query_lens")
-        seq_lens_list = _as_int_list(seq_lens, "seq_lens")
-        if len(query_lens) != len(seq_lens_list):
-            raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens_list)}; they must match")
-        if not torch.is_tensor(block_table) or block_table.dim() != 2 or block_table.dtype != torch.int32:
-            raise ValueError(
-                f"block_table={_describe(block_table)}; accepted: a 2-D int32 tensor [num_reqs, max_blocks]"
-            )
-        if block_table.shape[0] != len(query_lens):
-            raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
-        check_positive_int("block_size", block_size)
-        capacity = block_table.shape[1] * block_size
+        query_lens, seq_lens_list, capacity = _checked_lengths(query_lens, seq_lens, block_table, block_size)
         for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):
             if q > s:
                 raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")

@@ -542,6 +542,12 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
         q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale,
         topk_length=lengths, attn_sink=attn_sink,
     )
+    return _sparse_result(plan, out, lse, heads, return_lse)
+
+
+def _sparse_result(plan, out, lse, heads: int, return_lse: bool):
+    """A sparse op's (out, lse) in the caller's leading shape ([B, Q, ..] where the query had it), the LSE only
+    where asked (and a clear error where the backend returns none)."""
     if len(plan.lead) > 1:
         out = out.reshape(*plan.lead, heads, out.shape[-1])
         lse = None if lse is None else lse.reshape(*plan.lead, heads)
@@ -1048,13 +1054,7 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
         extra_kv=extra_kv, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         extra_kv_format=plan.extra_kv_format,
     )
-    if len(plan.lead) > 1:
-        out = out.reshape(*plan.lead, heads, out.shape[-1])
-        lse = None if lse is None else lse.reshape(*plan.lead, heads)
-    if not return_lse:
-        return out
-    _check_sparse_lse(lse, plan.backend_cls.name)
-    return out, lse
+    return _sparse_result(plan, out, lse, heads, return_lse)
 
 
 def mla_sparse_decode_v4(q, kv_cache, indices, scale, *, kv_format=None, topk_length=None, attn_sink=None,
