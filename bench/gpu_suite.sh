@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU test suite in one device call: bash bench/gpu_suite.sh OUTDIR [pytest args ...]
+# The whole GPU test suite in one device call: bash bench/gpu_suite.sh OUTDIR [pytest args ...], then the examples
 # Carry .whl (FlashMLA, pytest-xdist, execnet) for FLASHMLA's tests and parallel workers; without them the
 # FLASHMLA tests skip with their reasons and the suite runs in one process. Six workers by default: with
 # twelve, workers held up to 28 GiB each and 35 prefill and memory tests ran out of an H200's memory.
@@ -15,3 +15,6 @@ if ls .whl/pytest_xdist-*.whl .whl/execnet-*.whl >/dev/null 2>&1; then
 fi
 timeout "${SUITE_S:-540}" python3 -m pytest -m gpu "${workers[@]}" -q -p no:cacheprovider -rfE tests "$@" 2>&1 \
   | tee "$out/gpu_suite.log" | tail -25
+# the examples as a user runs them (each picks the GPU where there is one): not marked gpu, so run here too
+timeout "${EXAMPLES_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_examples.py 2>&1 \
+  | tee "$out/examples.log" | tail -5
