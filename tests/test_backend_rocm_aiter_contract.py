@@ -126,6 +126,35 @@ def test_the_decode_kernels_that_write_the_lse(contract):
     assert any(r["lse"] and r["q"] == "bf16" for r in contract["mla_kernels"]["gfx950"])
 
 
+@pytest.mark.parametrize("arch", rocm_aiter.AITER_ARCHS)
+def test_aiters_fp8_prefill_kernels(contract, arch):
+    """The FP8 MLA prefill ROCM_AITER declines: fp8 q and cache, one query head a KV head, persistent, causal
+    or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
+    rows = [r for r in contract["mla_kernels"][arch] if r["prefill"] and r["q"] == "fp8"]
+    assert {(r["kv"], r["gqa"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 1, 0, 0)}
+    assert sorted(r["kernel"] for r in rows) == sorted(rocm_aiter.AITER_FP8_PREFILL_KERNELS)
+    assert sorted(r["causal"] for r in rows) == [0, 1]
+    for r in rows:
+        assert f"qh{rocm_aiter.AITER_FP8_PREFILL_QK_HEAD_DIM}_vh{rocm_aiter.AITER_FP8_PREFILL_V_HEAD_DIM}" in r["kernel"]
+
+
+def test_aiters_fp8_prefill_calls(contract):
+    """mla_prefill_ps_fwd takes the reduce maps and per-tensor scales; its work comes from get_ps_metadata_v1
+    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1."""
+    wrapper = dict(map(tuple, _parameters(contract, "mla_prefill_ps_fwd")))
+    assert {"reduce_indptr", "reduce_final_map", "reduce_partial_map", "q_scale", "k_scale", "v_scale"} <= set(wrapper)
+    asm = dict(map(tuple, _parameters(contract, "mla_prefill_ps_asm_fwd")))
+    assert (asm["q_scale"], asm["k_scale"], asm["v_scale"]) == ("None", "None", "None")
+    assert [n for n, d in _parameters(contract, "get_ps_metadata_info_v1")] == [
+        "batch_size", "num_head_k", "max_qlen", "qlen_granularity"]
+    plan = dict(map(tuple, _parameters(contract, "get_ps_metadata_v1")))
+    assert (plan["qlen_granularity"], plan["kvlen_granularity"], plan["block_size"], plan["is_causal"]) == (
+        "256", "16", "16", "True")
+    assert "is_sparse" not in plan and "topk" not in plan
+    reduce = [n for n, d in _parameters(contract, "mla_reduce_v1")]
+    assert reduce[:3] == ["partial_output", "partial_lse", "reduce_indptr"] and "final_lse" in reduce
+
+
 def test_fake_aiter_has_aiters_signatures():
     """The stand-in's functions take aiter's parameters, in aiter's order, with aiter's defaults."""
     committed = _committed()

@@ -221,6 +221,38 @@ _MAX_INT32 = 2**31 - 1
 # separate FP8 NoPE / bf16 RoPE buffers with E8M0 block scales.
 AITER_SPARSE_FP8_KERNELS: tuple[str, ...] = ("hk_mla_v32_decode_fwd", "hk_mla_decode_fwd", "mla_decode_fwd_ds32")
 
+# aiter's FP8 MLA prefill at AITER_SOURCE_COMMIT (not called here): `aiter.mla.mla_prefill_ps_fwd` runs
+# `mla_prefill_ps_asm_fwd` over work planned on the host by `get_ps_metadata_v1` (buffers sized by
+# `get_ps_metadata_info_v1`) and merges the 256-token partials with `mla_reduce_v1`. Its kernels, the
+# prefill rows of hsa/<arch>/mla/mla_asm.csv with an fp8 query and cache (one query head a KV head, qk 192,
+# v 128, persistent; causal and not). The rows are in both tables, but the C++ entry (csrc/py_itfs_cu/
+# asm_mla.cu) refuses gfx942 and any Q or K that is not FP8; q / k / v scales are fp32 per tensor.
+AITER_FP8_PREFILL_KERNELS: tuple[str, ...] = (
+    "mla_pfl_qh192_vh128_m32x8_n128x1_causal1", "mla_pfl_qh192_vh128_m32x8_n128x1_causal0",
+)
+AITER_FP8_PREFILL_ARCHS: tuple[str, ...] = ("gfx950",)
+AITER_FP8_PREFILL_QK_HEAD_DIM = 192
+AITER_FP8_PREFILL_V_HEAD_DIM = 128
+
+
+def _fp8_prefill_reason(dtype: torch.dtype, where: str, arch: str) -> str:
+    """Why ROCM_AITER prefill declines an FP8 `dtype`: what aiter's FP8 MLA prefill takes, and what is not done."""
+    kernels = "; ".join(AITER_FP8_PREFILL_KERNELS)
+    if arch in AITER_FP8_PREFILL_ARCHS:
+        arch_text = f"{arch} has them"
+    else:
+        arch_text = f"aiter refuses {arch} ('fp8 mla persistent prefill is not supported on gfx942')" \
+            if arch == "gfx942" else f"none for {arch}"
+    return (
+        f"dtype {dtype_name(dtype)} is not supported by {where}: aiter's FP8 MLA prefill (mla_prefill_ps_fwd: "
+        f"mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by mla_reduce_v1; kernels "
+        f"{kernels}, {'/'.join(AITER_FP8_PREFILL_ARCHS)} only: {arch_text}) takes FP8 q, k and v with fp32 "
+        f"per-tensor q_scale / k_scale / v_scale, one query head a KV head, qk {AITER_FP8_PREFILL_QK_HEAD_DIM} / "
+        f"v {AITER_FP8_PREFILL_V_HEAD_DIM}, and writes bfloat16; this adapter is not wired to it and does not "
+        "quantise float16 / bfloat16 inputs; supported: float16, bfloat16"
+    )
+
+
 # --------------------------------------------------------------------------- aiter's decode kernel tables
 
 # hsa/<arch>/mla/mla_asm.csv at AITER_SOURCE_COMMIT, the decode rows without context-parallel variants:
@@ -1216,7 +1248,9 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
         probe = probe_aiter()
         where = f"{probe.label} on {_where(platform)}"
         reasons += _arch_reasons(probe, platform, "flash-attention")
-        if config.dtype not in cls.supported_dtypes:
+        if config.dtype in FP8_DTYPES:
+            reasons.append(_fp8_prefill_reason(config.dtype, where, platform.arch))
+        elif config.dtype not in cls.supported_dtypes:
             reasons.append(
                 f"dtype {dtype_name(config.dtype)} is not supported by {where}; supported: "
                 + ", ".join(dtype_name(d) for d in cls.supported_dtypes)

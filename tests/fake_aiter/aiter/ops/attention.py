@@ -155,3 +155,35 @@ def mla_prefill_ps_asm_fwd(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     raise NotImplementedError("not modelled by the stand-in aiter")
+
+
+# aiter's FP8 MLA prefill planner (gfx950): not modelled; ROCM_AITER declines FP8 prefill with a reason
+# (AiterMLAPrefillBackend.validate_configuration), so nothing here is called.
+def get_ps_metadata_info_v1(
+    batch_size: int,
+    num_head_k: int,
+    max_qlen: int,
+    qlen_granularity: int = 256,
+):
+    raise NotImplementedError("not modelled by the stand-in aiter")
+
+
+def get_ps_metadata_v1(
+    seqlens_qo_indptr: torch.Tensor,
+    pages_kv_indptr: torch.Tensor,
+    context_lens: torch.Tensor,
+    gqa_ratio: int,
+    num_heads_k: int,
+    work_metadata_ptrs: torch.Tensor,
+    work_indptr: torch.Tensor,
+    work_info: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor,
+    reduce_partial_map: torch.Tensor,
+    qhead_granularity: int = 1,
+    qlen_granularity: int = 256,
+    kvlen_granularity: int = 16,
+    block_size: int = 16,
+    is_causal: bool = True,
+) -> None:
+    raise NotImplementedError("not modelled by the stand-in aiter")
