@@ -65,7 +65,16 @@ def test_contract_records_the_commit_the_adapter_follows():
     assert len(recorded["commit"]) == 40
 
 
-@pytest.mark.parametrize("call", rocm_aiter.AITER_CALLS, ids=lambda c: c.function + ("(sparse)" if "num_kv_splits" in c.keywords and "causal" not in c.keywords else ""))
+def _call_id(call) -> str:
+    if call is rocm_aiter.SPARSE_MLA_DECODE_FWD:
+        return call.function + "(sparse)"
+    if call in (rocm_aiter.SPARSE_PERSISTENT_MLA_DECODE_FWD, rocm_aiter.SPARSE_GET_MLA_METADATA_INFO_V1,
+                rocm_aiter.SPARSE_GET_MLA_METADATA_V1):
+        return call.function + "(sparse persistent)"
+    return call.function
+
+
+@pytest.mark.parametrize("call", rocm_aiter.AITER_CALLS, ids=_call_id)
 def test_adapter_calls_match_aiter(contract, call):
     parameters = _parameters(contract, call.function)
     names = [name for name, _ in parameters]
@@ -91,6 +100,21 @@ def test_adapter_source_passes_exactly_the_declared_keywords():
     sparse = adapter_keywords(ADAPTER_SOURCE, "_sparse_mla_decode_fwd", "mla_decode_fwd")
     assert sparse == set(rocm_aiter.SPARSE_MLA_DECODE_FWD.keywords) | set(
         rocm_aiter.SPARSE_MLA_DECODE_FWD.optional_keywords)
+    for call in (rocm_aiter.SPARSE_PERSISTENT_MLA_DECODE_FWD, rocm_aiter.SPARSE_GET_MLA_METADATA_INFO_V1,
+                 rocm_aiter.SPARSE_GET_MLA_METADATA_V1):
+        passed = adapter_keywords(ADAPTER_SOURCE, "_sparse_persistent_mla_decode_fwd", call.function)
+        assert passed == set(call.keywords) | set(call.optional_keywords), call.function
+
+
+def test_aiters_persistent_sparse_metadata(contract):
+    """The facts the persistent sparse path follows: is_sparse= sizes the buffers, topk= (-1: dense) plans them,
+    max_split_per_batch= caps the splits; mla_decode_fwd takes an explicit num_kv_splits."""
+    info = dict(map(tuple, _parameters(contract, "get_mla_metadata_info_v1")))
+    assert info["is_sparse"] is None and info["num_kv_splits"] == "32"
+    metadata = dict(map(tuple, _parameters(contract, "get_mla_metadata_v1")))
+    assert (metadata["topk"], metadata["max_split_per_batch"], metadata["uni_seqlen_qo"]) == ("-1", "-1", "-1")
+    decode = dict(map(tuple, _parameters(contract, "mla_decode_fwd")))
+    assert decode["num_kv_splits"] == "None" and decode["return_lse"] == "False"
 
 
 def test_aiter_has_the_persistent_path_and_the_lse(contract):
