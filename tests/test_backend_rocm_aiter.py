@@ -625,6 +625,29 @@ def test_prefill_selection_with_aiter(fake_aiter, platform, dtype):
                     "supported: float16, bfloat16"]
 
 
+@pytest.mark.parametrize("platform", ["MI300X", "MI355X"])
+def test_fp8_prefill_is_declined_with_aiters_facts(fake_aiter, platform):
+    """aiter's FP8 MLA prefill takes FP8 q / k / v with scales; the adapter does not quantise, so it says so."""
+    registry = _registry()
+    fp8 = SPECS[platform].fp8_dtype
+    config = PrefillSelectorConfig(MLADims.deepseek_v3(16), fp8)
+    reasons = registry.reasons("prefill", "ROCM_AITER", SPECS[platform], config)
+    arch = SPECS[platform].arch
+    arch_text = "gfx950 has them" if arch == "gfx950" else (
+        "aiter refuses gfx942 ('fp8 mla persistent prefill is not supported on gfx942')")
+    assert reasons == [
+        f"dtype {dtype_name(fp8)} is not supported by {FAKE_LABEL} on {platform} ({arch}): aiter's FP8 MLA "
+        "prefill (mla_prefill_ps_fwd: mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by "
+        "mla_reduce_v1; kernels mla_pfl_qh192_vh128_m32x8_n128x1_causal1; mla_pfl_qh192_vh128_m32x8_n128x1_causal0, "
+        f"gfx950 only: {arch_text}) takes FP8 q, k and v with fp32 per-tensor q_scale / k_scale / v_scale, one "
+        "query head a KV head, qk 192 / v 128, and writes bfloat16; this adapter is not wired to it and does "
+        "not quantise float16 / bfloat16 inputs; supported: float16, bfloat16"
+    ]
+    assert fake_aiter.get_ps_metadata_v1 is not None  # the stand-in has aiter's name, never called
+    assert registry.select("prefill", PrefillSelectorConfig(MLADims.deepseek_v3(16), torch.bfloat16),
+                           SPECS[platform]).name == "ROCM_AITER"
+
+
 def test_an_aiter_without_metadata_functions_is_unavailable(fake_aiter, monkeypatch):
     monkeypatch.delattr(fake_aiter, "get_mla_metadata_v1")
     rocm_aiter.clear_probe_cache()

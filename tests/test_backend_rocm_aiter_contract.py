@@ -65,7 +65,16 @@ def test_contract_records_the_commit_the_adapter_follows():
     assert len(recorded["commit"]) == 40
 
 
-@pytest.mark.parametrize("call", rocm_aiter.AITER_CALLS, ids=lambda c: c.function + ("(sparse)" if "num_kv_splits" in c.keywords and "causal" not in c.keywords else ""))
+def _call_id(call) -> str:
+    if call is rocm_aiter.SPARSE_MLA_DECODE_FWD:
+        return call.function + "(sparse)"
+    if call in (rocm_aiter.SPARSE_PERSISTENT_MLA_DECODE_FWD, rocm_aiter.SPARSE_GET_MLA_METADATA_INFO_V1,
+                rocm_aiter.SPARSE_GET_MLA_METADATA_V1):
+        return call.function + "(sparse persistent)"
+    return call.function
+
+
+@pytest.mark.parametrize("call", rocm_aiter.AITER_CALLS, ids=_call_id)
 def test_adapter_calls_match_aiter(contract, call):
     parameters = _parameters(contract, call.function)
     names = [name for name, _ in parameters]
@@ -91,6 +100,21 @@ def test_adapter_source_passes_exactly_the_declared_keywords():
     sparse = adapter_keywords(ADAPTER_SOURCE, "_sparse_mla_decode_fwd", "mla_decode_fwd")
     assert sparse == set(rocm_aiter.SPARSE_MLA_DECODE_FWD.keywords) | set(
         rocm_aiter.SPARSE_MLA_DECODE_FWD.optional_keywords)
+    for call in (rocm_aiter.SPARSE_PERSISTENT_MLA_DECODE_FWD, rocm_aiter.SPARSE_GET_MLA_METADATA_INFO_V1,
+                 rocm_aiter.SPARSE_GET_MLA_METADATA_V1):
+        passed = adapter_keywords(ADAPTER_SOURCE, "_sparse_persistent_mla_decode_fwd", call.function)
+        assert passed == set(call.keywords) | set(call.optional_keywords), call.function
+
+
+def test_aiters_persistent_sparse_metadata(contract):
+    """The facts the persistent sparse path follows: is_sparse= sizes the buffers, topk= (-1: dense) plans them,
+    max_split_per_batch= caps the splits; mla_decode_fwd takes an explicit num_kv_splits."""
+    info = dict(map(tuple, _parameters(contract, "get_mla_metadata_info_v1")))
+    assert info["is_sparse"] is None and info["num_kv_splits"] == "32"
+    metadata = dict(map(tuple, _parameters(contract, "get_mla_metadata_v1")))
+    assert (metadata["topk"], metadata["max_split_per_batch"], metadata["uni_seqlen_qo"]) == ("-1", "-1", "-1")
+    decode = dict(map(tuple, _parameters(contract, "mla_decode_fwd")))
+    assert decode["num_kv_splits"] == "None" and decode["return_lse"] == "False"
 
 
 def test_aiter_has_the_persistent_path_and_the_lse(contract):
@@ -124,6 +148,35 @@ def test_the_decode_kernels_that_write_the_lse(contract):
     with_lse = [r for r in contract["mla_kernels"]["gfx942"] if r["lse"] and not r["prefill"]]
     assert [(r["q"], r["kv"], r["gqa"], r["ps"], r["qlen"]) for r in with_lse] == [("fp8", "fp8", 64, 1, 1)]
     assert any(r["lse"] and r["q"] == "bf16" for r in contract["mla_kernels"]["gfx950"])
+
+
+@pytest.mark.parametrize("arch", rocm_aiter.AITER_ARCHS)
+def test_aiters_fp8_prefill_kernels(contract, arch):
+    """The FP8 MLA prefill ROCM_AITER declines: fp8 q and cache, one query head a KV head, persistent, causal
+    or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
+    rows = [r for r in contract["mla_kernels"][arch] if r["prefill"] and r["q"] == "fp8"]
+    assert {(r["kv"], r["gqa"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 1, 0, 0)}
+    assert sorted(r["kernel"] for r in rows) == sorted(rocm_aiter.AITER_FP8_PREFILL_KERNELS)
+    assert sorted(r["causal"] for r in rows) == [0, 1]
+    for r in rows:
+        assert f"qh{rocm_aiter.AITER_FP8_PREFILL_QK_HEAD_DIM}_vh{rocm_aiter.AITER_FP8_PREFILL_V_HEAD_DIM}" in r["kernel"]
+
+
+def test_aiters_fp8_prefill_calls(contract):
+    """mla_prefill_ps_fwd takes the reduce maps and per-tensor scales; its work comes from get_ps_metadata_v1
+    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1."""
+    wrapper = dict(map(tuple, _parameters(contract, "mla_prefill_ps_fwd")))
+    assert {"reduce_indptr", "reduce_final_map", "reduce_partial_map", "q_scale", "k_scale", "v_scale"} <= set(wrapper)
+    asm = dict(map(tuple, _parameters(contract, "mla_prefill_ps_asm_fwd")))
+    assert (asm["q_scale"], asm["k_scale"], asm["v_scale"]) == ("None", "None", "None")
+    assert [n for n, d in _parameters(contract, "get_ps_metadata_info_v1")] == [
+        "batch_size", "num_head_k", "max_qlen", "qlen_granularity"]
+    plan = dict(map(tuple, _parameters(contract, "get_ps_metadata_v1")))
+    assert (plan["qlen_granularity"], plan["kvlen_granularity"], plan["block_size"], plan["is_causal"]) == (
+        "256", "16", "16", "True")
+    assert "is_sparse" not in plan and "topk" not in plan
+    reduce = [n for n, d in _parameters(contract, "mla_reduce_v1")]
+    assert reduce[:3] == ["partial_output", "partial_lse", "reduce_indptr"] and "final_lse" in reduce
 
 
 def test_fake_aiter_has_aiters_signatures():

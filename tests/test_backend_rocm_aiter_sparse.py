@@ -223,6 +223,77 @@ def test_sparse_kv_indices_compact_valid_entries_in_order(tokens, topk, with_len
     assert rocm_aiter.sparse_kv_indices(indices, num_rows, lengths, out_of_range_is_bad=False).bad is None
 
 
+@pytest.mark.parametrize("with_lengths", [False, True])
+@pytest.mark.parametrize("tokens,topk", [(1, 1), (5, 7), (9, 64)])
+def test_sparse_kv_indices_by_token(tokens, topk, with_lengths):
+    """aiter's persistent sparse layout: token t's valid entries, in order, from t * topk; counts as packed."""
+    generator = torch.Generator().manual_seed(tokens * 100 + topk + 1)
+    num_rows = 40
+    indices = torch.randint(-3, num_rows + 5, (tokens, topk), generator=generator, dtype=torch.int32)
+    indices[0, : (topk + 1) // 2] = -1
+    lengths = torch.randint(-1, topk + 2, (tokens,), generator=generator, dtype=torch.int32) if with_lengths else None
+    packed = rocm_aiter.sparse_kv_indices(indices, num_rows, lengths)
+    result = rocm_aiter.sparse_kv_indices(indices, num_rows, lengths, by_token=True)
+    lists = _expected_lists(indices, num_rows, lengths)
+    assert result.kv_indices.shape == (tokens * topk,)
+    for t, row in enumerate(lists):
+        assert result.kv_indices[t * topk:t * topk + len(row)].tolist() == row
+    for name in ("qo_indptr", "kv_indptr", "kv_last_page_lens", "counts", "bad"):
+        assert torch.equal(getattr(result, name), getattr(packed, name)), name
+
+
+def test_sparse_decode_on_aiters_persistent_sparse_metadata(recorded, fake_aiter):
+    """MI355X: get_mla_metadata_info_v1(is_sparse=True), get_mla_metadata_v1(topk=, max_split_per_batch=),
+    then mla_decode_fwd over those buffers with an explicit num_kv_splits, as aiter's op_tests/test_mla_sparse.py
+    runs it; the stand-in reads token t's min(count, topk) entries from t * topk."""
+    generator = torch.Generator().manual_seed(11)
+    tokens, topk, num_slots, scale, num_heads = 5, 48, 256, 0.0417, 16
+    cache = _cache_case(generator, num_slots, 16)
+    q_nope, q_pe = _queries(generator, tokens, num_heads)
+    indices, lengths = _index_case(generator, tokens, topk, num_slots)
+    impl = _impl(rocm_aiter.AiterSparseDecodeImpl, num_heads)
+    fake_aiter.ops.attention.CALLS.clear()
+    with override("MI355X"):
+        out, lse = impl.forward(q_nope, q_pe, cache, indices, scale, topk_length=lengths)
+    ref, ref_lse = _reference(q_nope, q_pe, cache.view(-1, LKV + ROPE), indices, scale, lengths)
+    assert relative_error(out, ref) < 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
+    info, plan = fake_aiter.ops.attention.CALLS
+    assert info["function"] == "get_mla_metadata_info_v1" and info["is_sparse"] and info["batch_size"] == tokens
+    assert plan["function"] == "get_mla_metadata_v1" and plan["topk"] == topk and plan["page_size"] == 1
+    (call,) = recorded
+    expected = rocm_aiter.sparse_kv_indices(indices, num_slots, lengths, by_token=True)
+    assert torch.equal(call["kv_indices"], expected.kv_indices) and torch.equal(call["kv_indptr"], expected.kv_indptr)
+    assert call["num_kv_splits"] == rocm_aiter.AITER_SPARSE_PERSISTENT_SPLITS and call["max_seqlen_q"] == 1
+    assert fake_aiter.mla.CALLS[-1]["persistent"] and not fake_aiter.mla.CALLS[-1]["gated"]
+
+
+def test_the_stand_in_refuses_sparse_metadata_that_aiters_gate_would_drop(fake_aiter):
+    """With num_kv_splits=None aiter's batch gate may send a call to the split-KV path, which ignores the
+    metadata and so the topk layout: the adapter always passes num_kv_splits, and the stand-in checks it."""
+    attention = fake_aiter.ops.attention
+    tokens, heads, topk = 64, 16, 4
+    with override("MI355X"):
+        specs = attention.get_mla_metadata_info_v1(tokens, 1, heads, torch.bfloat16, torch.bfloat16, True)
+        work = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        qo = torch.arange(tokens + 1, dtype=torch.int32)
+        kv = qo * topk
+        ones = torch.ones(tokens, dtype=torch.int32)
+        attention.get_mla_metadata_v1(qo, kv, ones, heads, 1, True, work[0], work[2], work[1], *work[3:],
+                                      max_seqlen_qo=1, uni_seqlen_qo=1, topk=topk, dtype_q=torch.bfloat16,
+                                      dtype_kv=torch.bfloat16)
+        q = torch.zeros(tokens, heads, LKV + ROPE, dtype=torch.bfloat16)
+        o = torch.empty(tokens, heads, LKV, dtype=torch.bfloat16)
+        kv_buffer = torch.zeros(8, 1, 1, LKV + ROPE, dtype=torch.bfloat16)
+        with pytest.raises(AssertionError, match="aiter's batch gate drops the topk"):
+            fake_aiter.mla.mla_decode_fwd(q, kv_buffer, o, qo, kv, torch.zeros(tokens * topk, dtype=torch.int32),
+                                          ones, 1, work_meta_data=work[0], work_indptr=work[1],
+                                          work_info_set=work[2], reduce_indptr=work[3], reduce_final_map=work[4],
+                                          reduce_partial_map=work[5])
+
+
 def test_sparse_kv_indices_never_read_data_back():
     """Built on the meta device: any host read of the data (a sync on a GPU) or a data-dependent shape
     (boolean-mask indexing, nonzero) would raise."""
@@ -285,8 +356,12 @@ def test_sparse_decode_matches_reference(recorded, fake_aiter, platform, block_s
         (call,) = recorded
         assert call["qo_indptr"].tolist() == list(range(tokens + 1))
         assert call["max_seqlen_q"] == 1 and call["num_rows"] == num_slots
-        assert call["nhead"] == num_heads and call["num_kv_splits"] == rocm_aiter.AITER_NON_PERSISTENT_SPLITS
-        assert fake_aiter.mla.CALLS[-1]["lse_written"] and not fake_aiter.mla.CALLS[-1]["persistent"]
+        # gfx950: aiter's persistent sparse metadata where a persistent bf16 kernel writes the LSE (not 8 heads);
+        # gfx942 has no such kernel: the split-KV path with at least two splits
+        persistent = platform == "MI355X" and num_heads != 8
+        splits = rocm_aiter.AITER_SPARSE_PERSISTENT_SPLITS if persistent else rocm_aiter.AITER_NON_PERSISTENT_SPLITS
+        assert call["nhead"] == num_heads and call["num_kv_splits"] == splits
+        assert fake_aiter.mla.CALLS[-1]["lse_written"] and fake_aiter.mla.CALLS[-1]["persistent"] == persistent
     assert rocm_aiter.AiterSparseDecodeBackend.provides_lse()
     assert errors.pending_errors("cpu") == 0
     # the scale is always passed (aiter's default 1/sqrt(576) is wrong for MLA)

@@ -43,9 +43,16 @@ sparse_prefill) also runs on `mla_decode_fwd`'s split-KV path: every query
 token is a request of its own (`qo_indptr = arange(T + 1)`), the cache is
 viewed with page size 1 and a token's valid indices, compacted in order on
 the device, are its `kv_indices` (`sparse_kv_indices`); at least two splits,
-so the LSE (and the attention sink applied from it) is written. bfloat16
-caches only. A sink passed to an aiter without `return_lse` is a ValueError
-at the call. See `AiterSparseDecodeImpl`.
+so the LSE (and the attention sink applied from it) is written. Where aiter
+has a persistent bfloat16 kernel that writes the LSE for the heads (gfx950,
+all heads but 8), it runs instead on aiter's persistent sparse metadata
+(`get_mla_metadata_info_v1(is_sparse=True)`, `get_mla_metadata_v1(topk=)`,
+as aiter's op_tests/test_mla_sparse.py): token t's valid indices are
+compacted into kv_indices[t * topk:] (`sparse_kv_indices(by_token=True)`)
+and mla_decode_fwd gets an explicit num_kv_splits, so aiter's batch gate
+never sends it to the split-KV path, which would ignore the topk layout.
+bfloat16 caches only. A sink passed to an aiter without `return_lse` is a
+ValueError at the call. See `AiterSparseDecodeImpl`.
 
 `AITER_CALLS` records, declaratively, every aiter function this module calls
 and the keyword arguments it passes; the test suite checks it against aiter's
@@ -180,8 +187,29 @@ SPARSE_MLA_DECODE_FWD = dataclasses.replace(
     optional_keywords=("return_lse",),
 )
 
+# Sparse MLA on aiter's persistent sparse metadata (as aiter's op_tests/test_mla_sparse.py runs it): the
+# buffers sized with is_sparse=True, the work planned with topk= (each query token a batch of its own whose
+# kv_indices start at token * topk and hold min(its kv length, topk) entries), and mla_decode_fwd given an
+# explicit num_kv_splits (aiter's batch gate then never sends it to the split-KV path, which cannot honour topk).
+SPARSE_GET_MLA_METADATA_INFO_V1 = dataclasses.replace(
+    GET_MLA_METADATA_INFO_V1, keywords=GET_MLA_METADATA_INFO_V1.keywords + ("num_kv_splits",))
+SPARSE_GET_MLA_METADATA_V1 = dataclasses.replace(
+    GET_MLA_METADATA_V1, keywords=GET_MLA_METADATA_V1.keywords + ("topk", "max_split_per_batch"))
+SPARSE_PERSISTENT_MLA_DECODE_FWD = dataclasses.replace(
+    MLA_DECODE_FWD,
+    keywords=("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
+              "page_size", "nhead_kv", "sm_scale", "num_kv_splits", "work_meta_data", "work_indptr",
+              "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map", "return_lse"),
+    optional_keywords=(),
+)
+# Splits a token's list may take on the persistent sparse path (aiter's op test passes the same number as
+# get_mla_metadata_info_v1's num_kv_splits, get_mla_metadata_v1's max_split_per_batch and mla_decode_fwd's
+# num_kv_splits).
+AITER_SPARSE_PERSISTENT_SPLITS = 16
+
 AITER_CALLS: tuple[AiterCall, ...] = (
     MLA_DECODE_FWD, GET_MLA_METADATA_INFO_V1, GET_MLA_METADATA_V1, FLASH_ATTN_VARLEN_FUNC, SPARSE_MLA_DECODE_FWD,
+    SPARSE_GET_MLA_METADATA_INFO_V1, SPARSE_GET_MLA_METADATA_V1, SPARSE_PERSISTENT_MLA_DECODE_FWD,
 )
 
 # The aiter release whose source this module follows (its kernel tables below, its signatures above).
@@ -220,6 +248,38 @@ _MAX_INT32 = 2**31 - 1
 # `hk_mla_decode_fwd` in older sources) and the gfx950 DSA V3.2 decode over
 # separate FP8 NoPE / bf16 RoPE buffers with E8M0 block scales.
 AITER_SPARSE_FP8_KERNELS: tuple[str, ...] = ("hk_mla_v32_decode_fwd", "hk_mla_decode_fwd", "mla_decode_fwd_ds32")
+
+# aiter's FP8 MLA prefill at AITER_SOURCE_COMMIT (not called here): `aiter.mla.mla_prefill_ps_fwd` runs
+# `mla_prefill_ps_asm_fwd` over work planned on the host by `get_ps_metadata_v1` (buffers sized by
+# `get_ps_metadata_info_v1`) and merges the 256-token partials with `mla_reduce_v1`. Its kernels, the
+# prefill rows of hsa/<arch>/mla/mla_asm.csv with an fp8 query and cache (one query head a KV head, qk 192,
+# v 128, persistent; causal and not). The rows are in both tables, but the C++ entry (csrc/py_itfs_cu/
+# asm_mla.cu) refuses gfx942 and any Q or K that is not FP8; q / k / v scales are fp32 per tensor.
+AITER_FP8_PREFILL_KERNELS: tuple[str, ...] = (
+    "mla_pfl_qh192_vh128_m32x8_n128x1_causal1", "mla_pfl_qh192_vh128_m32x8_n128x1_causal0",
+)
+AITER_FP8_PREFILL_ARCHS: tuple[str, ...] = ("gfx950",)
+AITER_FP8_PREFILL_QK_HEAD_DIM = 192
+AITER_FP8_PREFILL_V_HEAD_DIM = 128
+
+
+def _fp8_prefill_reason(dtype: torch.dtype, where: str, arch: str) -> str:
+    """Why ROCM_AITER prefill declines an FP8 `dtype`: what aiter's FP8 MLA prefill takes, and what is not done."""
+    kernels = "; ".join(AITER_FP8_PREFILL_KERNELS)
+    if arch in AITER_FP8_PREFILL_ARCHS:
+        arch_text = f"{arch} has them"
+    else:
+        arch_text = f"aiter refuses {arch} ('fp8 mla persistent prefill is not supported on gfx942')" \
+            if arch == "gfx942" else f"none for {arch}"
+    return (
+        f"dtype {dtype_name(dtype)} is not supported by {where}: aiter's FP8 MLA prefill (mla_prefill_ps_fwd: "
+        f"mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by mla_reduce_v1; kernels "
+        f"{kernels}, {'/'.join(AITER_FP8_PREFILL_ARCHS)} only: {arch_text}) takes FP8 q, k and v with fp32 "
+        f"per-tensor q_scale / k_scale / v_scale, one query head a KV head, qk {AITER_FP8_PREFILL_QK_HEAD_DIM} / "
+        f"v {AITER_FP8_PREFILL_V_HEAD_DIM}, and writes bfloat16; this adapter is not wired to it and does not "
+        "quantise float16 / bfloat16 inputs; supported: float16, bfloat16"
+    )
+
 
 # --------------------------------------------------------------------------- aiter's decode kernel tables
 
@@ -1216,7 +1276,9 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
         probe = probe_aiter()
         where = f"{probe.label} on {_where(platform)}"
         reasons += _arch_reasons(probe, platform, "flash-attention")
-        if config.dtype not in cls.supported_dtypes:
+        if config.dtype in FP8_DTYPES:
+            reasons.append(_fp8_prefill_reason(config.dtype, where, platform.arch))
+        elif config.dtype not in cls.supported_dtypes:
             reasons.append(
                 f"dtype {dtype_name(config.dtype)} is not supported by {where}; supported: "
                 + ", ".join(dtype_name(d) for d in cls.supported_dtypes)
@@ -1261,7 +1323,8 @@ class SparseKVIndices:
 
 
 def sparse_kv_indices(
-    indices: torch.Tensor, num_rows: int, topk_length: torch.Tensor | None = None, *, out_of_range_is_bad: bool = True
+    indices: torch.Tensor, num_rows: int, topk_length: torch.Tensor | None = None, *, out_of_range_is_bad: bool = True,
+    by_token: bool = False,
 ) -> SparseKVIndices:
     """aiter's indexing of sparse index lists, built on the device.
 
@@ -1278,6 +1341,11 @@ def sparse_kv_indices(
     Shapes depend only on the input shapes and nothing is read back to the
     host (no synchronisation; capturable in a graph); the price is O(T * topk)
     temporary index memory.
+
+    `by_token`: aiter's persistent sparse layout instead: token t's valid
+    entries compacted to the front of kv_indices[t * topk : (t + 1) * topk]
+    (its invalid ones after them), kv_indptr still the prefix sums of counts
+    (the metadata reads min(count, topk) = count entries from t * topk).
     """
     device = indices.device
     tokens, topk = indices.shape
@@ -1299,7 +1367,13 @@ def sparse_kv_indices(
     kv_indptr = torch.zeros(tokens + 1, dtype=torch.int32, device=device)
     kv_indptr[1:] = torch.cumsum(counts, dim=0, dtype=torch.int32)
     kv_indices = torch.zeros(total, dtype=torch.int32, device=device)
-    if total:
+    if total and by_token:
+        before_valid = torch.cumsum(valid, dim=1, dtype=torch.int32) - valid.to(torch.int32)
+        before_invalid = torch.cumsum(~valid, dim=1, dtype=torch.int32) - (~valid).to(torch.int32)
+        rows = torch.arange(tokens, device=device, dtype=torch.int32).unsqueeze(1) * topk
+        destination = rows + torch.where(valid, before_valid, counts.unsqueeze(1) + before_invalid)
+        kv_indices.scatter_(0, destination.reshape(-1).long(), torch.where(valid, index, 0).reshape(-1))
+    elif total:
         flat_valid = valid.reshape(-1)
         valid_through = torch.cumsum(flat_valid, dim=0)  # valid entries up to and including each entry
         entry = torch.arange(total, device=device)
@@ -1345,6 +1419,82 @@ def _sparse_mla_decode_fwd(
     return lse
 
 
+def _sparse_persistent_heads(probe: AiterProbe, arch: str, heads: int, with_lse: bool) -> bool:
+    """Whether the sparse call for `heads` (bfloat16, one query token a batch) runs on aiter's persistent sparse
+    metadata: where this aiter has the metadata functions, and aiter's table a persistent kernel for the heads as
+    they are (no folding) that writes the LSE (the sparse phases return it; gfx942 has no bfloat16 one)."""
+    return (probe.has_metadata and with_lse and _persistent_heads_as_is(arch, "bf16", "bf16", heads, 1)
+            and aiter_decode_kernel(arch, "bf16", "bf16", heads, 1, True, True) is not None)
+
+
+def _sparse_persistent_mla_decode_fwd(
+    query: torch.Tensor, kv_buffer: torch.Tensor, output: torch.Tensor, index: SparseKVIndices, scale: float,
+    topk: int, probe: AiterProbe,
+) -> torch.Tensor:
+    """The persistent sparse call: aiter's sparse metadata for `index` (built `by_token`), then mla_decode_fwd;
+    writes `output`, returns aiter's LSE [T, heads]."""
+    import aiter
+    from aiter.mla import mla_decode_fwd
+
+    tokens, heads, _ = query.shape
+    device = query.device
+    specs = aiter.get_mla_metadata_info_v1(
+        batch_size=tokens, max_seqlen_qo=1, num_head_qo=heads, q_dtype=query.dtype, kv_dtype=kv_buffer.dtype,
+        is_sparse=True, fast_mode=True, num_kv_splits=AITER_SPARSE_PERSISTENT_SPLITS,
+    )
+    names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+             "reduce_partial_map")
+    work = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+    aiter.get_mla_metadata_v1(
+        seqlens_qo_indptr=index.qo_indptr,
+        seqlens_kv_indptr=index.kv_indptr,
+        kv_last_page_lens=index.kv_last_page_lens,
+        num_heads_per_head_k=heads,
+        num_heads_k=1,
+        is_causal=True,
+        work_metadata_ptrs=work["work_meta_data"],
+        work_info_set=work["work_info_set"],
+        work_indptr=work["work_indptr"],
+        reduce_indptr=work["reduce_indptr"],
+        reduce_final_map=work["reduce_final_map"],
+        reduce_partial_map=work["reduce_partial_map"],
+        page_size=1,
+        kv_granularity=16,
+        max_seqlen_qo=1,
+        uni_seqlen_qo=1,
+        fast_mode=True,
+        topk=topk,
+        max_split_per_batch=AITER_SPARSE_PERSISTENT_SPLITS,
+        dtype_q=query.dtype,
+        dtype_kv=kv_buffer.dtype,
+    )
+    result = mla_decode_fwd(
+        q=query,
+        kv_buffer=kv_buffer,
+        o=output,
+        qo_indptr=index.qo_indptr,
+        kv_indptr=index.kv_indptr,
+        kv_indices=index.kv_indices,
+        kv_last_page_lens=index.kv_last_page_lens,
+        max_seqlen_q=1,
+        page_size=1,
+        nhead_kv=1,
+        sm_scale=float(scale),
+        num_kv_splits=AITER_SPARSE_PERSISTENT_SPLITS,
+        work_meta_data=work["work_meta_data"],
+        work_indptr=work["work_indptr"],
+        work_info_set=work["work_info_set"],
+        reduce_indptr=work["reduce_indptr"],
+        reduce_final_map=work["reduce_final_map"],
+        reduce_partial_map=work["reduce_partial_map"],
+        return_lse=True,
+    )
+    lse = result[1] if isinstance(result, (tuple, list)) and len(result) > 1 else None
+    if lse is None:
+        raise RuntimeError(f"{probe.label}'s mla_decode_fwd(return_lse=True) returned no LSE")
+    return lse
+
+
 class _AiterSparseImpl(MLASparseImpl):
     """Sparse MLA through `aiter.mla.mla_decode_fwd`: each query token a request of its own over page-size-1 rows.
 
@@ -1384,18 +1534,22 @@ class _AiterSparseImpl(MLASparseImpl):
                 f"q_nope / q_pe widths {kv_lora_rank} / {q_pe.shape[-1]} do not add up to the kv width {width}"
             )
         device = q_nope.device
-        index = sparse_kv_indices(indices, kv_buffer.shape[0], topk_length,
-                                  out_of_range_is_bad=self.out_of_range_is_bad)
         arch = _runtime_arch()
         heads = _sparse_heads(arch, num_heads)
         if heads is None:
             raise ValueError(f"num_heads {num_heads} is not supported by ROCM_AITER {self.phase} on {arch}; "
                              f"supported: {_decode_num_heads_text(arch)}")
+        persistent = _sparse_persistent_heads(probe, arch, heads, with_lse)
+        index = sparse_kv_indices(indices, kv_buffer.shape[0], topk_length,
+                                  out_of_range_is_bad=self.out_of_range_is_bad, by_token=persistent)
         query = _padded_query(torch.cat([q_nope, q_pe], dim=-1), heads)
         padded_heads = query.shape[1]
         output = torch.empty(tokens, padded_heads, kv_lora_rank, dtype=q_nope.dtype, device=device)
         raw_lse = None
-        if index.kv_indices.numel():
+        if index.kv_indices.numel() and persistent:
+            raw_lse = _sparse_persistent_mla_decode_fwd(query, kv_buffer, output, index, scale, indices.shape[1],
+                                                        probe)
+        elif index.kv_indices.numel():
             raw_lse = _sparse_mla_decode_fwd(query, kv_buffer, output, index, scale, with_lse, probe)
         # aiter leaves a request without tokens undefined; the convention is 0 / -inf.
         has_tokens = (index.counts > 0).unsqueeze(1)

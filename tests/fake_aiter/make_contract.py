@@ -34,6 +34,8 @@ FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("aiter/ops/attention.py", "get_mla_metadata_v1"),
     ("aiter/ops/attention.py", "mla_reduce_v1"),
     ("aiter/ops/attention.py", "mla_prefill_ps_asm_fwd"),
+    ("aiter/ops/attention.py", "get_ps_metadata_info_v1"),
+    ("aiter/ops/attention.py", "get_ps_metadata_v1"),
     ("aiter/ops/mha.py", "flash_attn_varlen_func"),
 )
 ARCHS: tuple[str, ...] = ("gfx942", "gfx950")

@@ -94,6 +94,7 @@ def mla_decode_fwd(
     assert all(qo[i + 1] - qo[i] <= max_seqlen_q for i in range(bs)), (qo, max_seqlen_q)
     persistent = work_meta_data is not None
     gated = False
+    sparse_topk = -1
     if persistent:
         buffers = (work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map)
         assert all(b is not None for b in buffers), "the persistent path takes all six metadata buffers"
@@ -102,7 +103,10 @@ def mla_decode_fwd(
         assert (plan["qo"], plan["kv"]) == (qo, kv), (
             "the metadata was built for other qo / kv indptr values (another step)", plan["qo"], qo, plan["kv"], kv)
         assert plan["heads"] == nhead, (plan["heads"], nhead)
+        sparse_topk = plan.get("topk", -1)
         if num_kv_splits is None and not _model.persistent_gate(arch, bs, nhead, max_seqlen_q, q_type, kv_type):
+            # aiter's split-KV fallback ignores the metadata and cannot honour a sparse plan's topk
+            assert sparse_topk < 0, "sparse metadata with num_kv_splits=None: aiter's batch gate drops the topk"
             persistent, gated = False, True
     row, kernel_heads = _model.decode_kernel(arch, q_type, kv_type, nhead, max_seqlen_q, persistent, return_lse,
                                              causal)
@@ -126,13 +130,22 @@ def mla_decode_fwd(
         assert q.dtype in _model.FP8 or persistent, "no non-persistent kernel for a bf16 query over an fp8 cache"
         keys = keys * kv_scale.double()
     lse = torch.full((total_s, nhead), float("nan"), dtype=torch.float32)
+    if persistent and sparse_topk >= 0:
+        assert kv_indices.numel() >= total_s * sparse_topk, ("kv_indices shorter than tokens x topk",
+                                                              kv_indices.numel(), total_s, sparse_topk)
     for b in range(bs):
         length, count = kv[b + 1] - kv[b], qo[b + 1] - qo[b]
-        indices = kv_indices[kv[b]:kv[b + 1]].long()
-        assert bool(((indices >= 0) & (indices < num_page)).all()), ("kv_indices out of the cache", indices)
-        rows = keys[indices]
+        if not (persistent and sparse_topk >= 0):
+            indices = kv_indices[kv[b]:kv[b + 1]].long()
+            assert bool(((indices >= 0) & (indices < num_page)).all()), ("kv_indices out of the cache", indices)
+            rows = keys[indices]
         for j, t in enumerate(range(qo[b], qo[b + 1])):
             visible = length - count + 1 + j if causal else length
+            if persistent and sparse_topk >= 0:  # token t: its own batch, rows from t * topk
+                visible = min(length, sparse_topk)
+                indices = kv_indices[t * sparse_topk:t * sparse_topk + visible].long()
+                assert bool(((indices >= 0) & (indices < num_page)).all()), ("kv_indices out of the cache", indices)
+                rows = keys[indices]
             if visible <= 0:
                 o[t] = float("nan")  # the real kernels leave such rows undefined
                 continue

@@ -4,6 +4,10 @@ The metadata is modelled, not computed: `get_mla_metadata_v1` checks its
 buffers against the sizes `get_mla_metadata_info_v1` gives, stamps
 `work_metadata_ptrs` and remembers for which qo / kv indptr values it was
 built, so that `mla_decode_fwd` can tell metadata of another step (or none).
+With `topk >= 0` (aiter's sparse metadata) the plan records topk: every query
+token is then a batch of its own whose kv_indices start at token * topk and
+hold min(its request's kv length, topk) entries (csrc/kernels/mla/metadata/
+v1_2_device.cuh), which `mla_decode_fwd` follows.
 """
 
 import enum
@@ -114,11 +118,14 @@ def get_mla_metadata_v1(
     stamp = len(PLANS) + 1
     PLANS[stamp] = dict(qo=qo, kv=seqlens_kv_indptr.tolist(), heads=num_heads_per_head_k, causal=bool(is_causal),
                         max_seqlen_qo=max_seqlen_qo, kv_granularity=kv_granularity, dtype_q=dtype_q,
-                        dtype_kv=dtype_kv)
+                        dtype_kv=dtype_kv, topk=topk)
+    if topk >= 0:  # aiter's sparse metadata: every query token a batch, qo lengths uniform
+        lengths = {qo[i + 1] - qo[i] for i in range(batch)}
+        assert len(lengths) <= 1, ("the sparse metadata takes uniform query lengths", qo)
     work_metadata_ptrs.view(torch.int64)[0] = stamp
     work_info_set.fill_(-1)
     CALLS.append(dict(function="get_mla_metadata_v1", stamp=stamp, heads=num_heads_per_head_k,
-                      kv_granularity=kv_granularity, fast_mode=fast_mode, page_size=page_size))
+                      kv_granularity=kv_granularity, fast_mode=fast_mode, page_size=page_size, topk=topk))
 
 
 def mla_reduce_v1(
@@ -153,5 +160,37 @@ def mla_prefill_ps_asm_fwd(
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+) -> None:
+    raise NotImplementedError("not modelled by the stand-in aiter")
+
+
+# aiter's FP8 MLA prefill planner (gfx950): not modelled; ROCM_AITER declines FP8 prefill with a reason
+# (AiterMLAPrefillBackend.validate_configuration), so nothing here is called.
+def get_ps_metadata_info_v1(
+    batch_size: int,
+    num_head_k: int,
+    max_qlen: int,
+    qlen_granularity: int = 256,
+):
+    raise NotImplementedError("not modelled by the stand-in aiter")
+
+
+def get_ps_metadata_v1(
+    seqlens_qo_indptr: torch.Tensor,
+    pages_kv_indptr: torch.Tensor,
+    context_lens: torch.Tensor,
+    gqa_ratio: int,
+    num_heads_k: int,
+    work_metadata_ptrs: torch.Tensor,
+    work_indptr: torch.Tensor,
+    work_info: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor,
+    reduce_partial_map: torch.Tensor,
+    qhead_granularity: int = 1,
+    qlen_granularity: int = 256,
+    kvlen_granularity: int = 16,
+    block_size: int = 16,
+    is_causal: bool = True,
 ) -> None:
     raise NotImplementedError("not modelled by the stand-in aiter")
