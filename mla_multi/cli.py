@@ -136,15 +136,22 @@ def collect_info(as_spec: str | None = None) -> dict:
     dims = MLADims.deepseek_v3()
     dtype = mm.DEFAULT_DTYPE
     with platforms.override(target), _quiet_registry(as_spec is not None):
-        configs = {
-            "prefill": registry.prefill_config(dims, dtype),
-            "decode": registry.decode_config(dims, dtype, "auto", 64, platform=target),
+        v4 = MLADims(dims.num_heads, kv_lora_rank=448, qk_rope_head_dim=64)  # DeepSeek-V4: d 512 = 448 + 64
+        configs = {  # label -> (phase, configuration)
+            "prefill": ("prefill", registry.prefill_config(dims, dtype)),
+            "decode": ("decode", registry.decode_config(dims, dtype, "auto", 64, platform=target)),
             # DeepSeek-V3.2: top-2048 indices over the fp8_ds_mla cache (decode) and the bf16 rows (prefill)
-            "sparse_decode": registry.sparse_config(dims, dtype, torch.uint8, 2048),
-            "sparse_prefill": registry.sparse_config(dims, dtype, dtype, 2048),
+            "sparse_decode": ("sparse_decode", registry.sparse_config(dims, dtype, torch.uint8, 2048)),
+            "sparse_prefill": ("sparse_prefill", registry.sparse_config(dims, dtype, dtype, 2048)),
+            # DeepSeek-V4: top-512 over the 584-byte cache and a 128-token window in its own, a sink
+            "sparse_decode_v4": ("sparse_decode", registry.sparse_config(
+                v4, dtype, torch.uint8, 512 + 128, kv_format="fp8_ds_mla_v4", extra_kv_format="fp8_ds_mla_v4",
+                with_sink=True)),
+            "sparse_prefill_v4": ("sparse_prefill", registry.sparse_config(v4, dtype, dtype, 2048, kv_format="rows",
+                                                                           with_sink=True)),
         }
         phases = {}
-        for phase, config in configs.items():
+        for label, (phase, config) in configs.items():
             rows = _guarded(lambda p=phase, c=config: registry.default_registry.explain(p, c, target), default="[]")
             forced = _guarded(lambda p=phase: registry._forced_from_env(p))
             selected = None
@@ -153,15 +160,15 @@ def collect_info(as_spec: str | None = None) -> dict:
             except Exception as error:  # the reasons are the report
                 selected = f"none: {error}"
             order, rules = registry.default_registry.ordering(phase, target, config)
-            phases[phase] = {"config": config.describe(),
+            phases[label] = {"config": config.describe(),
                              "priority": list(order),
                              "rule": "; ".join(rule.describe() for rule in rules) or None,
                              "rules": [{"name": r.name, "delta": r.delta(), "measured": r.measured} for r in rules],
                              "forced": forced, "selected": selected, "backends": rows}
-            if phase == "sparse_decode":  # each call is planned with its token count: a rule may choose by it
-                phases[phase]["one_token"] = _guarded(lambda c=config: _one_token_choice(c, target))
-            if phase == "decode":  # so is each dense decode call: a rule may choose by its batch
-                phases[phase]["by_num_tokens"] = _guarded(lambda c=config: _by_num_tokens(c, target), default=[])
+            if label == "sparse_decode":  # each call is planned with its token count: a rule may choose by it
+                phases[label]["one_token"] = _guarded(lambda c=config: _one_token_choice(c, target))
+            if label == "decode":  # so is each dense decode call: a rule may choose by its batch
+                phases[label]["by_num_tokens"] = _guarded(lambda c=config: _by_num_tokens(c, target), default=[])
             for row in rows if isinstance(rows, list) else []:
                 backend = _guarded(lambda p=phase, n=row["name"]: registry.default_registry.load(p, n), default=None)
                 if hasattr(backend, "info"):

@@ -32,7 +32,8 @@ def test_info_text_and_json_commands():
     assert "platform (impersonated): H100" in text.stdout and "decode: selected" in text.stdout
     as_json = run_cli("info", "--json")
     assert as_json.returncode == 0, as_json.stderr
-    assert set(json.loads(as_json.stdout)["phases"]) == {"prefill", "decode", "sparse_decode", "sparse_prefill"}
+    assert set(json.loads(as_json.stdout)["phases"]) == {"prefill", "decode", "sparse_decode", "sparse_prefill",
+                                                         "sparse_decode_v4", "sparse_prefill_v4"}
     assert "sparse_decode: selected" in text.stdout and "fp8_ds_mla" in text.stdout
 
 
@@ -269,3 +270,18 @@ def test_every_benchmark_says_it_needs_a_gpu_in_the_same_words(phase, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mla-multi bench {phase}: error: needs "), err
     assert "CUDA or ROCm GPU" in err and "torch sees 0" in err
+
+
+def test_info_shows_the_v4_selection_with_reasons():
+    """`mla-multi info` has DeepSeek-V4's sparse phases (d 512, a 584-byte cache and its window segment, a sink):
+    REFERENCE serves them here, and every other backend of the phase says why it does not."""
+    from mla_multi import cli
+
+    info = cli.collect_info("H200")
+    for label, phase in (("sparse_decode_v4", "sparse_decode"), ("sparse_prefill_v4", "sparse_prefill")):
+        data = info["phases"][label]
+        assert data["config"].startswith("V4 ") and "d_qk=d_v=512" in data["config"], data["config"]
+        assert data["selected"] == "REFERENCE", data["selected"]
+        rows = {row["name"]: row for row in data["backends"]}
+        others = [name for name in rows if name != "REFERENCE"]
+        assert others and all(any("V4 contract" in reason for reason in rows[name]["reasons"]) for name in others)
