@@ -69,7 +69,8 @@ def host_int32(values: list[int]) -> torch.Tensor:
 
 def _checked_lengths(query_lens, seq_lens, block_table, block_size: int) -> tuple[list[int], list[int], int]:
     """(query_lens, seq_lens as int lists, the block table's capacity in tokens), or a ValueError naming what does
-    not fit: lengths of unequal count, a block table that is not 2-D int32 with a row per request, a block size."""
+    not fit: lengths of unequal count, a block table that is not 2-D int32 with a row per request, a block size,
+    the first request (in the given order) whose new tokens exceed its sequence or whose sequence its row."""
     query_lens = _as_int_list(query_lens, "query_lens")
     seq_lens_list = _as_int_list(seq_lens, "seq_lens")
     if len(query_lens) != len(seq_lens_list):
@@ -79,7 +80,15 @@ def _checked_lengths(query_lens, seq_lens, block_table, block_size: int) -> tupl
     if block_table.shape[0] != len(query_lens):
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(query_lens)} requests")
     check_positive_int("block_size", block_size)
-    return query_lens, seq_lens_list, block_table.shape[1] * block_size
+    capacity = block_table.shape[1] * block_size
+    if any(map(operator.gt, query_lens, seq_lens_list)) or max(seq_lens_list, default=0) > capacity:
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):  # the first bad request, named
+            if q > s:
+                raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
+            if s > capacity:
+                raise ValueError(f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
+                                 f"{block_size} tokens in its block_table row")
+    return query_lens, seq_lens_list, capacity
 
 
 def _as_int_list(values, name: str) -> list[int]:
@@ -199,15 +208,6 @@ class CommonAttentionMetadata:
         if reorder:
             return cls._from_lengths_in_any_order(query_lens, seq_lens, block_table, block_size, decode_threshold)
         query_lens, seq_lens_list, capacity = _checked_lengths(query_lens, seq_lens, block_table, block_size)
-        if any(map(operator.gt, query_lens, seq_lens_list)) or max(seq_lens_list, default=0) > capacity:
-            for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):  # the first bad request, named
-                if q > s:
-                    raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
-                if s > capacity:
-                    raise ValueError(
-                        f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
-                        f"{block_size} tokens in its block_table row"
-                    )
         is_decode = [q <= decode_threshold for q in query_lens]
         if False in is_decode[: is_decode.count(True)]:  # a prefill before a decode
             raise ValueError(
@@ -272,14 +272,6 @@ class CommonAttentionMetadata:
         """`from_lengths(..., reorder=True)`: the caller's requests checked in the caller's order (errors name
         the caller's request), then built decodes first with their `batch_order`."""
         query_lens, seq_lens_list, capacity = _checked_lengths(query_lens, seq_lens, block_table, block_size)
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens_list)):
-            if q > s:
-                raise ValueError(f"request {i}: query_len {q} > seq_len {s}; the new tokens are part of the sequence")
-            if s > capacity:
-                raise ValueError(
-                    f"request {i}: seq_len {s} needs more than the {block_table.shape[1]} blocks of "
-                    f"{block_size} tokens in its block_table row"
-                )
         permutation = reorder_batch_to_split_decodes_and_prefills(query_lens, decode_threshold)
         order = BatchOrder.of(permutation, query_lens, block_table.device)
         if not order.identity:
