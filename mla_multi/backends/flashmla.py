@@ -15,6 +15,14 @@ sm_90 kernels reached with ``use_legacy=True``:
   request (``q [T, 1, N, 576]``, ``indices [T, 1, topk]``); 64 or 128 heads.
 * sparse_prefill: ``flash_mla_sparse_fwd(q [T, N, 576], kv [S, 1, 576],
   indices [T, 1, topk], scale, 512)``, bf16 rows; 64 or 128 heads.
+* the DeepSeek-V4 contract (`forward_v4`, d_qk = d_v = 512): sparse decode
+  over the 584-byte ``fp8_ds_mla_v4`` cache through the legacy kernels
+  (``use_legacy=True, kv_format="V4"``, sm_90 and sm_100) and over the V4.1
+  caches (``fp8_ds_mla_v41``, with an ``fp4_ds_mla_v41`` second segment)
+  through the wheel's current kernels (``use_legacy=False``, sm_100 only),
+  with the sink and the second segment (``extra_k_cache``); sparse prefill
+  ``flash_mla_sparse_fwd(q [T, N, 512], kv [S, 1, 512], ...)`` over bf16
+  rows with the sink and topk_length (its one kv: no second segment).
 
 FlashMLA trusts its indices: its decode treats only -1 as "no token" and
 checks no upper bound, and its sm_90 sparse decode takes no topk_length.
@@ -28,6 +36,18 @@ the other backends, in the one launch after the kernel that also turns the
 with no token gets 0 and LSE -inf.  The 576-wide query FlashMLA reads is a
 view when q_nope and q_pe are adjacent slices of one buffer (`joined_query`),
 a copy otherwise.
+
+The V4 decode folds topk_length and extra_topk_length into the sanitised
+index lists the same way (FlashMLA's split-KV schedule depends on the length
+values it is given; without them it depends on the shapes alone), so one
+schedule serves every call of a layout: FlashMLA makes it on the layout's
+first eager call (its in-call scheduler, on the device) and later calls,
+those captured in CUDA graphs included, reuse its buffers; a call captured
+before any eager one schedules inside the graph and keeps nothing.  Index
+lists whose length is not a multiple of FlashMLA's tile (64 in decode, 128
+in prefill) are padded with -1.  The V4 prefill passes topk_length (clamped
+to [0, topk]) beside the folded lists, so that its kernel stops at each
+token's length.  FlashMLA returns natural-log LSEs, as the package does.
 
 `FLASHMLA_CALLS` declares every FlashMLA function called and the keywords
 passed; a test checks them against the published wheel's source.
@@ -66,6 +86,12 @@ TOPK_MULTIPLE = {"sparse_decode": 64, "sparse_prefill": 128}
 # compute capabilities whose kernels the wheel's legacy extension carries (dense decode: sm_90 only)
 DENSE_CAPABILITIES = ((9, 0),)
 SPARSE_CAPABILITIES = ((9, 0), (10, 0))
+# The V4 contract: the 584-byte cache in the legacy kernels (sm_90, sm_100); the V4.1 caches in the wheel's
+# current kernels, which run on sm_100 only (its `_loader`: "upstream's current kernels: V4.1 on SM100")
+V4_LEGACY_FORMATS = ("fp8_ds_mla_v4",)
+V41_FORMATS = ("fp8_ds_mla_v41", "fp4_ds_mla_v41")
+V41_CAPABILITIES = ((10, 0),)
+V4_WIDTH = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +107,10 @@ FLASHMLA_CALLS: tuple[FlashMLACall, ...] = (
                                                 "is_fp8_kvcache", "topk", "use_legacy")),
     FlashMLACall("flash_mla_with_kvcache", ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
                                              "tile_scheduler_metadata", "softmax_scale", "causal", "is_fp8_kvcache",
-                                             "indices", "attn_sink", "topk_length", "use_legacy")),
+                                             "indices", "attn_sink", "topk_length", "use_legacy",
+                                             "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length",
+                                             "kv_format")),
+    FlashMLACall("get_mla_metadata", ()),
     FlashMLACall("flash_mla_sparse_fwd", ("q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length",
                                            "use_legacy")),
 )
@@ -340,6 +369,62 @@ class _SparseImpl(MLASparseImpl):
         return bound[1]
 
 
+def _padded(topk: int, multiple: int) -> int:
+    """topk rounded up to FlashMLA's tile (at least one tile)."""
+    return max(-(-topk // multiple), 1) * multiple
+
+
+class _V4Segment:
+    """One index list of a V4 call: its bound sanitising launches and, where its length is not a multiple of
+    FlashMLA's tile, the padded copy FlashMLA reads (the tail -1, filled once)."""
+
+    def __init__(self, tokens: int, topk: int, heads: int, device, *, decode: bool, has_length: bool,
+                 multiple: int) -> None:
+        from mla_multi.kernels.sparse_indices import Scratch, SparseIndexPlan
+
+        self.topk, self.width = topk, _padded(topk, multiple)
+        self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=decode,
+                                          has_length=has_length)
+        self.scratch = Scratch()
+
+    def sanitize(self, indices, num_slots: int, topk_length):
+        """(the list FlashMLA reads [T, width], the tokens marked bad or None)."""
+        if indices.stride(-1) != 1:
+            indices = indices.contiguous()
+        clean, bad = self.index_plan.sanitize(indices, num_slots, topk_length)
+        if self.width != self.topk:
+            padded = self.scratch.full("padded", (clean.shape[0], self.width), -1, torch.int32, clean.device)
+            padded[:, :self.topk].copy_(clean)
+            clean = padded
+        return clean, bad
+
+
+class _V4DecodeCall:
+    """What a V4 decode of one layout keeps: both segments' index launches and FlashMLA's schedule (made by
+    the layout's first eager call, reused by every later call and graph capture)."""
+
+    def __init__(self, tokens: int, heads: int, topk: int, extra_topk: int | None, device, *, has_length: bool,
+                 has_extra_length: bool, legacy: bool) -> None:
+        self.main = _V4Segment(tokens, topk, heads, device, decode=True, has_length=has_length,
+                               multiple=TOPK_MULTIPLE["sparse_decode"])
+        self.extra = None if extra_topk is None else _V4Segment(
+            tokens, extra_topk, heads, device, decode=True, has_length=has_extra_length,
+            multiple=TOPK_MULTIPLE["sparse_decode"])
+        self.device = device
+        self.legacy = legacy
+        self.schedule_meta = None  # FlashMLA's FlashMLASchedMeta, filled by its first (eager) call
+
+    def schedule(self, module):
+        """The kept schedule, or a new one: kept when made outside a graph capture (a capture's schedule
+        is written only when the graph replays, so it serves that capture alone)."""
+        if self.schedule_meta is not None:
+            return self.schedule_meta
+        sched, _ = module.get_mla_metadata()
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.schedule_meta = sched
+        return sched
+
+
 def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:
     reasons = _latent_reasons(config.dims)
     if config.dims.num_heads not in SPARSE_HEADS:
@@ -348,6 +433,35 @@ def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:
     multiple = TOPK_MULTIPLE[phase]
     if config.topk % multiple:
         reasons.append(f"topk {config.topk}; FlashMLA's {phase.replace('_', ' ')} takes a multiple of {multiple}")
+    return reasons
+
+
+def _v4_heads_reasons(config: SparseSelectorConfig) -> list[str]:
+    if config.dims.num_heads not in SPARSE_HEADS:
+        return [f"num_heads {config.dims.num_heads}; FlashMLA's V4 sparse kernels take "
+                f"{' or '.join(map(str, SPARSE_HEADS))}"]
+    return []
+
+
+def _v4_decode_reasons(platform: Platform, config: SparseSelectorConfig) -> list[str]:
+    """What FlashMLA's V4 sparse decode rejects beyond the declared formats (FlashMLA's interface rules)."""
+    from mla_multi.cache_formats import FORMATS
+
+    reasons = _v4_heads_reasons(config)
+    main, extra = config.kv_format, config.extra_kv_format
+    if main in FORMATS and FORMATS[main].second_segment_only:
+        reasons.append(f"a {main} main cache: FlashMLA takes that format only as the second segment (extra_k_cache) "
+                       f"beside {' or '.join(FORMATS[main].main_formats)}")
+    elif extra is not None and main in FORMATS and extra in FORMATS:
+        allowed = (main,) + tuple(f.name for f in FORMATS.values() if main in f.main_formats)
+        if extra not in allowed:
+            reasons.append(f"a second segment in {extra} beside a {main} cache: FlashMLA's extra_k_cache takes the "
+                           f"main cache's format ({' or '.join(allowed)})")
+    v41 = [f for f in (main, extra) if f in V41_FORMATS]
+    if v41 and platform.device_capability not in V41_CAPABILITIES:
+        names = ", ".join(f"sm_{major}{minor}" for major, minor in V41_CAPABILITIES)
+        reasons.append(f"the V4 contract over {' and '.join(dict.fromkeys(v41))} runs in FlashMLA's current kernels "
+                       f"(use_legacy=False), on {names} only; {platform.name} is {platform.arch}")
     return reasons
 
 
@@ -374,12 +488,67 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
         call.index_plan.finish(bad_rows, out, lse)
         return out, lse
 
+    def _call_v4(self, module, q, indices, topk_length, extra_indices, extra_topk_length, kv, extra_kv,
+                 kv_format: str) -> _V4DecodeCall:
+        from mla_multi.kernels.launch import alignment_key
+
+        tokens, heads, _ = q.shape
+        extra_key = None if extra_kv is None else (extra_indices.shape[1], extra_indices.stride(0),
+                                                   extra_topk_length is not None, tuple(extra_kv.shape))
+        key = ("v4", q.device, tokens, heads, indices.shape[1], indices.stride(0), topk_length is not None,
+               tuple(kv.shape), kv_format, extra_key,
+               alignment_key(indices, topk_length, extra_indices, extra_topk_length), id(module))
+        bound = self._bound
+        if bound is None or bound[0] != key:
+            call = _V4DecodeCall(tokens, heads, indices.shape[1], None if extra_kv is None else extra_indices.shape[1],
+                                 q.device, has_length=topk_length is not None,
+                                 has_extra_length=extra_topk_length is not None,
+                                 legacy=kv_format in V4_LEGACY_FORMATS)
+            bound = self._bound = (key, call)
+        return bound[1]
+
+    def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
+                   extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """q [T, N, 512] bf16 over a uint8 V4 cache (and its second segment), every token its own request
+        (FlashMLA's q [T, 1, N, 512]). Returns out [T, N, 512] and lse [T, N] (natural log)."""
+        from mla_multi.cache_formats import get_format
+
+        module = _module()
+        tokens, heads, width = q.shape
+        if tokens == 0:  # FlashMLA takes no empty batch
+            return q.new_empty(0, heads, width), torch.empty(0, heads, dtype=torch.float32, device=q.device)
+        call = self._call_v4(module, q, indices, topk_length, extra_indices, extra_topk_length, kv, extra_kv,
+                             kv_format)
+        clean, bad_rows = call.main.sanitize(indices, kv.shape[0] * kv.shape[1], topk_length)
+        extra = {}
+        if extra_kv is not None:
+            extra_clean, extra_bad = call.extra.sanitize(extra_indices, extra_kv.shape[0] * extra_kv.shape[1],
+                                                         extra_topk_length)
+            bad_rows = bad_rows | extra_bad
+            extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out, lse = module.flash_mla_with_kvcache(
+            q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=width,
+            tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
+            is_fp8_kvcache=True, indices=clean.unsqueeze(1),
+            attn_sink=None if attn_sink is None else attn_sink.contiguous(), topk_length=None,
+            extra_topk_length=None, use_legacy=call.legacy,
+            kv_format=get_format(kv_format).flashmla_name if call.legacy else None, **extra,
+        )
+        out = out.view(tokens, heads, width)
+        lse = lse.view(tokens, heads)
+        call.main.index_plan.finish(bad_rows, out, lse)
+        return out, lse
+
 
 class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):
-    """FlashMLA's sparse decode (DeepSeek-V3.2) over the fp8_ds_mla cache; 64 or 128 heads."""
+    """FlashMLA's sparse decode over the fp8_ds_mla cache (DeepSeek-V3.2) and, under the V4 contract, over
+    the fp8_ds_mla_v4 cache (sm_90, sm_100) and the V4.1 caches (sm_100); 64 or 128 heads."""
 
     name: ClassVar[str] = "FLASHMLA"
     supported_kv_dtypes = (torch.uint8,)
+    supported_v4_formats = V4_LEGACY_FORMATS + V41_FORMATS
     max_num_heads = 128
     max_query_len = 1 << 16
 
@@ -390,6 +559,8 @@ class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
         reasons = super().validate_configuration(platform, config)
+        if config.v4:
+            return reasons + _v4_decode_reasons(platform, config)
         if config.kv_dtype in (torch.bfloat16, torch.float16):
             reasons.append(f"a {dtype_name(config.kv_dtype)} cache: FlashMLA's sparse decode reads only the "
                            "fp8_ds_mla layout")
@@ -415,12 +586,51 @@ class FlashMLASparsePrefillImpl(_SparseImpl):
         call.index_plan.finish(None, out, lse)
         return out, lse
 
+    def forward_v4(self, q, kv, indices, scale, *, kv_format="rows", topk_length=None, attn_sink=None,
+                   extra_kv=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """q [T, N, 512] bf16 over kv [S, 512] bf16 rows: FlashMLA's d_qk 512 sparse prefill. Its one kv takes no
+        second segment (the backend declines one). Returns out [T, N, 512] and lse [T, N] (natural log)."""
+        if extra_kv is not None:
+            raise ValueError("extra_kv: FlashMLA's sparse prefill (flash_mla_sparse_fwd) takes one kv; accepted: "
+                             "extra_kv=None here, or backend='REFERENCE' for a second segment")
+        module = _module()
+        tokens, heads, width = q.shape
+        if tokens == 0 or kv.shape[0] == 0:  # no row to attend to (FlashMLA cannot describe an empty kv)
+            return (q.new_zeros(tokens, heads, width),
+                    torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=q.device))
+        from mla_multi.kernels.launch import alignment_key
+
+        key = ("v4", q.device, tokens, heads, indices.shape[1], indices.stride(0), topk_length is not None,
+               kv.shape[0], alignment_key(indices, topk_length), id(module))
+        bound = self._bound
+        if bound is None or bound[0] != key:
+            bound = self._bound = (key, _V4Segment(tokens, indices.shape[1], heads, q.device, decode=False,
+                                                   has_length=topk_length is not None,
+                                                   multiple=TOPK_MULTIPLE["sparse_prefill"]))
+        segment = bound[1]
+        clean, _ = segment.sanitize(indices, kv.shape[0], topk_length)
+        # the kernel stops at each token's length (entries past it are -1 already); clamped, so that it never
+        # reads past the list
+        lengths = None if topk_length is None else topk_length.clamp(0, segment.topk).to(torch.int32)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out, _, lse = module.flash_mla_sparse_fwd(
+            q=q, kv=kv.unsqueeze(1), indices=clean.unsqueeze(1), sm_scale=float(scale), d_v=width,
+            attn_sink=None if attn_sink is None else attn_sink.contiguous(), topk_length=lengths, use_legacy=True,
+        )
+        out = out.view(tokens, heads, width)
+        lse = lse.view(tokens, heads)
+        segment.index_plan.finish(None, out, lse)
+        return out, lse
+
 
 class FlashMLASparsePrefillBackend(_FlashMLARequirements, MLASparseBackend):
-    """FlashMLA's sparse prefill (DeepSeek-V3.2) over bf16 kv rows; 64 or 128 heads."""
+    """FlashMLA's sparse prefill over bf16 kv rows: DeepSeek-V3.2's d_qk 576 and, under the V4 contract, d_qk
+    512 with the sink and topk_length (one kv: no second segment); 64 or 128 heads."""
 
     name: ClassVar[str] = "FLASHMLA"
     supported_kv_dtypes = (torch.bfloat16,)
+    supported_v4_formats = ("rows",)
     max_num_heads = 128
 
     @staticmethod
@@ -429,4 +639,13 @@ class FlashMLASparsePrefillBackend(_FlashMLARequirements, MLASparseBackend):
 
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
-        return super().validate_configuration(platform, config) + _sparse_reasons("sparse_prefill", config)
+        reasons = super().validate_configuration(platform, config)
+        if not config.v4:
+            return reasons + _sparse_reasons("sparse_prefill", config)
+        reasons += _v4_heads_reasons(config)
+        if config.kv_dtype != torch.bfloat16:
+            reasons.append(f"kv rows of {dtype_name(config.kv_dtype)}: FlashMLA's sparse prefill reads bfloat16 rows")
+        if config.extra_kv_format is not None:
+            reasons.append("a second KV segment: FlashMLA's sparse prefill (flash_mla_sparse_fwd) takes one kv and "
+                           "its indices; REFERENCE runs both segments")
+        return reasons
