@@ -526,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--block-size", type=_positive_int, default=64)
     warmup.set_defaults(func=cmd_warmup)
     bench = sub.add_parser("bench", help="benchmarks on the GPU: decode, prefill, dcp (decode context parallelism), "
-                           "layer, sparse-decode or sparse-prefill",
+                           "layer, sparse-decode or sparse-prefill (--format v32 or v4)",
                            description="GPU benchmarks; `mla-multi bench PHASE --help` lists each one's options.")
     bench.add_argument("phase", choices=_BENCH_PHASES, metavar="PHASE",
                        help="one of: " + ", ".join(_BENCH_PHASES) + " (its options follow it)")

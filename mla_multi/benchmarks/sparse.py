@@ -2,6 +2,19 @@
 
     mla-multi bench sparse-decode [--cases 128x1x32768,...] [--kv fp8_ds_mla,bf16] [--backends TRITON,FLASHMLA]
     mla-multi bench sparse-prefill [--cases 128x4096x32768,...] [--rounds 3]
+    mla-multi bench sparse-decode --format v4 [--cases 128x64x16384x512,...] [--window 128]
+    mla-multi bench sparse-prefill --format v4 [--cases 128x4096x32768x2048,...]
+
+``--format v32`` (the default) is DeepSeek-V3.2's contract
+(`mm.ops.mla_sparse_decode` / `mla_sparse_prefill`); ``--format v4``
+DeepSeek-V4's (`mm.ops.mla_sparse_decode_v4` / `mla_sparse_prefill_v4`,
+d_qk = d_v = 512, a sink per head): decode over the 584-byte
+``fp8_ds_mla_v4`` cache in pages of 64, each request's top-k indices beside a
+second segment of its last ``--window`` tokens (default 128) in a cache of
+their own, with topk_length and extra_topk_length passed (full); prefill over
+bf16 rows [S_kv, 512]. A case may name its own topk as a fourth number
+(``NxBxSxK``); without it ``--topk`` holds. FLOPs (V4) = 2 * T * N * (512 +
+512) * attended tokens (topk + window in decode).
 
 DeepSeek dims (512 latent + 64 rotary), bf16 queries, topk 2048 (``--topk``),
 each token's indices random among its request's tokens (decode: a request of
@@ -17,7 +30,7 @@ ratio to where in the run the device's clock stood. The eager call (host path
 included) is printed beside it. The query is one [T, N, 576] buffer passed as
 two slices (as `MLAAttention` passes it). The column "FlashMLA" is FlashMLA's own Python call on the same
 inputs (the `sgl-flash-mla` wheel, its sm_90 kernels), where installed: the
-peer every ratio is taken against. FLOPs = 2 * T * N * topk * (576 + 512).
+peer every ratio is taken against. FLOPs (V3.2) = 2 * T * N * topk * (576 + 512).
 Each output is compared with the first column's (relative difference).
 """
 
@@ -38,16 +51,30 @@ BLOCK_SIZE = 64
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 DECODE_CASES = "128x1x32768,128x32x16384,128x64x16384,128x128x8192,64x64x16384"
 PREFILL_CASES = "128x4096x32768,128x8192x65536,64x4096x32768"
+# DeepSeek-V4: 128 heads top-512, 64 heads top-2048, each beside the 128-token window; prefill top-2048
+V4_DECODE_CASES = "128x1x32768x512,128x64x16384x512,128x128x16384x512,64x64x16384x2048,64x128x16384x2048"
+V4_PREFILL_CASES = "128x4096x32768x2048,64x4096x32768x2048"
+FORMATS = ("v32", "v4")
+V4_WIDTH = 512
+V4_WINDOW = 128
 
 
-def _parse_cases(text: str) -> list[tuple[int, int, int]]:
+def _parse_cases(text: str, topk: int | None = None) -> list[tuple[int, ...]]:
+    """NxBxS (decode) or NxTxS_kv (prefill), each optionally with its topk as a fourth number: (a, b, c) or,
+    with `topk` given, (a, b, c, k), k the case's own or `topk`."""
     cases = []
     for item in text.split(","):
         try:
-            a, b, c = (int(x) for x in item.split("x"))
+            numbers = tuple(int(x, 10) for x in item.split("x"))
         except ValueError:
-            raise ValueError(f"case {item!r}; accepted: NxBxS (decode) or NxTxS_kv (prefill), e.g. 128x64x16384")
-        cases.append((a, b, c))
+            numbers = ()
+        if len(numbers) not in (3, 4) or min(numbers) < 1 or (len(numbers) == 4 and topk is None):
+            extra = "[xK]" if topk is not None else ""
+            raise ValueError(f"case {item!r}; accepted: NxBxS{extra} (decode) or NxTxS_kv{extra} (prefill) of "
+                             f"positive integers, e.g. 128x64x16384" + ("x512" if extra else ""))
+        if topk is not None:
+            numbers = numbers if len(numbers) == 4 else numbers + (topk,)
+        cases.append(numbers)
     return cases
 
 
@@ -195,6 +222,125 @@ def bench_prefill_case(heads, tokens, s_kv, topk, wanted=None, rounds: int = 3) 
     return row
 
 
+def random_v4_cache(num_blocks: int, device) -> torch.Tensor:
+    """An fp8_ds_mla_v4 cache [num_blocks, BLOCK_SIZE, 584] (its padded block stride) of random rows written by
+    `concat_and_cache_mla_v4`, 64K rows at a time."""
+    from mla_multi import cache_formats, ops
+
+    cache = cache_formats.FP8_DS_MLA_V4.allocate(num_blocks, BLOCK_SIZE, device, fill=None)
+    step = 1 << 16
+    slots = num_blocks * BLOCK_SIZE
+    for start in range(0, slots, step):
+        stop = min(start + step, slots)
+        rows = torch.randn(stop - start, V4_WIDTH, device=device, dtype=torch.bfloat16)
+        ops.concat_and_cache_mla_v4(rows[:, :V4_WIDTH - ROPE_DIM], rows[:, V4_WIDTH - ROPE_DIM:], cache,
+                                    torch.arange(start, stop, device=device))
+    return cache
+
+
+def _v4_dims(heads: int):
+    from mla_multi.dims import MLADims
+
+    return MLADims(heads, kv_lora_rank=V4_WIDTH - ROPE_DIM, qk_rope_head_dim=ROPE_DIM)
+
+
+def bench_v4_decode_case(heads, batch, seq_len, topk, window=V4_WINDOW, wanted=None, rounds: int = 3,
+                         device="cuda") -> dict:
+    """DeepSeek-V4's sparse decode: each request's `topk` indices among its `seq_len` tokens in the 584-byte
+    cache beside its last `window` tokens in a cache of their own (pages of 64 both), a sink per head."""
+    from mla_multi import ops, registry
+
+    device = torch.device(device)
+    fmt_bytes = 584
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    window_blocks = -(-window // BLOCK_SIZE)
+    touched = batch * (topk + window) * fmt_bytes
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / max(touched, batch * blocks_per_seq * BLOCK_SIZE * fmt_bytes)))
+    num_blocks = batch * blocks_per_seq * copies
+    cache = random_v4_cache(num_blocks, device)
+    windows = random_v4_cache(batch * window_blocks * copies, device)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    window_perm = torch.randperm(batch * window_blocks * copies, device=device)
+    indices, window_indices = [], []
+    for c in range(copies):
+        table = perm[c * batch * blocks_per_seq:(c + 1) * batch * blocks_per_seq].view(batch, blocks_per_seq).long()
+        positions = torch.stack([torch.randperm(seq_len, device=device)[:topk] for _ in range(batch)])
+        slots = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
+        indices.append(slots.to(torch.int32))
+        pages = window_perm[c * batch * window_blocks:(c + 1) * batch * window_blocks].view(batch, window_blocks)
+        offsets = torch.arange(window, device=device)
+        window_indices.append((pages[:, offsets // BLOCK_SIZE] * BLOCK_SIZE + offsets % BLOCK_SIZE).to(torch.int32))
+    q = torch.randn(batch, heads, V4_WIDTH, device=device, dtype=torch.bfloat16)
+    sink = torch.randn(heads, device=device)
+    lengths = torch.full((batch,), topk, dtype=torch.int32, device=device)
+    window_lengths = torch.full((batch,), window, dtype=torch.int32, device=device)
+    scale = V4_WIDTH ** -0.5
+    config = registry.sparse_config(_v4_dims(heads), torch.bfloat16, torch.uint8, topk + window, num_tokens=batch,
+                                    with_lengths=True, kv_format="fp8_ds_mla_v4", extra_kv_format="fp8_ds_mla_v4",
+                                    with_sink=True)
+    usable, chosen, reasons = _usable("sparse_decode", config, wanted)
+    flops = 2 * batch * heads * (V4_WIDTH + V4_WIDTH) * (topk + window)
+    row = {"phase": "sparse_decode", "format": "v4", "heads": heads, "batch": batch, "seq_len": seq_len,
+           "kv": f"fp8_ds_mla_v4 + window {window}", "topk": topk, "window": window, "copies": copies,
+           "chosen": chosen, "us": {}, "eager_us": {}, "tflop_s": {}, "diff": {}, "errors": {}, "reasons": reasons}
+    runs = {name: (lambda i, name=name: ops.mla_sparse_decode_v4(
+        q, cache, indices[i], scale, topk_length=lengths, attn_sink=sink, extra_kv_cache=windows,
+        extra_indices=window_indices[i], extra_topk_length=window_lengths, backend=name)) for name in usable}
+    module = _flash_mla()
+    # FlashMLA's own call takes index lists of whole tiles of 64 (the package's adapter pads them)
+    if module is not None and heads in (64, 128) and topk % 64 == 0 and window % 64 == 0:
+        q4 = q.unsqueeze(1)
+
+        def call(i, sched):
+            return module.flash_mla_with_kvcache(
+                q4, cache.unsqueeze(2), None, None, V4_WIDTH, sched, softmax_scale=scale, is_fp8_kvcache=True,
+                indices=indices[i].unsqueeze(1), attn_sink=sink, extra_k_cache=windows.unsqueeze(2),
+                extra_indices_in_kvcache=window_indices[i].unsqueeze(1), topk_length=lengths,
+                extra_topk_length=window_lengths, use_legacy=True, kv_format="V4")
+
+        metas = []
+        for i in range(copies):  # the scheduler made once per input, outside the timing (as an engine plans it)
+            sched, _ = module.get_mla_metadata()
+            call(i, sched)
+            metas.append(sched)
+        runs = {"FlashMLA": lambda i: call(i, metas[i])[0].view(batch, heads, -1), **runs}
+    _measure(row, runs, copies, flops, rounds)
+    return row
+
+
+def bench_v4_prefill_case(heads, tokens, s_kv, topk, wanted=None, rounds: int = 3, device="cuda") -> dict:
+    """DeepSeek-V4's sparse prefill: d_qk = d_v = 512 bf16 rows, a sink per head."""
+    from mla_multi import ops, registry
+
+    device = torch.device(device)
+    kv_bytes = s_kv * V4_WIDTH * 2
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes))
+    kvs = [torch.randn(s_kv, V4_WIDTH, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    indices = torch.stack([torch.randperm(s_kv, device=device)[:topk] for _ in range(tokens)]).to(torch.int32)
+    q = torch.randn(tokens, heads, V4_WIDTH, device=device, dtype=torch.bfloat16)
+    sink = torch.randn(heads, device=device)
+    scale = V4_WIDTH ** -0.5
+    config = registry.sparse_config(_v4_dims(heads), torch.bfloat16, torch.bfloat16, topk, kv_format="rows",
+                                    with_sink=True)
+    usable, chosen, reasons = _usable("sparse_prefill", config, wanted)
+    flops = 2 * tokens * heads * (V4_WIDTH + V4_WIDTH) * topk
+    row = {"phase": "sparse_prefill", "format": "v4", "heads": heads, "batch": tokens, "seq_len": s_kv,
+           "kv": "bf16 rows (d 512)", "topk": topk, "copies": copies, "chosen": chosen, "us": {}, "eager_us": {},
+           "tflop_s": {}, "diff": {}, "errors": {}, "reasons": reasons}
+    runs = {name: (lambda i, name=name: ops.mla_sparse_prefill_v4(q, kvs[i], indices, scale, attn_sink=sink,
+                                                                  backend=name)) for name in usable}
+    module = _flash_mla()
+    if module is not None and heads in (64, 128) and topk % 128 == 0:  # FlashMLA's tile pairs (the adapter pads)
+
+        def peer(i):
+            return module.flash_mla_sparse_fwd(q, kvs[i].unsqueeze(1), indices.unsqueeze(1), scale, V4_WIDTH,
+                                               attn_sink=sink, use_legacy=True)[0]
+
+        runs = {"FlashMLA": peer, **runs}
+    _measure(row, runs, copies, flops, rounds)
+    return row
+
+
 def _measure(row: dict, runs: dict, copies: int, flops: float, rounds: int = 3) -> None:
     """Each column's output against the first, its eager time, and its captured time: every column's graph
     made first, then replayed in turn `rounds` times (every other round in reverse, `in_turn`), the median
@@ -257,32 +403,66 @@ def main(argv: list[str] | None = None, phase: str = "sparse_decode") -> int:
     parser = argparse.ArgumentParser(prog=f"mla-multi bench {phase.replace('_', '-')}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     decode = phase == "sparse_decode"
-    parser.add_argument("--cases", default=DECODE_CASES if decode else PREFILL_CASES,
-                        help="comma list of NxBxS (decode) or NxTxS_kv (prefill)")
-    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--format", default="v32", choices=FORMATS,
+                        help="the contract: v32 (DeepSeek-V3.2, default) or v4 (DeepSeek-V4: d 512, a sink, "
+                             + ("the 584-byte cache and a window segment)" if decode else "bf16 rows)"))
+    parser.add_argument("--cases", default=None,
+                        help="comma list of NxBxS (decode) or NxTxS_kv (prefill), a fourth number the case's topk "
+                             "(default per format: " + (f"{DECODE_CASES}; v4 {V4_DECODE_CASES}" if decode else
+                                                        f"{PREFILL_CASES}; v4 {V4_PREFILL_CASES}") + ")")
+    parser.add_argument("--topk", type=int, default=2048, help="the topk of cases that name none")
     if decode:
-        parser.add_argument("--kv", default="fp8_ds_mla", help="comma list of fp8_ds_mla, bf16")
+        parser.add_argument("--kv", default=None, help="v32: comma list of fp8_ds_mla, bf16 (default fp8_ds_mla)")
+        parser.add_argument("--window", type=int, default=None,
+                            help=f"v4: the tokens of the window segment (default {V4_WINDOW})")
     parser.add_argument("--backends", default="", help="comma list of backends (default: every installed one)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="captured times: every column replayed in turn this many times, the median kept")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    v4 = args.format == "v4"
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}; accepted: 1 or more")
+    if args.topk < 1:
+        parser.error(f"--topk {args.topk}; accepted: 1 or more")
+    kinds = ["bf16"]
+    window = None
+    if decode:
+        if v4 and args.kv is not None:
+            parser.error(f"--kv {args.kv!r} with --format v4, whose caches are fp8_ds_mla_v4; accepted: --kv "
+                         "with --format v32 only")
+        if not v4 and args.window is not None:
+            parser.error(f"--window {args.window} with --format v32; accepted: --window with --format v4 only")
+        window = V4_WINDOW if args.window is None else args.window
+        if window < 1:
+            parser.error(f"--window {window}; accepted: 1 or more")
+        kinds = (args.kv or "fp8_ds_mla").split(",")
+        for kv in kinds:
+            if kv not in ("fp8_ds_mla", "bf16"):
+                parser.error(f"--kv {kv!r}; accepted: fp8_ds_mla, bf16")
+    cases_text = args.cases or ((V4_DECODE_CASES if decode else V4_PREFILL_CASES) if v4 else
+                                (DECODE_CASES if decode else PREFILL_CASES))
+    try:
+        cases = _parse_cases(cases_text, args.topk)
+    except ValueError as error:
+        parser.error(f"--cases: {error}")
     if not torch.cuda.is_available():
         from mla_multi.benchmarks import needs_gpu
 
         return needs_gpu(f"mla-multi bench {phase.replace('_', '-')}")
     wanted = [b for b in args.backends.split(",") if b] or None
     rows = []
-    for a, b, c in _parse_cases(args.cases):
-        kinds = args.kv.split(",") if decode else ["bf16"]
-        for kv in kinds:
-            if kv not in ("fp8_ds_mla", "bf16"):
-                raise ValueError(f"--kv {kv!r}; accepted: fp8_ds_mla, bf16")
-            print(f"{phase} N={a} {'B' if decode else 'T'}={b} {'S' if decode else 'S_kv'}={c} kv={kv}", flush=True)
-            row = bench_decode_case(a, b, c, kv, args.topk, wanted, args.rounds) if decode else bench_prefill_case(
-                a, b, c, args.topk, wanted, args.rounds)
+    for a, b, c, k in cases:
+        for kv in (["fp8_ds_mla_v4"] if v4 and decode else kinds):
+            label = f"kv={kv}" + (f" window={window}" if v4 and decode else "")
+            print(f"{phase} ({args.format}) N={a} {'B' if decode else 'T'}={b} {'S' if decode else 'S_kv'}={c} "
+                  f"topk={k} {label}", flush=True)
+            if v4:
+                row = bench_v4_decode_case(a, b, c, k, window, wanted, args.rounds) if decode else \
+                    bench_v4_prefill_case(a, b, c, k, wanted, args.rounds)
+            else:
+                row = bench_decode_case(a, b, c, kv, k, wanted, args.rounds) if decode else bench_prefill_case(
+                    a, b, c, k, wanted, args.rounds)
             rows.append(row)
             torch.cuda.empty_cache()  # the case's inputs and graphs, freed on return
     print(format_rows(rows))
