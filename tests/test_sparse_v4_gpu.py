@@ -1,7 +1,10 @@
 """The V4 cache bytes cross-checked on the GPU: a 584-byte ``fp8_ds_mla_v4`` cache (and its second segment)
 written by `concat_and_cache_mla_v4` is read by FlashMLA's own V4 sparse decode (`sgl-flash-mla`'s legacy
 kernels: ``flash_mla_with_kvcache(..., use_legacy=True)`` with the sink, topk_length and the extra segment),
-and its result equals the package's REFERENCE on the same cache (float64). Skipped without the wheel."""
+and its result equals the package's REFERENCE on the same cache (float64). The FLASHMLA backend through
+`mm.ops.mla_sparse_decode_v4` / `mla_sparse_prefill_v4` against REFERENCE in float64 (the sink, both
+segments, topk_length, empty rows, index lists padded to FlashMLA's tile, several query tokens a request),
+eagerly and replayed from CUDA graphs with new data. Skipped without the wheel."""
 
 from __future__ import annotations
 
@@ -12,6 +15,10 @@ import torch
 
 import mla_multi as mm
 from mla_multi import cache_formats as cf
+from mla_multi import registry
+from mla_multi.dims import MLADims
+from mla_multi.platforms import current_platform
+from mla_multi.testing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -121,3 +128,179 @@ def test_the_writer_on_the_gpu_writes_the_cpu_bytes(name):
         # to the next e4m3 step (one in 8)
         torch.testing.assert_close(fmt.dequantize(fmt.read_records(back)).float(),
                                    fmt.dequantize(fmt.read_records(on_cpu)).float(), rtol=0.13, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- the FLASHMLA backend (V4 contract)
+
+
+def _need_flashmla(phase, heads, kv_format, extra_kv_format=None, kv_dtype=torch.uint8, topk=640):
+    _flash_mla()
+    config = registry.sparse_config(MLADims(heads, kv_lora_rank=448, qk_rope_head_dim=64), torch.bfloat16,
+                                    kv_dtype, topk, kv_format=kv_format, extra_kv_format=extra_kv_format,
+                                    with_sink=True, with_lengths=True)
+    reasons = registry.default_registry.reasons(phase, "FLASHMLA", current_platform(), config)
+    if reasons:
+        pytest.skip(f"FLASHMLA cannot run this V4 case here: {reasons[0]}")
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    assert bool(torch.isfinite(a).all())
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _check_lse(lse, want):
+    empty = want == -math.inf
+    got = lse.double().cpu()
+    assert bool((got[empty] == -math.inf).all())  # the package's -inf, not FlashMLA's +inf
+    torch.testing.assert_close(got[~empty], want[~empty], rtol=1e-4, atol=1e-4)
+
+
+def _decode_inputs(generator, batch, s_q, heads, topk, extra_topk):
+    cache = _written_cache(8, 64, generator)
+    extra = _written_cache(4, 64, generator)
+    q = torch.randn(batch, s_q, heads, WIDTH, generator=generator).to(torch.bfloat16).cuda()
+    indices = _indices(generator, batch, s_q, topk, 8 * 64)
+    extra_indices = _indices(generator, batch, s_q, extra_topk, 4 * 64)
+    topk_length = torch.tensor([topk, topk // 2, 0, 5][:batch], dtype=torch.int32, device="cuda")
+    extra_topk_length = torch.tensor([extra_topk, 0, 0, 33 % (extra_topk + 1)][:batch], dtype=torch.int32,
+                                     device="cuda")  # request 2: nothing to attend to
+    sink = torch.randn(heads, generator=generator).cuda()
+    sink[1], sink[2] = math.inf, -math.inf
+    return cache, extra, q, indices, extra_indices, topk_length, extra_topk_length, sink
+
+
+def _reference_decode(q, cache, indices, extra, extra_indices, topk_length, extra_topk_length, sink):
+    return mm.ops.mla_sparse_decode_v4(
+        q.double().cpu(), _to_cpu(cache), indices.cpu(), WIDTH ** -0.5, topk_length=topk_length.cpu(),
+        attn_sink=sink.cpu(), extra_kv_cache=_to_cpu(extra), extra_indices=extra_indices.cpu(),
+        extra_topk_length=extra_topk_length.cpu(), backend="REFERENCE", return_lse=True)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("topk,extra_topk", [(128, 64), (100, 40)])
+def test_flashmla_backend_v4_decode_matches_reference(heads, s_q, topk, extra_topk):
+    _need_flashmla("sparse_decode", heads, "fp8_ds_mla_v4", "fp8_ds_mla_v4")
+    generator = torch.Generator().manual_seed(61 + heads + s_q + topk)
+    cache, extra, q, indices, extra_indices, lengths, extra_lengths, sink = _decode_inputs(
+        generator, 4, s_q, heads, topk, extra_topk)
+    out, lse = mm.ops.mla_sparse_decode_v4(
+        q, cache, indices, WIDTH ** -0.5, topk_length=lengths, attn_sink=sink, extra_kv_cache=extra,
+        extra_indices=extra_indices, extra_topk_length=extra_lengths, backend="FLASHMLA", return_lse=True)
+    want, want_lse = _reference_decode(q, cache, indices, extra, extra_indices, lengths, extra_lengths, sink)
+    assert out.shape == (4, s_q, heads, WIDTH) and lse.shape == (4, s_q, heads)
+    assert _rel(out, want) < 1e-2
+    assert bool((want_lse[2] == -math.inf).all()) and not bool(out[2].any())  # empty: 0 and -inf
+    assert not bool(out[:, :, 1].any())  # the +inf sink
+    _check_lse(lse, want_lse)
+
+
+def test_flashmla_backend_v4_decode_replays_from_a_cuda_graph_with_new_data(monkeypatch):
+    """Captured after an eager call (the layout's schedule made then, reused by the graph), replayed with new
+    queries, indices and length values in the same buffers; and a layout first seen inside a capture (its
+    schedule made in the graph, kept for no other call), replayed, then called eagerly."""
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")  # the data checks read the indices on the host
+    heads = 128
+    _need_flashmla("sparse_decode", heads, "fp8_ds_mla_v4", "fp8_ds_mla_v4")
+    generator = torch.Generator().manual_seed(71)
+    cache, extra, q, indices, extra_indices, lengths, extra_lengths, sink = _decode_inputs(
+        generator, 4, 1, heads, 512, 128)
+    q, indices, extra_indices = q[:, 0], indices[:, 0], extra_indices[:, 0]
+    result = {}
+
+    def step():
+        result["out"] = mm.ops.mla_sparse_decode_v4(
+            q, cache, indices, WIDTH ** -0.5, topk_length=lengths, attn_sink=sink, extra_kv_cache=extra,
+            extra_indices=extra_indices, extra_topk_length=extra_lengths, backend="FLASHMLA")
+
+    graph = capture_graph(step)  # one eager call first (on a side stream), then the capture
+    for seed in (1, 2):
+        fresh = _decode_inputs(torch.Generator().manual_seed(seed), 4, 1, heads, 512, 128)
+        q.copy_(fresh[2][:, 0])
+        indices.copy_(fresh[3][:, 0])
+        extra_indices.copy_(fresh[4][:, 0])
+        lengths.copy_(fresh[5].roll(seed))
+        extra_lengths.copy_(fresh[6].roll(seed))
+        result["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = _reference_decode(q.unsqueeze(1), cache, indices.unsqueeze(1), extra, extra_indices.unsqueeze(1),
+                                    lengths, extra_lengths, sink)
+        assert _rel(result["out"], want[:, 0]) < 1e-2
+
+    # a layout (3 tokens) whose first call is captured
+    q3, indices3, extra3 = q[:3].clone(), indices[:3].clone(), extra_indices[:3].clone()
+    lengths3, extra_lengths3 = lengths[:3].clone(), extra_lengths[:3].clone()
+
+    def step3():
+        return mm.ops.mla_sparse_decode_v4(
+            q3, cache, indices3, WIDTH ** -0.5, topk_length=lengths3, attn_sink=sink, extra_kv_cache=extra,
+            extra_indices=extra3, extra_topk_length=extra_lengths3, backend="FLASHMLA")
+
+    graph3 = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph3, stream=stream):
+        result["out3"] = step3()
+    graph3.replay()
+    torch.cuda.synchronize()
+    want, _ = _reference_decode(q3.unsqueeze(1), cache, indices3.unsqueeze(1), extra, extra3.unsqueeze(1), lengths3,
+                                extra_lengths3, sink)
+    assert _rel(result["out3"], want[:, 0]) < 1e-2
+    assert _rel(step3(), want[:, 0]) < 1e-2  # eagerly after the capture: a schedule of its own
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("topk,s_kv", [(2048, 4096), (200, 700)])
+def test_flashmla_backend_v4_prefill_matches_reference(heads, topk, s_kv):
+    _need_flashmla("sparse_prefill", heads, "rows", kv_dtype=torch.bfloat16, topk=topk)
+    generator = torch.Generator().manual_seed(heads + topk)
+    tokens = 5
+    kv = torch.randn(s_kv, WIDTH, generator=generator).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, WIDTH, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-3, s_kv + 40, (tokens, topk), generator=generator, dtype=torch.int32)  # outside: none
+    indices[1] = -1
+    lengths = torch.tensor([topk, topk, topk // 3, 0, 1], dtype=torch.int32)
+    sink = torch.linspace(-1, 1, heads)
+    sink[0] = math.inf
+    for topk_length, attn_sink in ((None, None), (lengths, sink)):
+        out, lse = mm.ops.mla_sparse_prefill_v4(
+            q.cuda(), kv.cuda(), indices.cuda(), WIDTH ** -0.5,
+            topk_length=None if topk_length is None else topk_length.cuda(),
+            attn_sink=None if attn_sink is None else attn_sink.cuda(), backend="FLASHMLA", return_lse=True)
+        want, want_lse = mm.ops.mla_sparse_prefill_v4(
+            q.double(), kv.double(), indices, WIDTH ** -0.5, topk_length=topk_length, attn_sink=attn_sink,
+            backend="REFERENCE", return_lse=True)
+        assert _rel(out, want) < 1e-2
+        assert bool((lse[1] == -math.inf).all()) and not bool(out[1].any())
+        _check_lse(lse, want_lse)
+
+
+def test_flashmla_backend_v4_prefill_replays_from_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")
+    heads, topk, s_kv, tokens = 128, 512, 2048, 64
+    _need_flashmla("sparse_prefill", heads, "rows", kv_dtype=torch.bfloat16, topk=topk)
+    generator = torch.Generator().manual_seed(81)
+    kv = torch.randn(s_kv, WIDTH, generator=generator).to(torch.bfloat16).cuda()
+    q = torch.randn(tokens, heads, WIDTH, generator=generator).to(torch.bfloat16).cuda()
+    indices = torch.randint(-1, s_kv, (tokens, topk), generator=generator, dtype=torch.int32).cuda()
+    lengths = torch.randint(0, topk + 1, (tokens,), generator=generator, dtype=torch.int32).cuda()
+    sink = torch.randn(heads, generator=generator).cuda()
+    result = {}
+
+    def step():
+        result["out"] = mm.ops.mla_sparse_prefill_v4(q, kv, indices, WIDTH ** -0.5, topk_length=lengths,
+                                                     attn_sink=sink, backend="FLASHMLA")
+
+    graph = capture_graph(step)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        indices.copy_(torch.randint(-1, s_kv, (tokens, topk), generator=g, dtype=torch.int32))
+        lengths.copy_(torch.randint(0, topk + 1, (tokens,), generator=g, dtype=torch.int32))
+        result["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mm.ops.mla_sparse_prefill_v4(q.double().cpu(), kv.double().cpu(), indices.cpu(), WIDTH ** -0.5,
+                                            topk_length=lengths.cpu(), attn_sink=sink.cpu(), backend="REFERENCE")
+        assert _rel(result["out"], want) < 1e-2
