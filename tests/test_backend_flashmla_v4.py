@@ -332,3 +332,15 @@ def test_the_fake_refuses_what_flashmla_refuses(fake_flash_mla):
     with pytest.raises(AssertionError, match="stale"):
         call(q, kv.unsqueeze(2), tile_scheduler_metadata=shared, indices=indices,
              topk_length=torch.tensor([3], dtype=torch.int32), **base)
+
+
+def test_info_selects_flashmla_for_both_v4_phases_where_its_wheel_is_installed(fake_flash_mla):
+    """`mla-multi info --as H200` with FlashMLA installed: its V4 rows select FLASHMLA, with no reason."""
+    from mla_multi import cli
+
+    info = cli.collect_info("H200")
+    for label in ("sparse_decode_v4", "sparse_prefill_v4"):
+        data = info["phases"][label]
+        assert data["selected"] == "FLASHMLA", data["selected"]
+        rows = {row["name"]: row for row in data["backends"]}
+        assert rows["FLASHMLA"]["reasons"] == []
