@@ -344,3 +344,20 @@ def test_info_selects_flashmla_for_both_v4_phases_where_its_wheel_is_installed(f
         assert data["selected"] == "FLASHMLA", data["selected"]
         rows = {row["name"]: row for row in data["backends"]}
         assert rows["FLASHMLA"]["reasons"] == []
+
+
+def test_empty_index_lists_give_zeros_and_minus_inf(fake_flash_mla):
+    """Index lists of no entry reach FlashMLA as one tile of -1 (it takes no empty list)."""
+    kv = _cache(cf.FP8_DS_MLA_V4, 1, 64, torch.Generator().manual_seed(9))
+    q = torch.ones(2, 64, WIDTH, dtype=torch.bfloat16)
+    none = torch.zeros(2, 0, dtype=torch.int32)
+    with override("H200"):
+        out, lse = mm.ops.mla_sparse_decode_v4(q, kv, none, SCALE, extra_kv_cache=kv, extra_indices=none,
+                                               backend="FLASHMLA", return_lse=True)
+        assert not bool(out.any()) and bool((lse == -math.inf).all())
+        call = _v4_calls(fake_flash_mla)[-1]
+        assert (call["topk"], call["extra_topk"]) == (64, 64)
+        out, lse = mm.ops.mla_sparse_prefill_v4(q, torch.ones(8, WIDTH, dtype=torch.bfloat16), none, SCALE,
+                                                topk_length=torch.zeros(2, dtype=torch.int32), backend="FLASHMLA",
+                                                return_lse=True)
+        assert not bool(out.any()) and bool((lse == -math.inf).all())
