@@ -361,3 +361,19 @@ def test_empty_index_lists_give_zeros_and_minus_inf(fake_flash_mla):
                                                 topk_length=torch.zeros(2, dtype=torch.int32), backend="FLASHMLA",
                                                 return_lse=True)
         assert not bool(out.any()) and bool((lse == -math.inf).all())
+
+
+def test_a_schedule_made_inside_a_graph_capture_is_not_kept(fake_flash_mla, monkeypatch):
+    """A capture's schedule is written only when its graph replays: it serves that call alone, and the first
+    call outside a capture makes the one every later call (captures included) reuses."""
+    call = flashmla._V4DecodeCall(0, 64, 64, 64, torch.device("cuda"), has_length=False, has_extra_length=False,
+                                  legacy=True)
+    capturing = {"now": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    first, second = call.schedule(fake_flash_mla), call.schedule(fake_flash_mla)
+    assert first is not second and call.schedule_meta is None
+    capturing["now"] = False
+    kept = call.schedule(fake_flash_mla)
+    assert call.schedule_meta is kept and call.schedule(fake_flash_mla) is kept
+    capturing["now"] = True
+    assert call.schedule(fake_flash_mla) is kept
