@@ -274,14 +274,16 @@ def test_every_benchmark_says_it_needs_a_gpu_in_the_same_words(phase, capsys):
 
 def test_info_shows_the_v4_selection_with_reasons():
     """`mla-multi info` has DeepSeek-V4's sparse phases (d 512, a 584-byte cache and its window segment, a sink):
-    REFERENCE serves them here, and every other backend of the phase says why it does not."""
+    TRITON serves them on an H200 without FlashMLA, REFERENCE on the CPU, and every backend of the phase that
+    does not implement the contract says so."""
     from mla_multi import cli
 
-    info = cli.collect_info("H200")
-    for label, phase in (("sparse_decode_v4", "sparse_decode"), ("sparse_prefill_v4", "sparse_prefill")):
-        data = info["phases"][label]
-        assert data["config"].startswith("V4 ") and "d_qk=d_v=512" in data["config"], data["config"]
-        assert data["selected"] == "REFERENCE", data["selected"]
-        rows = {row["name"]: row for row in data["backends"]}
-        others = [name for name in rows if name != "REFERENCE"]
-        assert others and all(any("V4 contract" in reason for reason in rows[name]["reasons"]) for name in others)
+    for device, selected in (("H200", "TRITON"), ("CPU", "REFERENCE")):
+        info = cli.collect_info(device)
+        for label, phase in (("sparse_decode_v4", "sparse_decode"), ("sparse_prefill_v4", "sparse_prefill")):
+            data = info["phases"][label]
+            assert data["config"].startswith("V4 ") and "d_qk=d_v=512" in data["config"], data["config"]
+            assert data["selected"] == selected, (device, data["selected"])
+            rows = {row["name"]: row for row in data["backends"]}
+            others = [name for name in rows if name not in ("REFERENCE", "TRITON")]
+            assert others and all(any("V4 contract" in reason for reason in rows[name]["reasons"]) for name in others)
