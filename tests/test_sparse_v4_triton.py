@@ -2,7 +2,8 @@
 `mla_multi.kernels.sparse_v4` and the dense decode kernels) against REFERENCE in float64, under Triton's
 interpreter on the CPU (a child process): every format pair, the sink (finite, +inf, -inf), both segments,
 empty and all -1 rows, duplicates, topk_length 0, the window empty, the [B, Q, N, 512] layout, 4 / 64 / 128
-heads, bad indices (NaN rows and the flag), poisoned scratch; and, without the interpreter, selection and
+heads, bad indices (NaN rows and the flag), poisoned scratch, every format's last slot read inside its tensor
+(`interpreter.memcheck`); and, without the interpreter, selection and
 its reasons on impersonated devices."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from interpreter import print_results, run_interpreter_script
+from interpreter import memcheck, print_results, run_interpreter_script
 
 import mla_multi as mm
 from mla_multi import registry
@@ -255,10 +256,43 @@ def _errors() -> dict:
     return found
 
 
+def _last_slots() -> dict:
+    """Every format's last slot (the 584-byte format's scales at the end of the last block's tail) and the
+    prefill's last rows, read under `interpreter.memcheck`."""
+    import mla_multi as mm
+
+    gen = torch.Generator().manual_seed(13)
+    found = {}
+    for main, extra in PAIRS:
+        cache = _cache(main, 2, 4, gen)
+        extra_cache = None if extra is None else _cache(extra, 1, 2, gen)
+        q = torch.randn(2, 4, 512, generator=gen).half()
+        indices = torch.tensor([[7, 0], [6, 7]], dtype=torch.int32)
+        kwargs = {} if extra is None else dict(extra_kv_cache=extra_cache,
+                                              extra_indices=torch.tensor([[1], [0]], dtype=torch.int32))
+        with memcheck() as violations:
+            out, lse = mm.ops.mla_sparse_decode_v4(q, cache, indices, SCALE, backend="TRITON", return_lse=True,
+                                                   attn_sink=torch.zeros(4), **kwargs)
+        want_out, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache, indices, SCALE, backend="REFERENCE",
+                                                         return_lse=True, attn_sink=torch.zeros(4), **kwargs)
+        found[f"{main}+{extra}"] = dict(_compare(out, lse, want_out, want_lse), violations=violations)
+    kv = torch.randn(5, 512, generator=gen).half()
+    q = torch.randn(2, 4, 512, generator=gen).half()
+    indices = torch.tensor([[4, 5], [-1, 4]], dtype=torch.int32)
+    kwargs = dict(extra_kv=kv[:2], extra_indices=torch.tensor([[1], [2]], dtype=torch.int32))
+    with memcheck() as violations:
+        out, lse = mm.ops.mla_sparse_prefill_v4(q, kv, indices, SCALE, backend="TRITON", return_lse=True, **kwargs)
+    want_out, want_lse = mm.ops.mla_sparse_prefill_v4(q.double(), kv, indices, SCALE, backend="REFERENCE",
+                                                      return_lse=True, **kwargs)
+    found["prefill"] = dict(_compare(out, lse, want_out, want_lse), violations=violations)
+    return found
+
+
 def _interpreter_main() -> None:
     results = {}
     for main, extra in PAIRS:
         results[f"decode {main}+{extra}"] = _decode_pair(main, extra)
+    results["last slots"] = _last_slots()
     results["decode heads 64"] = _decode_pair("fp8_ds_mla_v4", "fp8_ds_mla_v4", heads=64, tokens=3, seed=11)
     results["decode heads 128"] = _decode_pair("fp8_ds_mla_v41", "fp4_ds_mla_v41", heads=128, tokens=3, seed=12)
     results["mtp"] = _mtp_layout()
@@ -327,6 +361,15 @@ def test_bad_indices_without_the_data_checks_give_nan_rows_and_the_flag(results)
     result = results["bad"]
     _close(result)
     assert result["nan_rows"] and result["flag"], result
+
+
+@pytest.mark.interpreter
+def test_the_last_slots_are_read_inside_the_tensors(results):
+    found = results["last slots"]
+    assert set(found) == {f"{main}+{extra}" for main, extra in PAIRS} | {"prefill"}
+    for name, result in found.items():
+        assert result["violations"] == [], (name, result["violations"])
+        _close(result)
 
 
 @pytest.mark.interpreter
