@@ -569,8 +569,9 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
     """Sparse decode through the dense decode kernels (`TritonSparseDecodeImpl`): 16-bit, per-tensor FP8 and
-    fp8_ds_mla caches. Ranked before REFERENCE (measured: 28-950 µs where REFERENCE takes 2.9-8.9 ms) and
-    after FLASHMLA / ROCM_AITER where those serve."""
+    fp8_ds_mla caches, and the V4 contract over every V4 format (`forward_v4`; the FP8 ones on AMD and NVIDIA
+    sm_89+). Ranked before REFERENCE (measured: 28-950 µs where REFERENCE takes 2.9-8.9 ms) and after
+    FLASHMLA / ROCM_AITER where those serve."""
 
     name: ClassVar[str] = "TRITON"
     supported_kv_dtypes = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.uint8)
@@ -627,7 +628,8 @@ class TritonSparsePrefillImpl(_SparseThroughDense):
 
 
 class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):
-    """Sparse prefill over kv rows [S_kv, 576] (16-bit) through the dense decode kernels."""
+    """Sparse prefill over kv rows [S_kv, 576] (16-bit) through the dense decode kernels, and the V4 contract
+    over float rows [S, 512] (`forward_v4`)."""
 
     name: ClassVar[str] = "TRITON"
     supported_kv_dtypes = (torch.float16, torch.bfloat16)
