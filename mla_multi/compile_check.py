@@ -57,6 +57,7 @@ KERNEL_MODULES: list[str] = [
     "mla_multi.kernels.merge",
     "mla_multi.kernels.dcp_combine",
     "mla_multi.kernels.sparse_indices",
+    "mla_multi.kernels.sparse_v4",
 ]
 
 

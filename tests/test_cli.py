@@ -274,19 +274,22 @@ def test_every_benchmark_says_it_needs_a_gpu_in_the_same_words(phase, capsys):
 
 def test_info_shows_the_v4_selection_with_reasons():
     """`mla-multi info` has DeepSeek-V4's sparse phases (d 512, a 584-byte cache and its window segment, a sink):
-    on an H200 FLASHMLA serves them where its wheel is installed (here it is not: its row names the wheel),
-    REFERENCE serves them here, and every other backend of the phase says why it rejects the V4 contract."""
+    on an H200 FLASHMLA comes first and serves them where its wheel is installed (here it is not: its row names
+    the wheel), so TRITON serves them there; REFERENCE on the CPU; every other backend of the phase says why it
+    rejects the V4 contract."""
     from mla_multi import cli
 
-    info = cli.collect_info("H200")
-    for label, phase in (("sparse_decode_v4", "sparse_decode"), ("sparse_prefill_v4", "sparse_prefill")):
-        data = info["phases"][label]
-        assert data["config"].startswith("V4 ") and "d_qk=d_v=512" in data["config"], data["config"]
-        assert data["selected"] == "REFERENCE", data["selected"]
-        assert data["priority"][0] == "FLASHMLA", data["priority"]
-        rows = {row["name"]: row for row in data["backends"]}
-        flashmla = rows["FLASHMLA"]["reasons"]  # the V4 contract accepted; only the missing wheel in the way
-        assert flashmla and all("sgl-flash-mla" in reason for reason in flashmla), flashmla
-        assert "fp8_ds_mla_v4" in rows["FLASHMLA"]["declares"]["v4_formats"] or phase == "sparse_prefill"
-        others = [name for name in rows if name not in ("REFERENCE", "FLASHMLA")]
-        assert others and all(any("V4 contract" in reason for reason in rows[name]["reasons"]) for name in others)
+    for device, selected in (("H200", "TRITON"), ("CPU", "REFERENCE")):
+        info = cli.collect_info(device)
+        for label, phase in (("sparse_decode_v4", "sparse_decode"), ("sparse_prefill_v4", "sparse_prefill")):
+            data = info["phases"][label]
+            assert data["config"].startswith("V4 ") and "d_qk=d_v=512" in data["config"], data["config"]
+            assert data["selected"] == selected, (device, data["selected"])
+            rows = {row["name"]: row for row in data["backends"]}
+            if device == "H200":
+                assert data["priority"][0] == "FLASHMLA", data["priority"]
+                flashmla = rows["FLASHMLA"]["reasons"]  # the V4 contract accepted; only the missing wheel in the way
+                assert flashmla and all("sgl-flash-mla" in reason for reason in flashmla), flashmla
+                assert "fp8_ds_mla_v4" in rows["FLASHMLA"]["declares"]["v4_formats"] or phase == "sparse_prefill"
+            others = [name for name in rows if name not in ("REFERENCE", "TRITON", "FLASHMLA")]
+            assert others and all(any("V4 contract" in reason for reason in rows[name]["reasons"]) for name in others)

@@ -70,6 +70,16 @@ def _sparse_fp8_reasons(platform: Platform, kv_dtype: torch.dtype) -> list[str]:
     return []
 
 
+def _v4_fp8_reasons(platform: Platform, config) -> list[str]:
+    """Why `platform` cannot read the V4 byte formats of `config` (their e4m3 values and scales convert
+    float8_e4m3fn in Triton, which NVIDIA GPUs before sm_89 lack)."""
+    formats = [f for f in (config.kv_format, config.extra_kv_format) if f not in (None, "rows")]
+    if formats and platform.is_cuda() and not platform.has_device_capability(8, 9):
+        return [f"NVIDIA {platform.arch} has no float8_e4m3fn conversion in Triton (sm_89+): the "
+                f"{' and '.join(dict.fromkeys(formats))} cache{'s need' if len(set(formats)) > 1 else ' needs'} it"]
+    return []
+
+
 def _interpreted(platform: Platform) -> bool:
     """The CPU with Triton's interpreter on: the kernels run there, interpreted."""
     return platform.is_cpu() and interpreter_active()
@@ -430,7 +440,7 @@ class _SparseThroughDense(MLASparseImpl):
         impl = self._dense.get(pages.dtype)
         if impl is None:
             impl = self._dense[pages.dtype] = TritonDecodeImpl(
-                self.num_heads, 1.0, self.kv_lora_rank, self.qk_rope_head_dim, pages.dtype, 1, q_nope.device
+                self.num_heads, 1.0, q_nope.shape[-1], q_pe.shape[-1], pages.dtype, 1, q_nope.device
             )
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split)
@@ -467,6 +477,35 @@ class _SparseThroughDense(MLASparseImpl):
             out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
         return out, lse
 
+    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink):
+        """The V4 attention of q [T, N, 512] over one-token `pages` [P, 1, 576] (zero tails) through `table` /
+        `lens` on the dense kernels: the query's rotary part is zero (a stride-0 view of 64 zeros kept by the
+        scratch), so the scores and values are the 512-wide rows'. The sink is applied in place from the LSE."""
+        from mla_multi.kernels.sparse_v4 import ROPE_DIM, apply_sink
+
+        tokens, heads, _ = q.shape
+        q_pe = self._scratch.full("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
+        launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None)
+        out, lse = launch(q, q_pe, pages, table, lens, scale)
+        if attn_sink is not None:
+            apply_sink(out, lse, attn_sink)
+        return out, lse
+
+    def _v4_scratch(self, q, tokens: int, width: int, rows: int):
+        """The compacted table [T, width], the lengths [T] and the 576-wide rows [rows, 576] in q's dtype."""
+        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH
+
+        device = q.device
+        return (self._scratch.get("v4 table", (tokens, width), torch.int32, device),
+                self._scratch.get("v4 lens", (tokens,), torch.int32, device),
+                self._scratch.get("v4 rows", (max(rows, 1), PAGE_WIDTH), q.dtype, device))
+
+
+def _v4_empty(q):
+    """The result of zero query tokens: out [0, N, 512] and lse [0, N]."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(q.shape[:-1], dtype=torch.float32,
+                                                                             device=q.device)
+
 
 class TritonSparseDecodeImpl(_SparseThroughDense):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
@@ -480,6 +519,22 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
         in_place = kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype)
         return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
                                    in_place=in_place, lists_as_they_are=in_place and self._lists_as_they_are(q_nope))
+
+    def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
+                   extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """The V4 contract (`MLASparseImpl.forward_v4`): every token's named rows of both segments dequantised
+        (one launch, `sparse_v4.gather_rows`) into its stretch of 576-wide rows in q's dtype, then the dense
+        kernels over them as one-token pages."""
+        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows
+
+        tokens = q.shape[0]
+        if tokens == 0:
+            return _v4_empty(q)
+        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
+        gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
+                    extra_kv_format, rows=rows, table=table, lens=lens)
+        return self._v4_pages(q, rows.view(-1, 1, PAGE_WIDTH), table, lens, scale, attn_sink)
 
     def _lists_as_they_are(self, q_nope) -> bool:
         """Whether the in-place kernels read the index lists themselves (-1 masked in the kernel) rather than a
@@ -514,17 +569,23 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
 class TritonSparseDecodeBackend(_TritonRequirements, MLASparseBackend):
     """Sparse decode through the dense decode kernels (`TritonSparseDecodeImpl`): 16-bit, per-tensor FP8 and
-    fp8_ds_mla caches. Ranked before REFERENCE (measured: 28-950 µs where REFERENCE takes 2.9-8.9 ms) and
-    after FLASHMLA / ROCM_AITER where those serve."""
+    fp8_ds_mla caches, and the V4 contract over every V4 format (`forward_v4`; the FP8 ones on AMD and NVIDIA
+    sm_89+). Ranked before REFERENCE (measured: 28-950 µs where REFERENCE takes 2.9-8.9 ms) and after
+    FLASHMLA / ROCM_AITER where those serve."""
 
     name: ClassVar[str] = "TRITON"
     supported_kv_dtypes = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.uint8)
+    supported_v4_formats = ("fp8_ds_mla_v4", "fp8_ds_mla_v41", "fp4_ds_mla_v41", "rows")
     max_num_heads = 128
     max_query_len = 1 << 16
 
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
         reasons = super().validate_configuration(platform, config)
+        if config.v4:
+            if not _interpreted(platform):
+                reasons += _v4_fp8_reasons(platform, config)
+            return reasons
         reasons += _latent_dims_reasons(config.dims)
         if platform.is_cuda() and config.kv_dtype == torch.float8_e4m3fnuz:
             reasons.append("a float8_e4m3fnuz cache on NVIDIA: its FP8 flavour is float8_e4m3fn")
@@ -545,18 +606,41 @@ class TritonSparsePrefillImpl(_SparseThroughDense):
         return self._through_dense(q_nope, q_pe, kv.unsqueeze(1), indices, scale, None, topk_length, attn_sink,
                                    out_of_range_is_none=True)
 
+    def forward_v4(self, q, kv, indices, scale, *, kv_format="rows", topk_length=None, attn_sink=None,
+                   extra_kv=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """The V4 contract over float rows: kv (and extra_kv after it) copied once into zero-tailed 576-wide rows
+        in q's dtype (`sparse_v4.pad_rows`), each token's entries that count compacted into its table row
+        (`sparse_v4.compact_lists`), then the dense kernels over the rows as one-token pages: no row is copied
+        per query token."""
+        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, compact_lists, pad_rows
+
+        tokens = q.shape[0]
+        if tokens == 0:
+            return _v4_empty(q)
+        count = kv.shape[0]
+        extra_count = 0 if extra_kv is None else extra_kv.shape[0]
+        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        table, lens, rows = self._v4_scratch(q, tokens, width, count + extra_count)
+        pad_rows(kv, extra_kv, rows)
+        compact_lists(indices, topk_length, count, extra_indices, extra_topk_length, extra_count, table=table,
+                      lens=lens)
+        return self._v4_pages(q, rows.view(-1, 1, PAGE_WIDTH), table, lens, scale, attn_sink)
+
 
 class TritonSparsePrefillBackend(_TritonRequirements, MLASparseBackend):
-    """Sparse prefill over kv rows [S_kv, 576] (16-bit) through the dense decode kernels."""
+    """Sparse prefill over kv rows [S_kv, 576] (16-bit) through the dense decode kernels, and the V4 contract
+    over float rows [S, 512] (`forward_v4`)."""
 
     name: ClassVar[str] = "TRITON"
     supported_kv_dtypes = (torch.float16, torch.bfloat16)
+    supported_v4_formats = ("rows",)
     max_num_heads = 128
 
     @classmethod
     def validate_configuration(cls, platform, config) -> list[str]:
         reasons = super().validate_configuration(platform, config)
-        reasons += _latent_dims_reasons(config.dims)
+        if not config.v4:
+            reasons += _latent_dims_reasons(config.dims)
         return reasons
 
     @staticmethod

@@ -1,0 +1,180 @@
+"""TRITON's DeepSeek-V4 sparse MLA on the GPU (bfloat16) against REFERENCE in float64: every format pair,
+64 and 128 heads, the [B, Q, N, 512] layout, the sink (finite, +inf, -inf), empty rows, the prefill over
+float rows, bad indices without the data checks, and a CUDA graph replayed on new values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mla_multi as mm
+from mla_multi import cache_formats as cf
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 512 ** -0.5
+PAIRS = [("fp8_ds_mla_v4", "fp8_ds_mla_v4"), ("fp8_ds_mla_v4", None), ("fp8_ds_mla_v41", "fp8_ds_mla_v41"),
+         ("fp8_ds_mla_v41", "fp4_ds_mla_v41"), ("rows", "rows")]
+
+
+def _skip_without_fp8(*formats):
+    if any(f not in (None, "rows") for f in formats) and torch.version.hip is None \
+            and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the FP8 V4 formats need sm_89+ (Triton's float8_e4m3fn conversion)")
+
+
+def _cache(fmt_name, blocks, block_size, gen):
+    """(the cache on the GPU, the same bytes on the CPU for REFERENCE)."""
+    rows = torch.randn(blocks * block_size, 512, generator=gen) * torch.rand(blocks * block_size, 1, generator=gen) * 4
+    if fmt_name == "rows":
+        cache = rows.to(torch.bfloat16).reshape(blocks, block_size, 512)
+        return cache.cuda(), cache
+    fmt = cf.get_format(fmt_name)
+    on_cpu = fmt.allocate(blocks, block_size)
+    mm.ops.concat_and_cache_mla_v4(rows[:, :448], rows[:, 448:], on_cpu, torch.arange(blocks * block_size))
+    on_gpu = fmt.allocate(blocks, block_size, "cuda", fill=0xFF)  # padding poisoned
+    on_gpu.copy_(on_cpu)
+    return on_gpu, on_cpu
+
+
+def _indices(gen, lead, topk, slots):
+    idx = torch.randint(0, slots, (*lead, topk), generator=gen, dtype=torch.int32)
+    idx[torch.rand(*lead, topk, generator=gen) < 0.1] = -1
+    idx.view(-1, topk)[0, 1] = idx.view(-1, topk)[0, 0]  # a duplicate counts twice
+    return idx
+
+
+def _check(out, lse, want, want_lse):
+    got = out.double().cpu()
+    assert not bool(got.isnan().any()) and not bool(lse.isnan().any())
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    empty = want_lse == -math.inf
+    assert torch.equal(lse.cpu() == -math.inf, empty)
+    assert not bool(got[empty].any())
+    torch.testing.assert_close(lse.double().cpu()[~empty], want_lse[~empty], rtol=1e-3, atol=1e-3)
+
+
+def _decode_case(main, extra, heads, batch, s_q, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lead = (batch, s_q) if s_q > 1 else (batch,)
+    cache, cache_cpu = _cache(main, 16, 64, gen)
+    q = torch.randn(*lead, heads, 512, generator=gen).to(torch.bfloat16)
+    indices = _indices(gen, lead, 256, 16 * 64)
+    lengths = torch.randint(0, 257, (batch,), generator=gen, dtype=torch.int32)
+    lengths[0], lengths[-1] = 0, 256
+    sink = torch.randn(heads, generator=gen)
+    sink[1], sink[2] = math.inf, -math.inf
+    kwargs = dict(topk_length=lengths, attn_sink=sink)
+    cpu_kwargs = dict(kwargs)
+    if extra is not None:
+        extra_cache, extra_cpu = _cache(extra, 4, 32, gen)
+        extra_indices = _indices(gen, lead, 128, 4 * 32)
+        extra_lengths = torch.randint(0, 129, (batch,), generator=gen, dtype=torch.int32)
+        extra_lengths[0] = 0  # request 0: nothing at all
+        kwargs.update(extra_kv_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_lengths)
+        cpu_kwargs.update(extra_kv_cache=extra_cpu, extra_indices=extra_indices, extra_topk_length=extra_lengths)
+    gpu_kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    return q, cache, cache_cpu, indices, gpu_kwargs, cpu_kwargs
+
+
+@pytest.mark.parametrize("main,extra", PAIRS, ids=lambda v: str(v))
+@pytest.mark.parametrize("heads", [64, 128])
+def test_decode_matches_reference(main, extra, heads):
+    _skip_without_fp8(main, extra)
+    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case(main, extra, heads, 6, 1, seed=heads)
+    out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
+                                           return_lse=True, **kwargs)
+    want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
+                                                 return_lse=True, **cpu_kwargs)
+    _check(out, lse, want, want_lse)
+    assert not bool(out[:, 1].any())  # the +inf sink: zeros
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_two_query_tokens_a_request(heads):
+    _skip_without_fp8("fp8_ds_mla_v4")
+    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", "fp8_ds_mla_v4", heads, 4, 2,
+                                                                    seed=7)
+    out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
+                                           return_lse=True, **kwargs)
+    want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
+                                                 return_lse=True, **cpu_kwargs)
+    assert out.shape == (4, 2, heads, 512)
+    _check(out, lse, want, want_lse)
+
+
+def test_decode_replays_in_a_cuda_graph_on_new_values(monkeypatch):
+    _skip_without_fp8("fp8_ds_mla_v4")
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")  # the data checks read the indices: not in a capture
+    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", "fp8_ds_mla_v4", 64, 8, 1, seed=9)
+    q_gpu, idx_gpu = q.cuda(), indices.cuda()
+    call = lambda: mm.ops.mla_sparse_decode_v4(q_gpu, cache, idx_gpu, SCALE, backend="TRITON", return_lse=True,
+                                               **kwargs)
+    call()  # planned and bound outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    gen = torch.Generator().manual_seed(10)
+    for _ in range(2):
+        q_new = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
+        idx_new = _indices(gen, (8,), 256, 16 * 64)
+        q_gpu.copy_(q_new)
+        idx_gpu.copy_(idx_new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = mm.ops.mla_sparse_decode_v4(q_new.double(), cache_cpu, idx_new, SCALE, backend="REFERENCE",
+                                                     return_lse=True, **cpu_kwargs)
+        _check(out, lse, want, want_lse)
+    eager, _ = call()  # an eager call after the capture: its own scratch still right (its loader may differ)
+    torch.testing.assert_close(eager, out, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_prefill_matches_reference(heads):
+    gen = torch.Generator().manual_seed(20 + heads)
+    tokens = 96
+    kv = (torch.randn(700, 512, generator=gen) * 2).to(torch.bfloat16)
+    extra_kv = torch.randn(130, 512, generator=gen).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16)
+    indices = torch.randint(-2, 720, (tokens, 512), generator=gen, dtype=torch.int32)  # past 700: no token
+    extra_indices = torch.randint(-1, 130, (tokens, 64), generator=gen, dtype=torch.int32)
+    lengths = torch.randint(0, 513, (tokens,), generator=gen, dtype=torch.int32)
+    extra_lengths = torch.randint(0, 65, (tokens,), generator=gen, dtype=torch.int32)
+    lengths[0] = extra_lengths[0] = 0
+    sink = torch.randn(heads, generator=gen)
+    sink[1], sink[2] = math.inf, -math.inf
+    kwargs = dict(topk_length=lengths, attn_sink=sink, extra_kv=extra_kv, extra_indices=extra_indices,
+                  extra_topk_length=extra_lengths)
+    out, lse = mm.ops.mla_sparse_prefill_v4(q.cuda(), kv.cuda(), indices.cuda(), SCALE, backend="TRITON",
+                                            return_lse=True, **{k: v.cuda() for k, v in kwargs.items()})
+    want, want_lse = mm.ops.mla_sparse_prefill_v4(q.double(), kv, indices, SCALE, backend="REFERENCE",
+                                                  return_lse=True, **kwargs)
+    _check(out, lse, want, want_lse)
+
+
+def test_bad_indices_without_the_data_checks_give_nan_rows_and_the_flag():
+    from mla_multi import errors
+    from mla_multi.backends.triton import TritonSparseDecodeImpl
+
+    _skip_without_fp8("fp8_ds_mla_v4")
+    gen = torch.Generator().manual_seed(30)
+    cache, _ = _cache("fp8_ds_mla_v4", 2, 64, gen)
+    q = torch.randn(3, 64, 512, generator=gen).to(torch.bfloat16).cuda()
+    indices = torch.tensor([[0, 1], [2, -1], [3, 4]], dtype=torch.int32, device="cuda")
+    extra_indices = torch.tensor([[0], [-2], [128]], dtype=torch.int32, device="cuda")
+    errors.error_flag(q.device).zero_()
+    out, lse = TritonSparseDecodeImpl(64, 448, 64, q.device).forward_v4(
+        q, cache, indices, SCALE, kv_format="fp8_ds_mla_v4", extra_kv=cache, extra_indices=extra_indices,
+        extra_kv_format="fp8_ds_mla_v4")
+    assert bool(out[1:].isnan().all()) and bool(lse[1:].isnan().all())
+    assert not bool(out[0].isnan().any())
+    assert int(errors.error_flag(q.device)) & errors.SPARSE_INDEX
+    errors.error_flag(q.device).zero_()
