@@ -152,19 +152,25 @@ def test_the_decode_kernels_that_write_the_lse(contract):
 
 @pytest.mark.parametrize("arch", rocm_aiter.AITER_ARCHS)
 def test_aiters_fp8_prefill_kernels(contract, arch):
-    """The FP8 MLA prefill ROCM_AITER declines: fp8 q and cache, one query head a KV head, persistent, causal
-    or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
+    """The FP8 MLA prefill ROCM_AITER runs on gfx950: fp8 q and cache, one query head a KV head, persistent,
+    causal or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
     rows = [r for r in contract["mla_kernels"][arch] if r["prefill"] and r["q"] == "fp8"]
-    assert {(r["kv"], r["gqa"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 1, 0, 0)}
-    assert sorted(r["kernel"] for r in rows) == sorted(rocm_aiter.AITER_FP8_PREFILL_KERNELS)
-    assert sorted(r["causal"] for r in rows) == [0, 1]
+    assert {(r["kv"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 0, 0)}
+    assert {(r["gqa"], r["causal"], r["kernel"]) for r in rows} == set(rocm_aiter.AITER_FP8_PREFILL_TABLE[arch])
     for r in rows:
         assert f"qh{rocm_aiter.AITER_FP8_PREFILL_QK_HEAD_DIM}_vh{rocm_aiter.AITER_FP8_PREFILL_V_HEAD_DIM}" in r["kernel"]
 
 
+def test_adapter_passes_the_fp8_prefill_keywords():
+    for call in rocm_aiter.FP8_PREFILL_CALLS:
+        where = "_fp8_prefill_metadata" if call is rocm_aiter.GET_PS_METADATA_INFO_V1 else "_fp8_prefill"
+        assert adapter_keywords(ADAPTER_SOURCE, where, call.function) == set(call.keywords), call.function
+
+
 def test_aiters_fp8_prefill_calls(contract):
     """mla_prefill_ps_fwd takes the reduce maps and per-tensor scales; its work comes from get_ps_metadata_v1
-    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1."""
+    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1 (whose
+    final_lse is optional: the adapter passes none)."""
     wrapper = dict(map(tuple, _parameters(contract, "mla_prefill_ps_fwd")))
     assert {"reduce_indptr", "reduce_final_map", "reduce_partial_map", "q_scale", "k_scale", "v_scale"} <= set(wrapper)
     asm = dict(map(tuple, _parameters(contract, "mla_prefill_ps_asm_fwd")))

@@ -180,4 +180,18 @@ def mla_prefill_ps_fwd(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    raise NotImplementedError("not modelled by the stand-in aiter")
+    """aiter's wrapper: partial buffers of reduce_partial_map.size(0) x 256 rows, the kernel, the reduce into
+    `output` with a final LSE it keeps to itself; it returns the partial LSE buffer (as aiter does)."""
+    total_s, nhead, v_head_dim = output.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / (v_head_dim ** 0.5)
+    tile_q = 256
+    logits = torch.empty((reduce_partial_map.size(0) * tile_q, nhead, v_head_dim), dtype=torch.float32)
+    attn_lse = torch.empty((reduce_partial_map.size(0) * tile_q, nhead), dtype=torch.float32)
+    final_lse = torch.empty((total_s, nhead), dtype=torch.float32)
+    attention.mla_prefill_ps_asm_fwd(Q, K, V, qo_indptr, kv_indptr, kv_page_indices, work_indptr, work_info_set,
+                                     max_seqlen_q, softmax_scale, is_causal, logits, attn_lse, output, q_scale,
+                                     k_scale, v_scale)
+    attention.mla_reduce_v1(logits, attn_lse, reduce_indptr, reduce_final_map, reduce_partial_map, tile_q, 0,
+                            output, final_lse)
+    return output.view(total_s, nhead, v_head_dim), attn_lse
