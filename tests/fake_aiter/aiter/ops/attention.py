@@ -408,3 +408,25 @@ def get_ps_metadata_v1(
                       partials=partials, gqa_ratio=gqa_ratio, num_heads_k=num_heads_k,
                       qhead_granularity=qhead_granularity, qlen_granularity=qlen_granularity,
                       kvlen_granularity=kvlen_granularity, block_size=block_size, is_causal=bool(is_causal)))
+
+
+def hk_mla_v40_decode_fwd(
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    kv_buffer_rope: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_page_indices: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    work_indptr: torch.Tensor,
+    work_info_set: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    split_output: torch.Tensor,
+    split_lse: torch.Tensor,
+    final_output: torch.Tensor,
+    attn_sink: torch.Tensor | None = None,
+) -> None:
+    if _model.get_gfx() not in ("gfx942", "gfx950"):
+        raise NotImplementedError(f"hk_mla_v40_decode_fwd has no implementation for arch {_model.get_gfx()}")
+    raise NotImplementedError("hk_mla_v40_decode_fwd: not modelled by the stand-in aiter")
