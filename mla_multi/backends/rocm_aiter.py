@@ -67,6 +67,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import pathlib
 import threading
 from typing import Any, ClassVar
@@ -1916,6 +1917,66 @@ def _sparse_kv_dtype_reasons(probe: AiterProbe, where: str, kv_dtype: torch.dtyp
     return []
 
 
+# aiter's DeepSeek-V4 decode entry points at AITER_SOURCE_COMMIT, both declined (`_v4_reasons`):
+# * `aiter.mla.mla_v40_decode_fwd`: gfx950 only, and only with AITER_ENABLE_EXPERIMENTAL set (else
+#   NotImplementedError), heads x query tokens 64 or 128, page size 1 or 64, persistent over
+#   get_mla_metadata_v1(mla_version=V40) work for dense per-request pages; an FP8 query packed with its UE8M0
+#   scales (448 e4m3 + the 7 per-64 scales each duplicated, 14 bytes, + 50 pad = 512 bytes) and its RoPE part in a
+#   separate bf16 buffer; the cache the same: 512 + 128 = 640 bytes a token; an optional sink folded into the
+#   softmax (and so into the LSE it returns); HipKittens' hk_mla_v40_decode_fwd runs it.
+# * `aiter.mla.mla_decode_fwd_v4_nm`: a required sink, FP8 query and cache packed with UE8M0 scales and the RoPE
+#   parts in separate bf16 buffers, page size 1, non-persistent splits merged without a final LSE, the softmax
+#   scale fixed at 1/sqrt(512) in the kernel (sm_scale ignored); one kernel in hsa/gfx950/mla_v4/mla_v4_asm.csv
+#   (Gqa 64, one query token), onto which csrc/py_itfs_cu/asm_mla_v4.cu maps 16 heads x 1, 2 or 4 query tokens and
+#   32, 64 or 128 heads x 1.
+AITER_V4_EXPERIMENTAL_SWITCH = "AITER_ENABLE_EXPERIMENTAL"
+AITER_V40_ARCHS: tuple[str, ...] = ("gfx950",)
+AITER_V40_HEADS_X_QUERY_TOKENS: tuple[int, ...] = (64, 128)
+AITER_V40_PAGE_SIZES: tuple[int, ...] = (1, 64)
+AITER_V40_DIMS = {"_V40_DIM_NOPE": 448, "_V40_DIM_ROPE": 64, "_V40_DIM_QK_PACKED": 512}
+AITER_V40_TOKEN_BYTES = AITER_V40_DIMS["_V40_DIM_QK_PACKED"] + 2 * AITER_V40_DIMS["_V40_DIM_ROPE"]  # 640
+AITER_V4_NM_TABLE: dict[str, frozenset[tuple[str, str, int, int, int, int, int, int, str]]] = {
+    "gfx950": frozenset({("fp8", "fp8", 64, 0, 1, 0, 0, 0, "mla_a8w8_qh64_qseqlen1_gqaratio64_nm")}),
+}
+AITER_V4_NM_HEADS: dict[int, tuple[int, ...]] = {16: (1, 2, 4), 32: (1,), 64: (1,), 128: (1,)}
+AITER_V4_KERNELS: tuple[str, ...] = ("mla_v40_decode_fwd", "mla_decode_fwd_v4_nm")
+
+
+def _v4_reasons(platform: Platform, config: SparseSelectorConfig, where: str) -> list[str]:
+    """Why ROCM_AITER declines the V4 contract on `platform`: what aiter's V4 kernels take, and the decision."""
+    formats = " and ".join(dict.fromkeys(f for f in (config.kv_format, config.extra_kv_format) if f is not None))
+    reasons = [f"the V4 contract (d_qk = d_v = 512) over {formats} is not implemented by ROCM_AITER; V4 formats "
+               f"supported: none (aiter {AITER_SOURCE_TAG}'s V4 kernels {', '.join(AITER_V4_KERNELS)} are declined)"]
+    if config.kv_format == "rows":
+        reasons.append(f"aiter {AITER_SOURCE_TAG} has no V4 sparse prefill: its V4 kernels are decodes over FP8 "
+                       "packed caches; none reads float rows")
+        return reasons
+    if platform.arch not in AITER_V40_ARCHS:
+        reasons.append(f"aiter {AITER_SOURCE_TAG}'s V4 decode kernels ({', '.join(AITER_V4_KERNELS)}) run on gfx950 "
+                       f"only (mla_decode_fwd_v4_nm also on gfx1250); none for {where}")
+        return reasons
+    heads, queries = config.dims.num_heads, config.max_query_len
+    switch = os.environ.get(AITER_V4_EXPERIMENTAL_SWITCH)
+    reasons.append(
+        f"mla_v40_decode_fwd declined (not converted): aiter runs it only with {AITER_V4_EXPERIMENTAL_SWITCH} set "
+        f"(here {'unset' if switch is None else repr(switch)}) and heads x query tokens "
+        f"{' or '.join(map(str, AITER_V40_HEADS_X_QUERY_TOKENS))} (here {heads} x {queries}); it reads one cache a "
+        "call (the window segment would have to be copied beside the top-k one), an FP8 query with UE8M0 scales "
+        "(the V4 contract's query is bfloat16), and returns its LSE with the sink folded in; its cache row is "
+        f"{AITER_V40_TOKEN_BYTES} bytes (448 e4m3 + the 7 UE8M0 scales each twice + 50 pad, and the RoPE part in "
+        "a separate bf16 buffer): fp8_ds_mla_v4's 584 bytes convert exactly (the same e4m3 values and scales), "
+        f"at 584 bytes read and {AITER_V40_TOKEN_BYTES} written a token a step before the kernel reads the copy"
+    )
+    nm_heads = ", ".join(f"{h} x {'/'.join(map(str, q))}" for h, q in AITER_V4_NM_HEADS.items())
+    reasons.append(
+        "mla_decode_fwd_v4_nm declined: its kernel fixes the softmax scale at 1/sqrt(512) (sm_scale ignored; the "
+        "V4 contract takes the caller's), its split merge writes no final LSE (the V4 op returns one), it "
+        "requires a sink and takes FP8 packed query and cache rows, page size 1, heads x query tokens "
+        f"{nm_heads} (here {heads} x {queries})"
+    )
+    return reasons
+
+
 class _AiterSparseBackend(MLASparseBackend):
     """What both sparse phases need: an aiter with `mla_decode_fwd` on ROCm gfx942 / gfx950, bfloat16 throughout."""
 
@@ -1949,8 +2010,13 @@ class _AiterSparseBackend(MLASparseBackend):
 
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
-        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can)."""
+        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can); a V4 configuration
+        always has them (`_v4_reasons`, from aiter's source, installed or not)."""
         reasons = super().validate_configuration(platform, config)
+        if config.v4:
+            generic = [r for r in reasons if r.startswith("the V4 contract")]
+            reasons = [r for r in reasons if r not in generic]
+            return reasons + _v4_reasons(platform, config, _where(platform))
         probe = probe_aiter()
         if probe.error or platform.vendor != "rocm":
             return reasons
@@ -1969,6 +2035,8 @@ class _AiterSparseBackend(MLASparseBackend):
             cuda_graphs=cls.supports_cuda_graphs,
             returns_lse=cls.provides_lse(),
             attn_sink="applied from the LSE" if cls.provides_lse() else "needs an aiter with return_lse (ValueError)",
+            v4=f"declined: aiter {AITER_SOURCE_TAG}'s {', '.join(AITER_V4_KERNELS)} (gfx950; their own "
+               f"{AITER_V40_TOKEN_BYTES}-byte FP8 layouts, see the reasons)",
         )
         return info
 
