@@ -19,7 +19,20 @@ it calls (`AITER_CALLS`) and aiter's MLA decode kernel tables
   sized once at reservation (`get_mla_metadata_info_v1`).
 * Prefill calls `aiter.flash_attn_varlen_func` (CK / assembly flash attention)
   with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`; a
-  sink goes to aiter as `sink_ptr`.
+  sink goes to aiter as `sink_ptr`. With FP8 keys and values on gfx950 (a
+  `PrefillSelectorConfig` of the platform's FP8 dtype) it runs aiter's FP8 MLA
+  prefill instead: `get_ps_metadata_v1` plans the step on the host (one read
+  of cu_seqlens a call), `mla_prefill_ps_asm_fwd` runs the persistent kernel
+  and `mla_reduce_v1` merges the tiles split across workgroups; k / v come
+  with per-tensor scales, the query is quantised here per tensor (amax / 448,
+  aiter's per_tensor_quant rule), the output is bfloat16. New tokens only (no
+  cached context) and no LSE: the reduce writes the final LSE only for the
+  tiles it merges. gfx942 is refused by aiter itself.
+* The DeepSeek-V4 contract is declined (`_v4_reasons`): aiter's V4 decode
+  kernels (`mla_v40_decode_fwd`, `mla_decode_fwd_v4_nm`) take their own FP8
+  packed layouts and differ from the contract in ways a conversion cannot
+  hide (the experimental switch, one cache a call, an FP8 query, a fixed
+  softmax scale, no final LSE); see docs/v4.md.
 
 What the installed aiter can run is decided from the installed aiter itself
 (the parameters of its functions, `inspect.signature`, and the architectures
@@ -1301,17 +1314,17 @@ def _fp8_prefill_metadata(batch: int, num_heads: int, max_seqlen_q: int, device:
     return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
 
 
-def _fp8_prefill(q8, k8, v8, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+def _fp8_prefill(q8, k8, v8, q_scale, k_scale, v_scale, cu_seqlens_q, qo_cpu, max_seqlen_q: int,
                  scale: float, causal: bool) -> torch.Tensor:
     """aiter's FP8 MLA prefill on FP8 q [T, N, 192], k [T, N, 192], v [T, N, 128] (one query head a KV head,
     one token a page): plan on the host (get_ps_metadata_v1), the persistent kernel, the reduce of the split
-    tiles. Returns out [T, N, 128] bfloat16."""
+    tiles; qo_cpu: cu_seqlens_q on the host (the keys' too: no cached context). Returns out [T, N, 128]
+    bfloat16."""
     import aiter
 
     device = q8.device
     tokens, num_heads = q8.shape[0], q8.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    qo_cpu = cu_seqlens_q.to("cpu", torch.int32)  # the planner runs on the host: one read a call
     lengths = (qo_cpu[1:] - qo_cpu[:-1]).to(torch.int32)
     buffers = _fp8_prefill_metadata(batch, num_heads, max_seqlen_q, device)
     aiter.get_ps_metadata_v1(
@@ -1342,7 +1355,7 @@ def _fp8_prefill(q8, k8, v8, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens
         K=k8,
         V=v8,
         qo_indptr=indptr,
-        kv_indptr=cu_seqlens_k.to(device=device, dtype=torch.int32),
+        kv_indptr=indptr,
         kv_page_indices=torch.arange(k8.shape[0], dtype=torch.int32, device=device),
         work_indptr=buffers["work_indptr"],
         work_info_set=buffers["work_info"],
@@ -1482,7 +1495,8 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
                 raise ValueError(f"q_scale with a {dtype_name(q.dtype)} query: the adapter quantises it with its "
                                  "own per-tensor scale; accepted: q_scale=None, or an FP8 query")
             q8, q_scale = quantize_per_tensor(q, fp8)
-        if not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu()):
+        qo_cpu = cu_seqlens_q.to("cpu", torch.int32)  # aiter's planner runs on the host: one read a call
+        if cu_seqlens_k is not cu_seqlens_q and not torch.equal(qo_cpu, cu_seqlens_k.to("cpu", torch.int32)):
             raise ValueError(f"cu_seqlens_k differs from cu_seqlens_q with {where}: it runs new tokens with no "
                              "cached context (their keys are the queries' own); accepted: cu_seqlens_k = "
                              "cu_seqlens_q, or float16 / bfloat16 k and v for context")
@@ -1492,8 +1506,7 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         if tokens == 0:
             return q.new_zeros((0, heads, AITER_FP8_PREFILL_V_HEAD_DIM), dtype=out_dtype)
         out = _fp8_prefill(q8.contiguous(), k.contiguous(), v.contiguous(), q_scale, _scale_tensor(k_scale, k.device),
-                           _scale_tensor(v_scale, v.device), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, self.scale,
-                           causal)
+                           _scale_tensor(v_scale, v.device), cu_seqlens_q, qo_cpu, max_seqlen_q, self.scale, causal)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
