@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import os
 import pathlib
 import sys
@@ -621,31 +622,192 @@ def test_prefill_selection_with_aiter(fake_aiter, platform, dtype):
     chosen = registry.select("prefill", PrefillSelectorConfig(MLADims.deepseek_v3(16), dtype), SPECS[platform])
     assert chosen.name == "ROCM_AITER"
     fp32 = registry.reasons("prefill", "ROCM_AITER", SPECS[platform], PrefillSelectorConfig(MLADims.deepseek_v3(16), torch.float32))
+    fp8 = ", float8_e4m3fn (FP8 k / v: aiter's FP8 MLA prefill)" if platform == "MI355X" else ""
     assert fp32 == [f"dtype float32 is not supported by {FAKE_LABEL} on {platform} ({SPECS[platform].arch}); "
-                    "supported: float16, bfloat16"]
+                    f"supported: float16, bfloat16{fp8}"]
 
 
-@pytest.mark.parametrize("platform", ["MI300X", "MI355X"])
-def test_fp8_prefill_is_declined_with_aiters_facts(fake_aiter, platform):
-    """aiter's FP8 MLA prefill takes FP8 q / k / v with scales; the adapter does not quantise, so it says so."""
+def test_fp8_prefill_selection_follows_aiters_facts(fake_aiter):
+    """FP8 prefill (FP8 k / v) on gfx950 with DeepSeek's qk 192 / v 128, any head count; elsewhere reasons that
+    name the value: gfx942 (aiter refuses it), another FP8 type, other head dims."""
     registry = _registry()
-    fp8 = SPECS[platform].fp8_dtype
-    config = PrefillSelectorConfig(MLADims.deepseek_v3(16), fp8)
-    reasons = registry.reasons("prefill", "ROCM_AITER", SPECS[platform], config)
-    arch = SPECS[platform].arch
-    arch_text = "gfx950 has them" if arch == "gfx950" else (
-        "aiter refuses gfx942 ('fp8 mla persistent prefill is not supported on gfx942')")
-    assert reasons == [
-        f"dtype {dtype_name(fp8)} is not supported by {FAKE_LABEL} on {platform} ({arch}): aiter's FP8 MLA "
-        "prefill (mla_prefill_ps_fwd: mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by "
-        "mla_reduce_v1; kernels mla_pfl_qh192_vh128_m32x8_n128x1_causal1; mla_pfl_qh192_vh128_m32x8_n128x1_causal0, "
-        f"gfx950 only: {arch_text}) takes FP8 q, k and v with fp32 per-tensor q_scale / k_scale / v_scale, one "
-        "query head a KV head, qk 192 / v 128, and writes bfloat16; this adapter is not wired to it and does "
-        "not quantise float16 / bfloat16 inputs; supported: float16, bfloat16"
+    dims = MLADims.deepseek_v3(16)
+    mi355, mi300 = SPECS["MI355X"], SPECS["MI300X"]
+    for heads in (1, 16, 20, 128):
+        config = PrefillSelectorConfig(MLADims.deepseek_v3(heads), torch.float8_e4m3fn)
+        assert registry.reasons("prefill", "ROCM_AITER", mi355, config) == []
+        assert registry.select("prefill", config, mi355).name == "ROCM_AITER"
+    kernels = "mla_pfl_qh192_vh128_m32x8_n128x1_causal1; mla_pfl_qh192_vh128_m32x8_n128x1_causal0"
+    text = (f"aiter's FP8 MLA prefill (mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by "
+            f"mla_reduce_v1; kernels {kernels}; gfx950 only)")
+    assert registry.reasons("prefill", "ROCM_AITER", mi300, PrefillSelectorConfig(dims, torch.float8_e4m3fnuz)) == [
+        f"dtype float8_e4m3fnuz is not supported by {FAKE_LABEL} on MI300X (gfx942): {text} does not run on gfx942: "
+        "aiter refuses it ('fp8 mla persistent prefill is not supported on gfx942'); supported there: float16, "
+        "bfloat16 (flash_attn_varlen_func)"
     ]
-    assert fake_aiter.get_ps_metadata_v1 is not None  # the stand-in has aiter's name, never called
-    assert registry.select("prefill", PrefillSelectorConfig(MLADims.deepseek_v3(16), torch.bfloat16),
-                           SPECS[platform]).name == "ROCM_AITER"
+    assert registry.reasons("prefill", "ROCM_AITER", mi355, PrefillSelectorConfig(dims, torch.float8_e4m3fnuz)) == [
+        f"dtype float8_e4m3fnuz is not supported by {FAKE_LABEL} on MI355X (gfx950): {text} takes float8_e4m3fn "
+        "(the platform's FP8); supported: float16, bfloat16, float8_e4m3fn"
+    ]
+    wide = MLADims(16, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=128)
+    assert registry.reasons("prefill", "ROCM_AITER", mi355, PrefillSelectorConfig(wide, torch.float8_e4m3fn)) == [
+        f"qk_head_dim 256 / v_head_dim 128 are not supported by {FAKE_LABEL} on MI355X (gfx950) in float8_e4m3fn: "
+        "the kernel table's FP8 prefill kernels are qk 192 / v 128 (qh192_vh128)"
+    ]
+    with pytest.raises(NoBackendError, match="does not run on gfx942"):
+        registry.select("prefill", PrefillSelectorConfig(dims, torch.float8_e4m3fnuz), mi300, backend="ROCM_AITER")
+    with pytest.raises(NoBackendError, match="REFERENCE"):  # nothing else runs FP8 prefill
+        registry.select("prefill", PrefillSelectorConfig(dims, torch.float8_e4m3fnuz), mi300)
+
+
+def test_fp8_prefill_needs_aiters_fp8_prefill_functions(fake_aiter, monkeypatch):
+    monkeypatch.delattr(fake_aiter, "get_ps_metadata_v1")
+    rocm_aiter.clear_probe_cache()
+    config = PrefillSelectorConfig(MLADims.deepseek_v3(16), torch.float8_e4m3fn)
+    assert _registry().reasons("prefill", "ROCM_AITER", SPECS["MI355X"], config) == [
+        f"{FAKE_LABEL} has no get_ps_metadata_v1 (aiter's FP8 MLA prefill, gfx950; this adapter follows v0.1.20.post1)"
+    ]
+
+
+def _fp8_prefill_case(num_heads: int, lengths: list[int], seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, num_heads, 192, generator=generator).to(torch.bfloat16)
+    k = (torch.randn(total, num_heads, 192, generator=generator) * 0.7).to(torch.bfloat16)
+    v = torch.randn(total, num_heads, 128, generator=generator).to(torch.bfloat16)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    return q, k, v, cu
+
+
+def _fp8_impl(num_heads: int, scale: float):
+    return rocm_aiter.AiterMLAPrefillImpl(num_heads, scale, 512, 128, 64, 128)
+
+
+@pytest.mark.parametrize("num_heads, lengths, causal", [
+    pytest.param(16, [300, 17, 0, 513], True, id="16-heads-causal"),
+    pytest.param(16, [300, 17, 0, 513], False, id="16-heads-not-causal"),
+    pytest.param(128, [260, 5], True, id="128-heads"),
+    pytest.param(3, [700], True, id="3-heads-one-long"),
+])
+def test_fp8_prefill_matches_float64_within_fp8_tolerance(fake_aiter, num_heads, lengths, causal):
+    """On an impersonated MI355X: FP8 k / v with their scales, the query quantised by the adapter per tensor
+    (amax / 448); aiter's planner splits the long tiles over workgroups and mla_reduce_v1 merges them; every row
+    matches float64 attention over the unquantised inputs within FP8 tolerance."""
+    import aiter.ops.attention as attention
+
+    q, k, v, cu = _fp8_prefill_case(num_heads, lengths, num_heads + len(lengths))
+    k8, k_scale = rocm_aiter.quantize_per_tensor(k, torch.float8_e4m3fn)
+    v8, v_scale = rocm_aiter.quantize_per_tensor(v, torch.float8_e4m3fn)
+    scale = 192 ** -0.5
+    with override("MI355X"):
+        out = _fp8_impl(num_heads, scale).forward_varlen(q, k8, v8, cu, cu, max(lengths), max(lengths), causal,
+                                                         False, k_scale=k_scale, v_scale=float(v_scale))
+    ref, _ = varlen_attention_reference(q.double(), k.double(), v.double(), cu, cu, scale, causal)
+    assert out.dtype == torch.bfloat16 and out.shape == (sum(lengths), num_heads, 128)
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if lengths[b]:
+            assert relative_error(out[rows], ref[rows]) < 6e-2, (b, relative_error(out[rows], ref[rows]))
+    calls = {c["function"]: c for c in attention.CALLS}
+    plan, kernel = calls["get_ps_metadata_v1"], calls["mla_prefill_ps_asm_fwd"]
+    assert (plan["gqa_ratio"], plan["num_heads_k"], plan["qlen_granularity"], plan["kvlen_granularity"],
+            plan["block_size"], plan["is_causal"]) == (1, num_heads, 256, 128, 1, causal)
+    assert plan["partials"] > 0 and calls["mla_reduce_v1"]["groups"] > 0  # split tiles went through the reduce
+    assert kernel["kernel"] == f"mla_pfl_qh192_vh128_m32x8_n128x1_causal{int(causal)}"
+    assert kernel["softmax_scale"] == scale and kernel["q_dtype"] == torch.float8_e4m3fn
+    q_scale = q.float().abs().max().item() / 448
+    assert kernel["scales"] == pytest.approx([q_scale, k_scale.item(), v_scale.item()], rel=1e-6)
+    assert calls["mla_reduce_v1"]["final_lse"] is False and calls["mla_reduce_v1"]["max_seqlen_q"] == 256
+
+
+def test_fp8_prefill_takes_an_fp8_query_with_its_scale(fake_aiter):
+    q, k, v, cu = _fp8_prefill_case(8, [40, 90], 5)
+    q8, q_scale = rocm_aiter.quantize_per_tensor(q, torch.float8_e4m3fn)
+    k8, k_scale = rocm_aiter.quantize_per_tensor(k, torch.float8_e4m3fn)
+    v8, v_scale = rocm_aiter.quantize_per_tensor(v, torch.float8_e4m3fn)
+    with override("MI355X"):
+        impl = _fp8_impl(8, 0.07)
+        out = impl.forward_varlen(q8, k8, v8, cu, cu, 90, 90, True, False, q_scale=q_scale, k_scale=k_scale,
+                                  v_scale=v_scale)
+        half = impl.forward_varlen(q.half(), k8, v8, cu, cu, 90, 90, True, False, k_scale=k_scale, v_scale=v_scale)
+    ref, _ = varlen_attention_reference(q.double(), k.double(), v.double(), cu, cu, 0.07, True)
+    assert relative_error(out, ref) < 6e-2
+    assert half.dtype == torch.float16 and relative_error(half, ref) < 6e-2
+
+
+def test_fp8_prefill_declines_what_aiter_cannot_give(fake_aiter):
+    """No LSE (so no context chunk to merge), no cached context, no sink; MI300X: aiter refuses it."""
+    q, k, v, cu = _fp8_prefill_case(4, [30, 20], 9)
+    k8, k_scale = rocm_aiter.quantize_per_tensor(k, torch.float8_e4m3fn)
+    v8, v_scale = rocm_aiter.quantize_per_tensor(v, torch.float8_e4m3fn)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    with override("MI355X"):
+        impl = _fp8_impl(4, 0.1)
+        with pytest.raises(ValueError, match="return_softmax_lse=True with ROCM_AITER's FP8 prefill on MI355X "
+                                             r"\(gfx950\): aiter's FP8 prefill returns no LSE: mla_reduce_v1 writes "
+                                             "final_lse only for the query tiles it merges"):
+            impl.forward_varlen(q, k8, v8, cu, cu, 30, 30, True, True, **scales)
+        context = torch.tensor([0, 40, 50], dtype=torch.int32)
+        k_long, v_long = torch.cat([k8, k8[:0]]), torch.cat([v8, v8[:0]])
+        with pytest.raises(ValueError, match="cu_seqlens_k differs from cu_seqlens_q"):
+            impl.forward_varlen(q, k_long, v_long, cu, context, 30, 40, True, False, **scales)
+        with pytest.raises(ValueError, match="a sink with ROCM_AITER's FP8 prefill"):
+            impl.forward_varlen(q, k8, v8, cu, cu, 30, 30, True, False, torch.zeros(4), **scales)
+        with pytest.raises(ValueError, match="k_scale=None"):
+            impl.forward_varlen(q, k8, v8, cu, cu, 30, 30, True, False)
+        with pytest.raises(ValueError, match="q_scale with a bfloat16 query"):
+            impl.forward_varlen(q, k8, v8, cu, cu, 30, 30, True, False, q_scale=1.0, **scales)
+        with pytest.raises(ValueError, match="k_scale with bfloat16 keys"):
+            impl.forward_varlen(q, k, v, cu, cu, 30, 30, True, False, k_scale=1.0)
+        with pytest.raises(ValueError, match="q head dim 128 / v head dim 128"):
+            impl.forward_varlen(q[..., :128], k8[..., :128], v8, cu, cu, 30, 30, True, False, **scales)
+    with override("MI300X"):
+        with pytest.raises(ValueError, match="does not run on gfx942"):
+            _fp8_impl(4, 0.1).forward_varlen(q, k8, v8, cu, cu, 30, 30, True, False, **scales)
+
+
+def test_fake_reduce_leaves_the_lse_of_unsplit_tiles_unwritten(fake_aiter):
+    """Why the adapter returns no FP8 LSE: the stand-in, as aiter, writes final_lse only where it merges."""
+    import aiter.ops.attention as attention
+
+    with override("MI355X"):
+        q, k, v, cu = _fp8_prefill_case(2, [600, 40], 3)
+        lengths = (cu[1:] - cu[:-1]).to(torch.int32)
+        buffers = rocm_aiter._fp8_prefill_metadata(2, 2, 600, torch.device("cpu"))
+        attention.get_ps_metadata_v1(cu, cu, lengths, 1, 2, buffers["work_metadata_ptrs"], buffers["work_indptr"],
+                                     buffers["work_info"], buffers["reduce_indptr"], buffers["reduce_final_map"],
+                                     buffers["reduce_partial_map"], 1, 256, 128, 1, True)
+        q8, qs = rocm_aiter.quantize_per_tensor(q, torch.float8_e4m3fn)
+        k8, ks = rocm_aiter.quantize_per_tensor(k, torch.float8_e4m3fn)
+        v8, vs = rocm_aiter.quantize_per_tensor(v, torch.float8_e4m3fn)
+        rows = buffers["reduce_partial_map"].shape[0] * 256
+        partial, partial_lse = torch.zeros(rows, 2, 128), torch.zeros(rows, 2)
+        out = torch.full((640, 2, 128), float("nan"), dtype=torch.bfloat16)
+        final_lse = torch.full((640, 2), float("nan"))
+        attention.mla_prefill_ps_asm_fwd(q8, k8, v8, cu, cu, torch.arange(640, dtype=torch.int32),
+                                         buffers["work_indptr"], buffers["work_info"], 600, 0.1, True, partial,
+                                         partial_lse, out, qs, ks, vs)
+        attention.mla_reduce_v1(partial, partial_lse, buffers["reduce_indptr"], buffers["reduce_final_map"],
+                                buffers["reduce_partial_map"], 256, 0, out, final_lse)
+    assert torch.isfinite(out.float()).all()
+    merged = torch.zeros(640, dtype=torch.bool)
+    count = int((buffers["reduce_indptr"][1:] > buffers["reduce_indptr"][:-1]).sum())
+    for start, end in buffers["reduce_final_map"][:count].tolist():
+        merged[start:end] = True
+    assert merged.any() and not merged.all()
+    assert torch.isfinite(final_lse[merged]).all() and torch.isnan(final_lse[~merged]).all()
+
+
+def test_info_as_mi355x_shows_the_fp8_prefill(capsys):
+    from mla_multi import cli
+
+    assert cli.main(["info", "--as", "MI355X"]) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.strip().startswith("ROCM_AITER") and "FP8 prefill" in line)
+    assert "FP8 prefill: FP8 k / v (float8_e4m3fn, per-tensor k_scale / v_scale; the query quantised here per " \
+           "tensor, amax / 448)" in line and "no LSE" in line
+    assert cli.main(["info", "--as", "MI300X"]) == 0
+    assert "FP8 prefill: declined on gfx942: aiter refuses it" in capsys.readouterr().out
 
 
 def test_an_aiter_without_metadata_functions_is_unavailable(fake_aiter, monkeypatch):

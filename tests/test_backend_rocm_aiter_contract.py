@@ -152,19 +152,25 @@ def test_the_decode_kernels_that_write_the_lse(contract):
 
 @pytest.mark.parametrize("arch", rocm_aiter.AITER_ARCHS)
 def test_aiters_fp8_prefill_kernels(contract, arch):
-    """The FP8 MLA prefill ROCM_AITER declines: fp8 q and cache, one query head a KV head, persistent, causal
-    or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
+    """The FP8 MLA prefill ROCM_AITER runs on gfx950: fp8 q and cache, one query head a KV head, persistent,
+    causal or not, no LSE column; the same two kernels in both tables (aiter's C++ refuses gfx942 at the call)."""
     rows = [r for r in contract["mla_kernels"][arch] if r["prefill"] and r["q"] == "fp8"]
-    assert {(r["kv"], r["gqa"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 1, 0, 0)}
-    assert sorted(r["kernel"] for r in rows) == sorted(rocm_aiter.AITER_FP8_PREFILL_KERNELS)
-    assert sorted(r["causal"] for r in rows) == [0, 1]
+    assert {(r["kv"], r["ps"], r["qlen"], r["lse"]) for r in rows} == {("fp8", 1, 0, 0)}
+    assert {(r["gqa"], r["causal"], r["kernel"]) for r in rows} == set(rocm_aiter.AITER_FP8_PREFILL_TABLE[arch])
     for r in rows:
         assert f"qh{rocm_aiter.AITER_FP8_PREFILL_QK_HEAD_DIM}_vh{rocm_aiter.AITER_FP8_PREFILL_V_HEAD_DIM}" in r["kernel"]
 
 
+def test_adapter_passes_the_fp8_prefill_keywords():
+    for call in rocm_aiter.FP8_PREFILL_CALLS:
+        where = "_fp8_prefill_metadata" if call is rocm_aiter.GET_PS_METADATA_INFO_V1 else "_fp8_prefill"
+        assert adapter_keywords(ADAPTER_SOURCE, where, call.function) == set(call.keywords), call.function
+
+
 def test_aiters_fp8_prefill_calls(contract):
     """mla_prefill_ps_fwd takes the reduce maps and per-tensor scales; its work comes from get_ps_metadata_v1
-    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1."""
+    (host-planned, sized by get_ps_metadata_info_v1) and its partials are merged by mla_reduce_v1 (whose
+    final_lse is optional: the adapter passes none)."""
     wrapper = dict(map(tuple, _parameters(contract, "mla_prefill_ps_fwd")))
     assert {"reduce_indptr", "reduce_final_map", "reduce_partial_map", "q_scale", "k_scale", "v_scale"} <= set(wrapper)
     asm = dict(map(tuple, _parameters(contract, "mla_prefill_ps_asm_fwd")))
@@ -177,6 +183,40 @@ def test_aiters_fp8_prefill_calls(contract):
     assert "is_sparse" not in plan and "topk" not in plan
     reduce = [n for n, d in _parameters(contract, "mla_reduce_v1")]
     assert reduce[:3] == ["partial_output", "partial_lse", "reduce_indptr"] and "final_lse" in reduce
+
+
+def _body(contract: dict, function: str) -> dict:
+    body = contract["functions"].get(function, {}).get("body")
+    assert body is not None, f"aiter's {function}() is not in the source read; ROCM_AITER's V4 reasons rely on it"
+    return body
+
+
+def test_aiters_v40_decode_gates_are_the_adapters(contract):
+    """mla_v40_decode_fwd: gfx950, the experimental switch, heads x query tokens, page sizes, HipKittens' kernel
+    and the reduce; the packed layout's constants; the sink it takes (ROCM_AITER's reason states them)."""
+    body = _body(contract, "mla_v40_decode_fwd")
+    assert {"get_gfx", "is_experimental_enabled", "hk_mla_v40_decode_fwd", "mla_reduce_v1"} <= set(body["calls"])
+    assert list(rocm_aiter.AITER_V40_HEADS_X_QUERY_TOKENS) in body["int_tuples"]
+    assert list(rocm_aiter.AITER_V40_PAGE_SIZES) in body["int_tuples"]
+    assert body["strings"] == list(rocm_aiter.AITER_V40_ARCHS)
+    assert contract["mla_constants"] == rocm_aiter.AITER_V40_DIMS
+    assert contract["experimental_switch"] == [rocm_aiter.AITER_V4_EXPERIMENTAL_SWITCH]
+    parameters = dict(map(tuple, _parameters(contract, "mla_v40_decode_fwd")))
+    assert (parameters["attn_sink"], parameters["return_lse"], parameters["sm_scale"]) == ("None", "False", "None")
+    assert {"q_rope", "kv_buffer_rope", "work_indptr", "work_info_set"} <= set(parameters)
+    assert "attn_sink" in dict(map(tuple, _parameters(contract, "hk_mla_v40_decode_fwd")))
+
+
+def test_aiters_v4_nm_decode_is_the_adapters(contract):
+    """mla_decode_fwd_v4_nm: the sink required (keyword-only), separate RoPE buffers, one kernel on gfx950 (Gqa 64,
+    one query token, no LSE) in hsa/gfx950/mla_v4/mla_v4_asm.csv."""
+    body = _body(contract, "mla_decode_fwd_v4_nm")
+    assert body["required_keywords"] == ["sink"] and "mla_decode_v4_asm" in body["calls"]
+    names = [n for n, _ in _parameters(contract, "mla_decode_fwd_v4_nm")]
+    assert {"qrope", "kvrope", "sm_scale", "num_kv_splits"} <= set(names)
+    rows = contract["mla_v4_kernels"]["gfx950"]
+    assert {(r["q"], r["kv"], r["gqa"], r["ps"], r["qlen"], r["prefill"], r["causal"], r["lse"], r["kernel"])
+            for r in rows} == set(rocm_aiter.AITER_V4_NM_TABLE["gfx950"])
 
 
 def test_fake_aiter_has_aiters_signatures():
@@ -211,6 +251,10 @@ def test_given_source_agrees_with_contract_json():
         assert read["functions"][function]["parameters"] == entry["parameters"], function
     for arch in rocm_aiter.AITER_ARCHS:
         assert _decode_rows(read, arch) == _decode_rows(committed, arch), arch
+    for key in ("mla_v4_kernels", "mla_constants", "experimental_switch"):
+        assert read[key] == committed[key], key
+    for function in make_contract.BODY_FACTS:
+        assert read["functions"][function]["body"] == committed["functions"][function]["body"], function
 
 
 def test_make_contract_reads_a_source_tree(tmp_path):

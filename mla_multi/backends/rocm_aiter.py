@@ -19,7 +19,20 @@ it calls (`AITER_CALLS`) and aiter's MLA decode kernel tables
   sized once at reservation (`get_mla_metadata_info_v1`).
 * Prefill calls `aiter.flash_attn_varlen_func` (CK / assembly flash attention)
   with qk head dim 192 and v head dim 128, returning the LSE as `[N, T]`; a
-  sink goes to aiter as `sink_ptr`.
+  sink goes to aiter as `sink_ptr`. With FP8 keys and values on gfx950 (a
+  `PrefillSelectorConfig` of the platform's FP8 dtype) it runs aiter's FP8 MLA
+  prefill instead: `get_ps_metadata_v1` plans the step on the host (one read
+  of cu_seqlens a call), `mla_prefill_ps_asm_fwd` runs the persistent kernel
+  and `mla_reduce_v1` merges the tiles split across workgroups; k / v come
+  with per-tensor scales, the query is quantised here per tensor (amax / 448,
+  aiter's per_tensor_quant rule), the output is bfloat16. New tokens only (no
+  cached context) and no LSE: the reduce writes the final LSE only for the
+  tiles it merges. gfx942 is refused by aiter itself.
+* The DeepSeek-V4 contract is declined (`_v4_reasons`): aiter's V4 decode
+  kernels (`mla_v40_decode_fwd`, `mla_decode_fwd_v4_nm`) take their own FP8
+  packed layouts and differ from the contract in ways a conversion cannot
+  hide (the experimental switch, one cache a call, an FP8 query, a fixed
+  softmax scale, no final LSE); see docs/v4.md.
 
 What the installed aiter can run is decided from the installed aiter itself
 (the parameters of its functions, `inspect.signature`, and the architectures
@@ -67,6 +80,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import pathlib
 import threading
 from typing import Any, ClassVar
@@ -249,36 +263,107 @@ _MAX_INT32 = 2**31 - 1
 # separate FP8 NoPE / bf16 RoPE buffers with E8M0 block scales.
 AITER_SPARSE_FP8_KERNELS: tuple[str, ...] = ("hk_mla_v32_decode_fwd", "hk_mla_decode_fwd", "mla_decode_fwd_ds32")
 
-# aiter's FP8 MLA prefill at AITER_SOURCE_COMMIT (not called here): `aiter.mla.mla_prefill_ps_fwd` runs
-# `mla_prefill_ps_asm_fwd` over work planned on the host by `get_ps_metadata_v1` (buffers sized by
-# `get_ps_metadata_info_v1`) and merges the 256-token partials with `mla_reduce_v1`. Its kernels, the
-# prefill rows of hsa/<arch>/mla/mla_asm.csv with an fp8 query and cache (one query head a KV head, qk 192,
-# v 128, persistent; causal and not). The rows are in both tables, but the C++ entry (csrc/py_itfs_cu/
-# asm_mla.cu) refuses gfx942 and any Q or K that is not FP8; q / k / v scales are fp32 per tensor.
-AITER_FP8_PREFILL_KERNELS: tuple[str, ...] = (
-    "mla_pfl_qh192_vh128_m32x8_n128x1_causal1", "mla_pfl_qh192_vh128_m32x8_n128x1_causal0",
-)
+# aiter's FP8 MLA prefill at AITER_SOURCE_COMMIT: `aiter.mla.mla_prefill_ps_fwd` runs `mla_prefill_ps_asm_fwd`
+# over work planned on the host by `get_ps_metadata_v1` (buffers sized by `get_ps_metadata_info_v1`) and merges
+# the partial tiles (256 query rows each) with `mla_reduce_v1`. Its kernels are the prefill rows of
+# hsa/<arch>/mla/mla_asm.csv with an fp8 query and cache: (heads a KV head (Gqa), causal, kernel), persistent,
+# qk 192 / v 128, no LSE column. The rows are in both tables, but the C++ entry (csrc/py_itfs_cu/asm_mla.cu)
+# refuses gfx942 and any Q or K that is not FP8; q / k / v scales are fp32 per tensor, the output bfloat16.
+# The adapter calls the three functions itself (as aiter's op_tests/test_mla_prefill_ps.py does), not the
+# wrapper, so that the partial buffers are sized once per call from the plan's buffers.
+AITER_FP8_PREFILL_TABLE: dict[str, frozenset[tuple[int, int, str]]] = {
+    arch: frozenset(((1, 1, "mla_pfl_qh192_vh128_m32x8_n128x1_causal1"),
+                     (1, 0, "mla_pfl_qh192_vh128_m32x8_n128x1_causal0")))
+    for arch in ("gfx942", "gfx950")
+}
+AITER_FP8_PREFILL_KERNELS: tuple[str, ...] = tuple(sorted({row[2] for rows in AITER_FP8_PREFILL_TABLE.values()
+                                                           for row in rows}, reverse=True))
 AITER_FP8_PREFILL_ARCHS: tuple[str, ...] = ("gfx950",)
 AITER_FP8_PREFILL_QK_HEAD_DIM = 192
 AITER_FP8_PREFILL_V_HEAD_DIM = 128
+# mla_prefill_ps_fwd's query tile (its partial buffers hold reduce_partial_map.size(0) x 256 rows); with one
+# query head a KV head the planner's qlen_granularity is the whole tile
+AITER_FP8_PREFILL_TILE_Q = 256
+# the planner's key unit: aiter's op test passes max(128 (the kernel's key tile), block_size); one token a page
+AITER_FP8_PREFILL_KV_GRANULARITY = 128
+AITER_FP8_PREFILL_BLOCK_SIZE = 1
+
+GET_PS_METADATA_INFO_V1 = AiterCall(
+    module="aiter",
+    function="get_ps_metadata_info_v1",
+    source="aiter/ops/attention.py",
+    keywords=("batch_size", "num_head_k", "max_qlen", "qlen_granularity"),
+)
+GET_PS_METADATA_V1 = AiterCall(
+    module="aiter",
+    function="get_ps_metadata_v1",
+    source="aiter/ops/attention.py",
+    keywords=("seqlens_qo_indptr", "pages_kv_indptr", "context_lens", "gqa_ratio", "num_heads_k",
+              "work_metadata_ptrs", "work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
+              "reduce_partial_map", "qhead_granularity", "qlen_granularity", "kvlen_granularity", "block_size",
+              "is_causal"),
+)
+MLA_PREFILL_PS_ASM_FWD = AiterCall(
+    module="aiter",
+    function="mla_prefill_ps_asm_fwd",
+    source="aiter/ops/attention.py",
+    keywords=("Q", "K", "V", "qo_indptr", "kv_indptr", "kv_page_indices", "work_indptr", "work_info_set",
+              "max_seqlen_q", "softmax_scale", "is_causal", "splitData", "splitLse", "output", "q_scale",
+              "k_scale", "v_scale"),
+)
+MLA_REDUCE_V1 = AiterCall(
+    module="aiter",
+    function="mla_reduce_v1",
+    source="aiter/ops/attention.py",
+    keywords=("partial_output", "partial_lse", "reduce_indptr", "reduce_final_map", "reduce_partial_map",
+              "max_seqlen_q", "num_kv_splits", "final_output"),
+)
+FP8_PREFILL_CALLS: tuple[AiterCall, ...] = (GET_PS_METADATA_INFO_V1, GET_PS_METADATA_V1, MLA_PREFILL_PS_ASM_FWD,
+                                            MLA_REDUCE_V1)
+AITER_CALLS = AITER_CALLS + FP8_PREFILL_CALLS
+
+_FP8_PREFILL_NO_LSE = (
+    "aiter's FP8 prefill returns no LSE: mla_reduce_v1 writes final_lse only for the query tiles it merges "
+    "(split across workgroups by get_ps_metadata_v1); a tile one workgroup finishes is written by the kernel "
+    "with no LSE"
+)
 
 
-def _fp8_prefill_reason(dtype: torch.dtype, where: str, arch: str) -> str:
-    """Why ROCM_AITER prefill declines an FP8 `dtype`: what aiter's FP8 MLA prefill takes, and what is not done."""
+def _fp8_prefill_text() -> str:
     kernels = "; ".join(AITER_FP8_PREFILL_KERNELS)
-    if arch in AITER_FP8_PREFILL_ARCHS:
-        arch_text = f"{arch} has them"
-    else:
-        arch_text = f"aiter refuses {arch} ('fp8 mla persistent prefill is not supported on gfx942')" \
-            if arch == "gfx942" else f"none for {arch}"
-    return (
-        f"dtype {dtype_name(dtype)} is not supported by {where}: aiter's FP8 MLA prefill (mla_prefill_ps_fwd: "
-        f"mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by mla_reduce_v1; kernels "
-        f"{kernels}, {'/'.join(AITER_FP8_PREFILL_ARCHS)} only: {arch_text}) takes FP8 q, k and v with fp32 "
-        f"per-tensor q_scale / k_scale / v_scale, one query head a KV head, qk {AITER_FP8_PREFILL_QK_HEAD_DIM} / "
-        f"v {AITER_FP8_PREFILL_V_HEAD_DIM}, and writes bfloat16; this adapter is not wired to it and does not "
-        "quantise float16 / bfloat16 inputs; supported: float16, bfloat16"
-    )
+    return (f"aiter's FP8 MLA prefill (mla_prefill_ps_asm_fwd over get_ps_metadata_v1 work, partials merged by "
+            f"mla_reduce_v1; kernels {kernels}; {'/'.join(AITER_FP8_PREFILL_ARCHS)} only)")
+
+
+def _fp8_prefill_reasons(probe: "AiterProbe", platform: Platform, config: PrefillSelectorConfig,
+                         where: str) -> list[str]:
+    """Why ROCM_AITER's FP8 prefill cannot run `config` on `platform` (empty when it can)."""
+    dtype, arch, dims = config.dtype, platform.arch, config.dims
+    reasons = []
+    if arch not in AITER_FP8_PREFILL_ARCHS:
+        said = ("aiter refuses it ('fp8 mla persistent prefill is not supported on gfx942')" if arch == "gfx942"
+                else "aiter has no kernel for it")
+        reasons.append(f"dtype {dtype_name(dtype)} is not supported by {where}: {_fp8_prefill_text()} does not run "
+                       f"on {arch}: {said}; supported there: float16, bfloat16 (flash_attn_varlen_func)")
+        return reasons
+    if dtype != platform.fp8_dtype:
+        reasons.append(f"dtype {dtype_name(dtype)} is not supported by {where}: {_fp8_prefill_text()} takes "
+                       f"{dtype_name(platform.fp8_dtype)} (the platform's FP8); supported: float16, bfloat16, "
+                       f"{dtype_name(platform.fp8_dtype)}")
+    if (dims.qk_head_dim, dims.v_head_dim) != (AITER_FP8_PREFILL_QK_HEAD_DIM, AITER_FP8_PREFILL_V_HEAD_DIM):
+        reasons.append(f"qk_head_dim {dims.qk_head_dim} / v_head_dim {dims.v_head_dim} are not supported by "
+                       f"{where} in {dtype_name(dtype)}: the kernel table's FP8 prefill kernels are qk "
+                       f"{AITER_FP8_PREFILL_QK_HEAD_DIM} / v {AITER_FP8_PREFILL_V_HEAD_DIM} (qh192_vh128)")
+    missing = [call.function for call in FP8_PREFILL_CALLS if call.function not in probe.fp8_prefill_parameters]
+    if missing:
+        reasons.append(f"{probe.label} has no {', '.join(missing)} (aiter's FP8 MLA prefill, gfx950; this adapter "
+                       f"follows {AITER_SOURCE_TAG})")
+    for call in FP8_PREFILL_CALLS:
+        parameters = probe.fp8_prefill_parameters.get(call.function)
+        lacking = _missing_keywords(call, parameters) if parameters else []
+        if lacking:
+            reasons.append(f"{probe.label}'s {call.function} lacks the parameters {', '.join(lacking)}")
+    return reasons
 
 
 # --------------------------------------------------------------------------- aiter's decode kernel tables
@@ -494,6 +579,8 @@ class AiterProbe:
     sparse_fp8_kernels: tuple[str, ...] = ()
     # Whether it has get_mla_metadata_info_v1 and get_mla_metadata_v1 (the persistent path's metadata).
     has_metadata: bool = False
+    # The parameters of the FP8 prefill's functions it has (FP8_PREFILL_CALLS; () where a signature is unreadable).
+    fp8_prefill_parameters: dict = dataclasses.field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -583,6 +670,8 @@ def probe_aiter() -> AiterProbe:
         sparse_fp8_kernels=fp8_kernels,
         has_metadata=all(getattr(aiter_module, call.function, None) is not None
                          for call in (GET_MLA_METADATA_INFO_V1, GET_MLA_METADATA_V1)),
+        fp8_prefill_parameters={call.function: _parameters(getattr(aiter_module, call.function))
+                                for call in FP8_PREFILL_CALLS if getattr(aiter_module, call.function, None) is not None},
     )
 
 
@@ -1199,8 +1288,103 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 # --------------------------------------------------------------------------- prefill
 
 
+def quantize_per_tensor(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in `fp8_dtype`, its float32 scale [1]): scale = amax(|x|) / the FP8 type's largest finite value (aiter's
+    per_tensor_quant rule), computed on x's device (no host read); an all-zero x gets scale 1."""
+    amax = x.detach().abs().amax().float().reshape(1)
+    top = torch.finfo(fp8_dtype).max
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-top, top).to(fp8_dtype), scale
+
+
+def _fp8_prefill_metadata(batch: int, num_heads: int, max_seqlen_q: int, device: torch.device
+                          ) -> dict[str, torch.Tensor]:
+    """The FP8 prefill plan's six buffers, sized by aiter for this batch (one token a page, one query head a
+    KV head)."""
+    import aiter
+
+    specs = aiter.get_ps_metadata_info_v1(
+        batch_size=batch,
+        num_head_k=num_heads,
+        max_qlen=max(int(max_seqlen_q), 1),
+        qlen_granularity=AITER_FP8_PREFILL_TILE_Q,
+    )
+    names = ("work_metadata_ptrs", "work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
+             "reduce_partial_map")
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+
+
+def _fp8_prefill(q8, k8, v8, q_scale, k_scale, v_scale, cu_seqlens_q, qo_cpu, max_seqlen_q: int,
+                 scale: float, causal: bool) -> torch.Tensor:
+    """aiter's FP8 MLA prefill on FP8 q [T, N, 192], k [T, N, 192], v [T, N, 128] (one query head a KV head,
+    one token a page): plan on the host (get_ps_metadata_v1), the persistent kernel, the reduce of the split
+    tiles; qo_cpu: cu_seqlens_q on the host (the keys' too: no cached context). Returns out [T, N, 128]
+    bfloat16."""
+    import aiter
+
+    device = q8.device
+    tokens, num_heads = q8.shape[0], q8.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    lengths = (qo_cpu[1:] - qo_cpu[:-1]).to(torch.int32)
+    buffers = _fp8_prefill_metadata(batch, num_heads, max_seqlen_q, device)
+    aiter.get_ps_metadata_v1(
+        seqlens_qo_indptr=qo_cpu,
+        pages_kv_indptr=qo_cpu,
+        context_lens=lengths,
+        gqa_ratio=1,
+        num_heads_k=num_heads,
+        work_metadata_ptrs=buffers["work_metadata_ptrs"],
+        work_indptr=buffers["work_indptr"],
+        work_info=buffers["work_info"],
+        reduce_indptr=buffers["reduce_indptr"],
+        reduce_final_map=buffers["reduce_final_map"],
+        reduce_partial_map=buffers["reduce_partial_map"],
+        qhead_granularity=1,
+        qlen_granularity=AITER_FP8_PREFILL_TILE_Q,
+        kvlen_granularity=AITER_FP8_PREFILL_KV_GRANULARITY,
+        block_size=AITER_FP8_PREFILL_BLOCK_SIZE,
+        is_causal=bool(causal),
+    )
+    rows = buffers["reduce_partial_map"].shape[0] * AITER_FP8_PREFILL_TILE_Q
+    partial_out = torch.empty((rows, num_heads, AITER_FP8_PREFILL_V_HEAD_DIM), dtype=torch.float32, device=device)
+    partial_lse = torch.empty((rows, num_heads), dtype=torch.float32, device=device)
+    out = torch.empty((tokens, num_heads, AITER_FP8_PREFILL_V_HEAD_DIM), dtype=torch.bfloat16, device=device)
+    indptr = cu_seqlens_q.to(device=device, dtype=torch.int32)
+    aiter.mla_prefill_ps_asm_fwd(
+        Q=q8,
+        K=k8,
+        V=v8,
+        qo_indptr=indptr,
+        kv_indptr=indptr,
+        kv_page_indices=torch.arange(k8.shape[0], dtype=torch.int32, device=device),
+        work_indptr=buffers["work_indptr"],
+        work_info_set=buffers["work_info"],
+        max_seqlen_q=int(max_seqlen_q),
+        softmax_scale=float(scale),
+        is_causal=bool(causal),
+        splitData=partial_out,
+        splitLse=partial_lse,
+        output=out,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    aiter.mla_reduce_v1(
+        partial_output=partial_out,
+        partial_lse=partial_lse,
+        reduce_indptr=buffers["reduce_indptr"],
+        reduce_final_map=buffers["reduce_final_map"],
+        reduce_partial_map=buffers["reduce_partial_map"],
+        max_seqlen_q=AITER_FP8_PREFILL_TILE_Q,
+        num_kv_splits=0,
+        final_output=out,
+    )
+    return out
+
+
 class AiterMLAPrefillImpl(MLAPrefillImpl):
-    """Varlen prefill through `aiter.flash_attn_varlen_func` (qk 192, v 128, no padding)."""
+    """Varlen prefill through `aiter.flash_attn_varlen_func` (qk 192, v 128, no padding); with FP8 keys and
+    values on gfx950, aiter's FP8 MLA prefill (`_fp8_prefill`)."""
 
     def forward_varlen(
         self,
@@ -1214,6 +1398,10 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         causal: bool,
         return_softmax_lse: bool,
         sink: torch.Tensor | None = None,
+        *,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
     ):
         """q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (float16 / bfloat16), cu_seqlens int32 [B + 1];
         sink float32 [N] (one logit a head that joins every row's softmax denominator), through aiter's
@@ -1221,10 +1409,24 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
 
         Returns out [Tq, N, Dv] and, with `return_softmax_lse`, lse [N, Tq] float32 (the keys' own; aiter
         picks its v3 assembly kernel on gfx942 / gfx950 when the LSE is asked for).
+
+        FP8 (k and v in the platform's FP8 type, gfx950): aiter's FP8 MLA prefill, qk 192 / v 128, for new
+        tokens with no cached context (cu_seqlens_k equal to cu_seqlens_q). k_scale / v_scale: their per-tensor
+        dequantisation scales (a float or a 1-element tensor). The query, float16 / bfloat16 / float32, is
+        quantised here per tensor (scale amax(|q|) / 448, on the device); an FP8 query takes its q_scale. The
+        output is bfloat16 (float16 where q is). No LSE (`return_softmax_lse=True` and so context chunks are a
+        ValueError) and no sink.
         """
         probe = probe_aiter()
         if probe.error:
             raise RuntimeError(probe.error)
+        if k.dtype in FP8_DTYPES:
+            return self._forward_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, return_softmax_lse,
+                                     sink, q_scale, k_scale, v_scale)
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ValueError(f"{name} with {dtype_name(k.dtype)} keys: the scales belong to FP8 k / v; "
+                                 f"accepted: {name}=None")
         import aiter
 
         keywords: dict[str, Any] = {}
@@ -1251,9 +1453,66 @@ class AiterMLAPrefillImpl(MLAPrefillImpl):
         out, lse = result[0], result[1]
         return out, prefill_lse_heads_tokens(lse, q.shape[1], q.shape[0], "aiter", out)
 
+    def _forward_fp8(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, return_softmax_lse, sink,
+                     q_scale, k_scale, v_scale):
+        from mla_multi.platforms import current_platform
+
+        platform = current_platform()
+        where = f"ROCM_AITER's FP8 prefill on {_where(platform)}"
+        if platform.arch not in AITER_FP8_PREFILL_ARCHS:
+            raise ValueError(f"k dtype {dtype_name(k.dtype)}: {_fp8_prefill_text()} does not run on "
+                             f"{platform.arch}; accepted: float16 / bfloat16 k and v")
+        fp8 = platform.fp8_dtype
+        if return_softmax_lse:
+            raise ValueError(f"return_softmax_lse=True with {where}: {_FP8_PREFILL_NO_LSE}; accepted: "
+                             "return_softmax_lse=False (new tokens without cached context), or float16 / "
+                             "bfloat16 k and v")
+        if sink is not None:
+            raise ValueError(f"a sink with {where}: mla_prefill_ps_asm_fwd takes none; accepted: sink=None")
+        tokens, heads = q.shape[0], q.shape[1]
+        if (q.shape[2], v.shape[2]) != (AITER_FP8_PREFILL_QK_HEAD_DIM, AITER_FP8_PREFILL_V_HEAD_DIM):
+            raise ValueError(f"q head dim {q.shape[2]} / v head dim {v.shape[2]} with {where}; accepted: "
+                             f"{AITER_FP8_PREFILL_QK_HEAD_DIM} / {AITER_FP8_PREFILL_V_HEAD_DIM}")
+        for name, tensor in (("k", k), ("v", v)):
+            if tensor.dtype != fp8:
+                raise ValueError(f"{name} dtype {dtype_name(tensor.dtype)} with {where}; accepted: "
+                                 f"{dtype_name(fp8)} (with {name}_scale)")
+            if tensor.shape[1] != heads:
+                raise ValueError(f"{name} has {tensor.shape[1]} heads, q {heads}; accepted: one query head a KV "
+                                 "head (aiter's FP8 prefill kernels are Gqa 1)")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"v has {v.shape[0]} tokens, k {k.shape[0]}; accepted: equal")
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"k_scale={k_scale!r}, v_scale={v_scale!r} with FP8 k / v; accepted: a float or a "
+                             "1-element tensor each (per-tensor dequantisation scales)")
+        if q.dtype in FP8_DTYPES:
+            if q.dtype != fp8 or q_scale is None:
+                raise ValueError(f"an FP8 query ({dtype_name(q.dtype)}, q_scale={q_scale!r}) with {where}; "
+                                 f"accepted: {dtype_name(fp8)} with q_scale, or a float query (quantised here)")
+            q8, q_scale = q, _scale_tensor(q_scale, q.device)
+        else:
+            if q_scale is not None:
+                raise ValueError(f"q_scale with a {dtype_name(q.dtype)} query: the adapter quantises it with its "
+                                 "own per-tensor scale; accepted: q_scale=None, or an FP8 query")
+            q8, q_scale = quantize_per_tensor(q, fp8)
+        qo_cpu = cu_seqlens_q.to("cpu", torch.int32)  # aiter's planner runs on the host: one read a call
+        if cu_seqlens_k is not cu_seqlens_q and not torch.equal(qo_cpu, cu_seqlens_k.to("cpu", torch.int32)):
+            raise ValueError(f"cu_seqlens_k differs from cu_seqlens_q with {where}: it runs new tokens with no "
+                             "cached context (their keys are the queries' own); accepted: cu_seqlens_k = "
+                             "cu_seqlens_q, or float16 / bfloat16 k and v for context")
+        if k.shape[0] != tokens:
+            raise ValueError(f"k has {k.shape[0]} tokens, q {tokens}; accepted: equal (no cached context)")
+        out_dtype = torch.float16 if q.dtype == torch.float16 else torch.bfloat16
+        if tokens == 0:
+            return q.new_zeros((0, heads, AITER_FP8_PREFILL_V_HEAD_DIM), dtype=out_dtype)
+        out = _fp8_prefill(q8.contiguous(), k.contiguous(), v.contiguous(), q_scale, _scale_tensor(k_scale, k.device),
+                           _scale_tensor(v_scale, v.device), cu_seqlens_q, qo_cpu, max_seqlen_q, self.scale, causal)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
 
 class AiterMLAPrefillBackend(MLAPrefillBackend):
-    """`aiter.flash_attn_varlen_func`: CK / assembly flash attention on gfx942 / gfx950."""
+    """`aiter.flash_attn_varlen_func`: CK / assembly flash attention on gfx942 / gfx950; FP8 keys and values
+    (gfx950) through aiter's FP8 MLA prefill."""
 
     name: ClassVar[str] = "ROCM_AITER"
     vendors = frozenset({"rocm"})
@@ -1269,21 +1528,24 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
 
     @classmethod
     def validate_configuration(cls, platform: Platform, config: PrefillSelectorConfig) -> list[str]:
-        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can)."""
+        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can). An FP8 dtype is
+        the FP8 prefill's (FP8 k and v; see `AiterMLAPrefillImpl.forward_varlen`)."""
         reasons = cls.availability_reasons() + _rocm_platform_reasons(platform)
         if reasons:
             return reasons
         probe = probe_aiter()
         where = f"{probe.label} on {_where(platform)}"
         reasons += _arch_reasons(probe, platform, "flash-attention")
+        dims = config.dims
         if config.dtype in FP8_DTYPES:
-            reasons.append(_fp8_prefill_reason(config.dtype, where, platform.arch))
-        elif config.dtype not in cls.supported_dtypes:
+            return reasons + _fp8_prefill_reasons(probe, platform, config, where)
+        if config.dtype not in cls.supported_dtypes:
+            fp8 = (f", {dtype_name(platform.fp8_dtype)} (FP8 k / v: aiter's FP8 MLA prefill)"
+                   if platform.arch in AITER_FP8_PREFILL_ARCHS and platform.fp8_dtype is not None else "")
             reasons.append(
                 f"dtype {dtype_name(config.dtype)} is not supported by {where}; supported: "
-                + ", ".join(dtype_name(d) for d in cls.supported_dtypes)
+                + ", ".join(dtype_name(d) for d in cls.supported_dtypes) + fp8
             )
-        dims = config.dims
         for label, value in (("qk_head_dim", dims.qk_head_dim), ("v_head_dim", dims.v_head_dim)):
             if value > AITER_PREFILL_MAX_HEAD_DIM or value % 8:
                 reasons.append(
@@ -1292,10 +1554,33 @@ class AiterMLAPrefillBackend(MLAPrefillBackend):
         return reasons
 
     @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes or dtype in FP8_DTYPES
+
+    @classmethod
     def info(cls) -> dict[str, Any]:
         info = super().info()
-        info.update(aiter_version=probe_aiter().version)
+        summary = fp8_prefill_summary()
+        info.update(aiter_version=probe_aiter().version, fp8_prefill=summary,
+                    implementation=f"flash_attn_varlen_func; FP8 prefill: {summary}")
         return info
+
+
+def fp8_prefill_summary(platform: Platform | None = None) -> str:
+    """One line on ROCM_AITER's FP8 prefill on `platform` (the current one by default), from aiter's tables."""
+    if platform is None:
+        from mla_multi.platforms import current_platform
+
+        platform = current_platform()
+    if platform.vendor != "rocm" or platform.arch not in AITER_FP8_PREFILL_TABLE:
+        return "none off gfx942 / gfx950"
+    if platform.arch not in AITER_FP8_PREFILL_ARCHS:
+        return (f"declined on {platform.arch}: aiter refuses it ('fp8 mla persistent prefill is not supported on "
+                "gfx942')")
+    return (f"FP8 k / v ({dtype_name(platform.fp8_dtype)}, per-tensor k_scale / v_scale; the query quantised here "
+            f"per tensor, amax / 448): mla_prefill_ps_asm_fwd ({', '.join(AITER_FP8_PREFILL_KERNELS)}) over "
+            "get_ps_metadata_v1 work + mla_reduce_v1, any head count (one query head a KV head), qk 192 / v 128, "
+            "causal or not, new tokens only (no cached context), bfloat16 out, no LSE, no sink")
 
 
 # --------------------------------------------------------------------------- sparse MLA
@@ -1645,6 +1930,66 @@ def _sparse_kv_dtype_reasons(probe: AiterProbe, where: str, kv_dtype: torch.dtyp
     return []
 
 
+# aiter's DeepSeek-V4 decode entry points at AITER_SOURCE_COMMIT, both declined (`_v4_reasons`):
+# * `aiter.mla.mla_v40_decode_fwd`: gfx950 only, and only with AITER_ENABLE_EXPERIMENTAL set (else
+#   NotImplementedError), heads x query tokens 64 or 128, page size 1 or 64, persistent over
+#   get_mla_metadata_v1(mla_version=V40) work for dense per-request pages; an FP8 query packed with its UE8M0
+#   scales (448 e4m3 + the 7 per-64 scales each duplicated, 14 bytes, + 50 pad = 512 bytes) and its RoPE part in a
+#   separate bf16 buffer; the cache the same: 512 + 128 = 640 bytes a token; an optional sink folded into the
+#   softmax (and so into the LSE it returns); HipKittens' hk_mla_v40_decode_fwd runs it.
+# * `aiter.mla.mla_decode_fwd_v4_nm`: a required sink, FP8 query and cache packed with UE8M0 scales and the RoPE
+#   parts in separate bf16 buffers, page size 1, non-persistent splits merged without a final LSE, the softmax
+#   scale fixed at 1/sqrt(512) in the kernel (sm_scale ignored); one kernel in hsa/gfx950/mla_v4/mla_v4_asm.csv
+#   (Gqa 64, one query token), onto which csrc/py_itfs_cu/asm_mla_v4.cu maps 16 heads x 1, 2 or 4 query tokens and
+#   32, 64 or 128 heads x 1.
+AITER_V4_EXPERIMENTAL_SWITCH = "AITER_ENABLE_EXPERIMENTAL"
+AITER_V40_ARCHS: tuple[str, ...] = ("gfx950",)
+AITER_V40_HEADS_X_QUERY_TOKENS: tuple[int, ...] = (64, 128)
+AITER_V40_PAGE_SIZES: tuple[int, ...] = (1, 64)
+AITER_V40_DIMS = {"_V40_DIM_NOPE": 448, "_V40_DIM_ROPE": 64, "_V40_DIM_QK_PACKED": 512}
+AITER_V40_TOKEN_BYTES = AITER_V40_DIMS["_V40_DIM_QK_PACKED"] + 2 * AITER_V40_DIMS["_V40_DIM_ROPE"]  # 640
+AITER_V4_NM_TABLE: dict[str, frozenset[tuple[str, str, int, int, int, int, int, int, str]]] = {
+    "gfx950": frozenset({("fp8", "fp8", 64, 0, 1, 0, 0, 0, "mla_a8w8_qh64_qseqlen1_gqaratio64_nm")}),
+}
+AITER_V4_NM_HEADS: dict[int, tuple[int, ...]] = {16: (1, 2, 4), 32: (1,), 64: (1,), 128: (1,)}
+AITER_V4_KERNELS: tuple[str, ...] = ("mla_v40_decode_fwd", "mla_decode_fwd_v4_nm")
+
+
+def _v4_reasons(platform: Platform, config: SparseSelectorConfig, where: str) -> list[str]:
+    """Why ROCM_AITER declines the V4 contract on `platform`: what aiter's V4 kernels take, and the decision."""
+    formats = " and ".join(dict.fromkeys(f for f in (config.kv_format, config.extra_kv_format) if f is not None))
+    reasons = [f"the V4 contract (d_qk = d_v = 512) over {formats} is not implemented by ROCM_AITER; V4 formats "
+               f"supported: none (aiter {AITER_SOURCE_TAG}'s V4 kernels {', '.join(AITER_V4_KERNELS)} are declined)"]
+    if config.kv_format == "rows":
+        reasons.append(f"aiter {AITER_SOURCE_TAG} has no V4 sparse prefill: its V4 kernels are decodes over FP8 "
+                       "packed caches; none reads float rows")
+        return reasons
+    if platform.arch not in AITER_V40_ARCHS:
+        reasons.append(f"aiter {AITER_SOURCE_TAG}'s V4 decode kernels ({', '.join(AITER_V4_KERNELS)}) run on gfx950 "
+                       f"only (mla_decode_fwd_v4_nm also on gfx1250); none for {where}")
+        return reasons
+    heads, queries = config.dims.num_heads, config.max_query_len
+    switch = os.environ.get(AITER_V4_EXPERIMENTAL_SWITCH)
+    reasons.append(
+        f"mla_v40_decode_fwd declined (not converted): aiter runs it only with {AITER_V4_EXPERIMENTAL_SWITCH} set "
+        f"(here {'unset' if switch is None else repr(switch)}) and heads x query tokens "
+        f"{' or '.join(map(str, AITER_V40_HEADS_X_QUERY_TOKENS))} (here {heads} x {queries}); it reads one cache a "
+        "call (the window segment would have to be copied beside the top-k one), an FP8 query with UE8M0 scales "
+        "(the V4 contract's query is bfloat16), and returns its LSE with the sink folded in; its cache row is "
+        f"{AITER_V40_TOKEN_BYTES} bytes (448 e4m3 + the 7 UE8M0 scales each twice + 50 pad, and the RoPE part in "
+        "a separate bf16 buffer): fp8_ds_mla_v4's 584 bytes convert exactly (the same e4m3 values and scales), "
+        f"at 584 bytes read and {AITER_V40_TOKEN_BYTES} written a token a step before the kernel reads the copy"
+    )
+    nm_heads = ", ".join(f"{h} x {'/'.join(map(str, q))}" for h, q in AITER_V4_NM_HEADS.items())
+    reasons.append(
+        "mla_decode_fwd_v4_nm declined: its kernel fixes the softmax scale at 1/sqrt(512) (sm_scale ignored; the "
+        "V4 contract takes the caller's), its split merge writes no final LSE (the V4 op returns one), it "
+        "requires a sink and takes FP8 packed query and cache rows, page size 1, heads x query tokens "
+        f"{nm_heads} (here {heads} x {queries})"
+    )
+    return reasons
+
+
 class _AiterSparseBackend(MLASparseBackend):
     """What both sparse phases need: an aiter with `mla_decode_fwd` on ROCm gfx942 / gfx950, bfloat16 throughout."""
 
@@ -1678,8 +2023,13 @@ class _AiterSparseBackend(MLASparseBackend):
 
     @classmethod
     def validate_configuration(cls, platform: Platform, config: SparseSelectorConfig) -> list[str]:
-        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can)."""
+        """Reasons the installed aiter cannot run `config` on `platform` (empty when it can); a V4 configuration
+        always has them (`_v4_reasons`, from aiter's source, installed or not)."""
         reasons = super().validate_configuration(platform, config)
+        if config.v4:
+            generic = [r for r in reasons if r.startswith("the V4 contract")]
+            reasons = [r for r in reasons if r not in generic]
+            return reasons + _v4_reasons(platform, config, _where(platform))
         probe = probe_aiter()
         if probe.error or platform.vendor != "rocm":
             return reasons
@@ -1698,6 +2048,8 @@ class _AiterSparseBackend(MLASparseBackend):
             cuda_graphs=cls.supports_cuda_graphs,
             returns_lse=cls.provides_lse(),
             attn_sink="applied from the LSE" if cls.provides_lse() else "needs an aiter with return_lse (ValueError)",
+            v4=f"declined: aiter {AITER_SOURCE_TAG}'s {', '.join(AITER_V4_KERNELS)} (gfx950; their own "
+               f"{AITER_V40_TOKEN_BYTES}-byte FP8 layouts, see the reasons)",
         )
         return info
 
@@ -1731,6 +2083,8 @@ __all__ = [
     "AiterSparsePrefillBackend",
     "AiterSparsePrefillImpl",
     "SparseKVIndices",
+    "fp8_prefill_summary",
+    "quantize_per_tensor",
     "clear_probe_cache",
     "paged_kv_indices",
     "probe_aiter",

@@ -180,4 +180,81 @@ def mla_prefill_ps_fwd(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    raise NotImplementedError("not modelled by the stand-in aiter")
+    """aiter's wrapper: partial buffers of reduce_partial_map.size(0) x 256 rows, the kernel, the reduce into
+    `output` with a final LSE it keeps to itself; it returns the partial LSE buffer (as aiter does)."""
+    total_s, nhead, v_head_dim = output.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / (v_head_dim ** 0.5)
+    tile_q = 256
+    logits = torch.empty((reduce_partial_map.size(0) * tile_q, nhead, v_head_dim), dtype=torch.float32)
+    attn_lse = torch.empty((reduce_partial_map.size(0) * tile_q, nhead), dtype=torch.float32)
+    final_lse = torch.empty((total_s, nhead), dtype=torch.float32)
+    attention.mla_prefill_ps_asm_fwd(Q, K, V, qo_indptr, kv_indptr, kv_page_indices, work_indptr, work_info_set,
+                                     max_seqlen_q, softmax_scale, is_causal, logits, attn_lse, output, q_scale,
+                                     k_scale, v_scale)
+    attention.mla_reduce_v1(logits, attn_lse, reduce_indptr, reduce_final_map, reduce_partial_map, tile_q, 0,
+                            output, final_lse)
+    return output.view(total_s, nhead, v_head_dim), attn_lse
+
+
+# DeepSeek-V4 decode entry points: their gates only (ROCM_AITER declines the V4 contract with reasons, see
+# rocm_aiter.AITER_V4_DECODE); past a gate the stand-in does not compute them.
+def mla_v40_decode_fwd(
+    q,
+    q_rope,
+    kv_buffer,
+    kv_buffer_rope,
+    o,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_lens,
+    max_seqlen_q,
+    work_indptr,
+    work_info_set,
+    reduce_indptr,
+    reduce_final_map,
+    reduce_partial_map,
+    sm_scale=None,
+    return_lse=False,
+    attn_sink=None,
+):
+    import os
+
+    assert q.shape[-1] == 512 and kv_buffer.shape[-1] == 512, "the packed V4.0 rows are 512 bytes"
+    assert q_rope.shape[-1] == 64 and kv_buffer_rope.shape[-1] == 64, "the V4.0 RoPE rows are 64 bf16"
+    experimental = os.environ.get("AITER_ENABLE_EXPERIMENTAL", "0")
+    use_hk = (_model.get_gfx() == "gfx950" and o.shape[1] * max_seqlen_q in (64, 128)
+              and q.dtype in _model.FP8 and kv_buffer.dtype in _model.FP8 and q_rope.dtype == torch.bfloat16
+              and kv_buffer_rope.dtype == torch.bfloat16 and kv_buffer.shape[1] in (1, 64)
+              and experimental.lstrip("-").isdigit() and int(experimental) != 0)
+    if not use_hk:
+        raise NotImplementedError("mla_v40_decode_fwd: no backend available")
+    raise NotImplementedError("mla_v40_decode_fwd: not modelled by the stand-in aiter")
+
+
+def mla_decode_fwd_v4_nm(
+    q,
+    qrope,
+    kv_buffer,
+    kvrope,
+    output,
+    qo_indptr,
+    kv_indptr,
+    kv_page_indices,
+    max_seqlen_q,
+    *,
+    sink,
+    split_indptr=None,
+    sm_scale=None,
+    out_16_nosplit=0,
+    num_kv_splits=None,
+    logits=None,
+    attn_lse=None,
+    kv_last_page_lens=None,
+):
+    if sink.dtype != torch.float32:
+        raise ValueError(f"mla_decode_fwd_v4_nm: `sink` must be FP32, got {sink.dtype}.")
+    if _model.get_gfx() != "gfx950":
+        raise _model.AiterError("mla_decode_v4_asm: cannot find suitable kernel")
+    raise NotImplementedError("mla_decode_fwd_v4_nm: not modelled by the stand-in aiter")
