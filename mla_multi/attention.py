@@ -1040,7 +1040,8 @@ class MLAAttentionV4(torch.nn.Module):
         window_kv_format: the window cache's format (None: kv_format; "fp4_ds_mla_v41" beside "fp8_ds_mla_v41").
         dtype: the compute dtype of q, kv and the output (float32 / float64 / bfloat16 / float16).
         device: where the sink parameter lives (the caches and inputs must be there too).
-        workspace_tokens: prefill rows dequantised at a time (top-k plus window rows of a chunk of tokens).
+        workspace_tokens: prefill top-k rows dequantised at a time (a chunk of tokens' top-k rows; the window
+            rows of a step's prefills are read once, one span per request).
         decode_backend, prefill_backend: force the sparse_decode / sparse_prefill backend by name.
     """
 
@@ -1098,9 +1099,8 @@ class MLAAttentionV4(torch.nn.Module):
         self.kv_format = kv_format
         self.window_kv_format = window_kv_format
         self.dtype = dtype
-        # prefill rows dequantised at a time: at least one token's top-k and window rows
-        rows_a_token = (topk or 0) + window_size
-        self.workspace_tokens = max(workspace_tokens or 16 * 1024, rows_a_token)
+        # prefill top-k rows dequantised at a time: at least one token's
+        self.workspace_tokens = max(workspace_tokens or 16 * 1024, topk or 1)
         self._forced_backends = (decode_backend, prefill_backend)
         self.attn_sink = torch.nn.Parameter(
             torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device), requires_grad=False
@@ -1203,8 +1203,7 @@ class MLAAttentionV4(torch.nn.Module):
 
     def _step(self, metadata: CommonAttentionMetadata) -> dict:
         """The step's V4 plan, made once per (step, window_size, rows a prefill chunk may hold)."""
-        key = ("v4 step", self.window_size, self.block_size, (self.topk or 0) + self.window_size,
-               self.workspace_tokens)
+        key = ("v4 step", self.window_size, self.block_size, self.topk, self.workspace_tokens)
         found = metadata.backend_plans.get(key)
         if found is not None:
             return found
@@ -1231,8 +1230,10 @@ class MLAAttentionV4(torch.nn.Module):
         requests = torch.repeat_interleave(torch.arange(len(query_lens)), lengths)
         starts = torch.tensor(list(itertools.accumulate(query_lens, initial=0))[:-1], dtype=torch.int64)
         positions = torch.arange(tokens) - starts[requests] + torch.tensor(computed, dtype=torch.int64)[requests]
+        requests_host, positions_host = requests, positions
         packed = to_device(torch.cat([requests, positions]), device)
         requests, positions = packed[:tokens], packed[tokens:]
+        table = metadata.block_table.long()
         step = {"num_decode_tokens": num_decode_tokens, "num_prefills": num_prefills,
                 "requests": requests, "positions": positions}
         width = self.window_size
@@ -1241,13 +1242,35 @@ class MLAAttentionV4(torch.nn.Module):
             back = positions.unsqueeze(1) - torch.arange(width, device=device)
             valid = back >= 0
             safe = back.clamp(min=0)
-            table = metadata.block_table.long()
             blocks = table[requests.unsqueeze(1), (safe // self.block_size).clamp(max=table.shape[1] - 1)]
             slots = blocks * self.block_size + safe % self.block_size
             step["window_indices"] = torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
             step["window_lengths"] = (positions + 1).clamp(max=width).to(torch.int32)
-        # prefill tokens in chunks whose top-k and window rows fit workspace_tokens
-        per_chunk = max(1, self.workspace_tokens // max(1, (self.topk or 0) + width))
+        if num_prefills > 0 and width > 0:
+            # the prefills' window rows, read once a step: each prefill request's span of positions from
+            # max(0, context - window_size + 1) to its last token (vLLM's gather); a prefill token at position
+            # p of a span that starts at `first`, at row `base` of the rows, reads rows base + p - first - j
+            first = [max(0, c - width + 1) for c in computed[num_decodes:]]
+            spans = [c + n - f for c, n, f in zip(computed[num_decodes:], query_lens[num_decodes:], first)]
+            span_requests = torch.repeat_interleave(torch.arange(num_decodes, len(query_lens)),
+                                                    torch.tensor(spans, dtype=torch.int64))
+            offsets = torch.tensor(list(itertools.accumulate(spans, initial=0)), dtype=torch.int64)
+            span_index = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(torch.tensor(spans))
+            span_positions = span_index + torch.tensor(first, dtype=torch.int64).repeat_interleave(torch.tensor(spans))
+            # each prefill token's row in the span: its request's offset + (its position - the span's first)
+            prefill_requests = requests_host[num_decode_tokens:] - num_decodes
+            token_rows = (offsets[:-1][prefill_requests] + positions_host[num_decode_tokens:]
+                          - torch.tensor(first, dtype=torch.int64)[prefill_requests])
+            packed = to_device(torch.cat([span_requests, span_positions, token_rows]), device)
+            rows = span_requests.numel()
+            span_requests, span_positions, token_rows = packed[:rows], packed[rows: 2 * rows], packed[2 * rows:]
+            blocks = table[span_requests, span_positions // self.block_size]
+            step["prefill_window_slots"] = blocks * self.block_size + span_positions % self.block_size
+            local = token_rows.unsqueeze(1) - torch.arange(width, device=device)
+            step["prefill_window_rows"] = torch.where(
+                valid[num_decode_tokens:], local, torch.full_like(local, -1)).to(torch.int32)
+        # prefill tokens in chunks whose top-k rows fit workspace_tokens
+        per_chunk = max(1, self.workspace_tokens // self.topk) if self.topk is not None else max(1, tokens)
         step["prefill_chunks"] = tuple(
             (start, min(start + per_chunk, tokens)) for start in range(num_decode_tokens, tokens, per_chunk)
         )
@@ -1373,6 +1396,9 @@ class MLAAttentionV4(torch.nn.Module):
             if bad.numel():
                 raise ValueError(f"topk_indices hold slots {bad[:8].tolist()} outside kv_cache; accepted: -1 (none) "
                                  f"or a slot in [0, {num_slots})")
+        if self.window_size > 0:  # the window's blocks (with the data checks on)
+            checks.check_block_table_data(metadata.block_table, metadata.seq_lens, window_cache.shape[0],
+                                          self.block_size)
         # the cache writes: this step's rows into the window, the compressor's rows into the main cache
         if self.window_size > 0:
             ops.concat_and_cache_mla_v4(kv[:, : V4_WIDTH - V4_ROPE], kv[:, V4_WIDTH - V4_ROPE:], window_cache,
@@ -1385,8 +1411,10 @@ class MLAAttentionV4(torch.nn.Module):
         if decode_tokens > 0:
             self._decode(q, kv_cache, window_cache, step, topk_indices, topk_length, 0, decode_tokens,
                          out[:decode_tokens])
-        for start, end in step["prefill_chunks"]:
-            self._prefill(q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out[start:end])
+        if step["prefill_chunks"]:
+            window = self._prefill_window(window_cache, step)
+            for start, end in step["prefill_chunks"]:
+                self._prefill(q, kv_cache, window, step, topk_indices, topk_length, start, end, out[start:end])
         return output
 
     def _segment_args(self, kv_cache, window_cache, step, topk_indices, topk_length, start, end) -> list:
@@ -1416,29 +1444,47 @@ class MLAAttentionV4(torch.nn.Module):
         )
         out.copy_(result)
 
-    def _prefill(self, q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out) -> None:
-        """Prefill tokens start .. end: each token's rows of both segments dequantised (512 wide, the layer's
-        dtype) and attended by `mla_sparse_prefill_v4`. A slot outside its cache gives that token NaN rows and
-        the SPARSE_INDEX error flag (the decode op's policy), never a read outside the cache."""
+    def _prefill_window(self, window_cache, step):
+        """(rows, bad) of the step's prefill window spans, dequantised once (512 wide, the layer's dtype): bad
+        marks the rows whose slot lies outside the cache (read as slot 0); None without a window."""
+        from mla_multi import cache_formats
+
+        if self.window_size == 0:
+            return None
+        slots = step["prefill_window_slots"]
+        num_slots = window_cache.shape[0] * window_cache.shape[1]
+        bad = (slots < 0) | (slots >= num_slots)
+        rows = cache_formats.get_format(self.window_kv_format).read_rows(
+            window_cache, self.dtype, torch.where(bad, torch.zeros_like(slots), slots))
+        return rows, bad
+
+    def _prefill(self, q, kv_cache, window, step, topk_indices, topk_length, start, end, out) -> None:
+        """Prefill tokens start .. end: their top-k rows dequantised (512 wide, the layer's dtype) beside the
+        step's window rows, attended by `mla_sparse_prefill_v4`. A slot outside its cache gives that token NaN
+        rows and the SPARSE_INDEX error flag (the decode op's policy), never a read outside the cache."""
         from mla_multi import cache_formats, errors
 
-        segments = self._segment_args(kv_cache, window_cache, step, topk_indices, topk_length, start, end)
         tokens = end - start
-        bad_tokens = None
-        rows_and_indices = []
-        for cache, fmt_name, indices, lengths in segments:
-            fmt = cache_formats.get_format(fmt_name)
-            num_slots = cache.shape[0] * cache.shape[1]
-            slots = indices.long()
+        first = step["num_decode_tokens"]
+        bad_tokens = torch.zeros(tokens, dtype=torch.bool, device=out.device)
+        segments = []  # (rows, indices, lengths)
+        if self.topk is not None:
+            num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+            slots = topk_indices[start:end].long()
             inside = (slots >= 0) & (slots < num_slots)
-            bad = ((slots < -1) | (slots >= num_slots)).any(dim=1)
-            bad_tokens = bad if bad_tokens is None else bad_tokens | bad
-            rows = fmt.read_rows(cache, self.dtype, torch.where(inside, slots, torch.zeros_like(slots)).reshape(-1))
+            bad_tokens |= ((slots < -1) | (slots >= num_slots)).any(dim=1)
+            rows = cache_formats.get_format(self.kv_format).read_rows(
+                kv_cache, self.dtype, torch.where(inside, slots, torch.zeros_like(slots)).reshape(-1))
             width = slots.shape[1]
             local = torch.arange(tokens * width, device=slots.device, dtype=torch.int64).view(tokens, width)
             local = torch.where(inside, local, torch.full_like(local, -1)).to(torch.int32)
-            rows_and_indices.append((rows, local, lengths))
-        (rows, local, lengths), extra = rows_and_indices[0], rows_and_indices[1:]
+            segments.append((rows, local, None if topk_length is None else topk_length[start:end]))
+        if window is not None:
+            rows, bad_rows = window
+            local = step["prefill_window_rows"][start - first:end - first]
+            bad_tokens |= (bad_rows[local.clamp(min=0).long()] & (local >= 0)).any(dim=1)
+            segments.append((rows, local, step["window_lengths"][start:end]))
+        (rows, local, lengths), extra = segments[0], segments[1:]
         keywords = {}
         if extra:
             extra_rows, extra_local, extra_lengths = extra[0]

@@ -501,3 +501,45 @@ def test_forward_errors_name_the_argument():
         layer.plan(long)
     with pytest.raises(ValueError, match=r"metadata=int"):
         layer.plan(3)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_bad_window_block_is_an_error_with_checks_and_nan_rows_without(kind, monkeypatch):
+    from mla_multi import checks, errors
+
+    scene = scene_with_history()
+    requests, threshold = STEPS[kind]
+    inputs = scene.step(requests, decode_threshold=threshold)
+    metadata = inputs["metadata"]
+    table = metadata.block_table.clone()
+    last = scene.lengths[requests[0][0]] - 1
+    bad_block = last // BLOCK  # request 0's block of its last token: in the window of its new tokens
+    table[0, bad_block] = NUM_BLOCKS + 5
+    bad = mm.CommonAttentionMetadata.from_lengths(metadata.query_lens_cpu, metadata.seq_lens_cpu, table, BLOCK,
+                                                  threshold)
+    inputs["metadata"] = bad
+    with pytest.raises(ValueError, match=rf"block_table\[0\] uses blocks .*{NUM_BLOCKS + 5}"):
+        scene.run(inputs)
+    # without the data checks: the tokens whose window reads the bad block get NaN rows and the flag is set
+    monkeypatch.setattr(checks, "data_checks_enabled", lambda device=None: False)
+    errors.error_flag(CPU).zero_()
+    out = scene.run(inputs).view(-1, HEADS, 512)
+    width = scene.layer.window_size
+    touches = [r == requests[0][0] and any(q // BLOCK == bad_block for q in range(max(0, p - width + 1), p + 1))
+               for r, p in scene.token_positions(inputs["requests"])]
+    assert touches.count(True) >= 1 and touches.count(False) >= 1
+    for t, bad_token in enumerate(touches):
+        assert bool(torch.isnan(out[t]).all()) == bad_token, t
+        assert bad_token or bool(torch.isfinite(out[t]).all()), t
+    assert int(errors.error_flag(CPU)) & errors.SPARSE_INDEX
+    errors.error_flag(CPU).zero_()
+
+
+def test_demo_v4_on_the_cpu_checks_against_float64(capsys):
+    from mla_multi import cli
+
+    assert cli.main(["demo", "--v4", "528+288", "--num-heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_ds_mla_v41 + window fp4_ds_mla_v41" in out
+    assert "sparse_decode_v4=REFERENCE, sparse_prefill_v4=REFERENCE" in out
+    assert "up to 4 tokens each" in out and out.splitlines()[-1].endswith("OK")
