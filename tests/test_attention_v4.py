@@ -40,9 +40,10 @@ def fresh_state():
     library.set_current_metadata(CPU, None)
 
 
-def clone_cache(cache: torch.Tensor) -> torch.Tensor:
-    """A copy with the cache's strides (a V4 cache's blocks are padded: `clone` would drop the padding)."""
-    copy = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=cache.device)
+def clone_cache(cache: torch.Tensor, device=None) -> torch.Tensor:
+    """A copy with the cache's strides (a V4 cache's blocks are padded: `clone` and `.cpu()` would drop the
+    padding), on `device` (the cache's by default)."""
+    copy = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=device or cache.device)
     return copy.copy_(cache)
 
 
@@ -50,15 +51,16 @@ class Scene:
     """A V4 layer, its caches and requests that grow step by step; the float64 reference of each step."""
 
     def __init__(self, *, topk=16, window=8, kv_format="fp8_ds_mla_v4", window_kv_format=None,
-                 dtype=torch.float32, seed=0, sink=True, workspace_tokens=None):
+                 dtype=torch.float32, seed=0, sink=True, workspace_tokens=None, device=CPU, heads=HEADS):
         self.layer = mm.MLAAttentionV4(
-            HEADS, SCALE, block_size=BLOCK, max_model_len=MAX_BLOCKS * BLOCK, max_num_seqs=8, topk=topk,
+            heads, SCALE, block_size=BLOCK, max_model_len=MAX_BLOCKS * BLOCK, max_num_seqs=8, topk=topk,
             window_size=window, kv_format=kv_format, window_kv_format=window_kv_format, dtype=dtype,
-            workspace_tokens=workspace_tokens,
+            workspace_tokens=workspace_tokens, device=device,
         )
+        self.device, self.heads = device, heads
         self.generator = torch.Generator().manual_seed(seed)
         if sink:
-            self.layer.attn_sink.data = torch.randn(HEADS, generator=self.generator, dtype=torch.float32) + 1.0
+            self.layer.attn_sink.data = (torch.randn(heads, generator=self.generator) + 1.0).to(device)
         self.dtype = dtype
         self.window_cache = self.layer.allocate_window_cache(NUM_BLOCKS) if window else None
         self.kv_cache = self.layer.allocate_kv_cache(MAIN_BLOCKS, MAIN_BLOCK) if topk else None
@@ -69,7 +71,7 @@ class Scene:
         self.lengths: dict[int, int] = {}
 
     def randn(self, *shape):
-        return torch.randn(*shape, generator=self.generator, dtype=torch.float64).to(self.dtype)
+        return torch.randn(*shape, generator=self.generator, dtype=torch.float64).to(self.dtype).to(self.device)
 
     def step(self, requests, *, decode_threshold=1, compressed=3, reorder=False):
         """The inputs of a step of (request, new tokens) pairs, decodes first (unless `reorder`)."""
@@ -83,17 +85,17 @@ class Scene:
             query_lens.append(new)
             seq_lens.append(length)
             table.append(blocks + [0] * (MAX_BLOCKS - len(blocks)))
-        block_table = torch.tensor(table, dtype=torch.int32)
+        block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
         metadata = mm.CommonAttentionMetadata.from_lengths(query_lens, seq_lens, block_table, BLOCK,
                                                            decode_threshold, reorder=reorder)
         tokens = sum(query_lens)
-        inputs = {"q": self.randn(tokens, HEADS, 512), "kv": self.randn(tokens, 512), "metadata": metadata,
+        inputs = {"q": self.randn(tokens, self.heads, 512), "kv": self.randn(tokens, 512), "metadata": metadata,
                   "requests": list(requests)}
         if self.layer.topk is not None:
             if compressed:
                 slots = [self.free_slots.pop() for _ in range(compressed)]
                 inputs["compressed_kv"] = self.randn(compressed, 512)
-                inputs["compressed_slot_mapping"] = torch.tensor(slots, dtype=torch.int64)
+                inputs["compressed_slot_mapping"] = torch.tensor(slots, dtype=torch.int64, device=self.device)
                 self.written_slots += slots
             topk = self.layer.topk
             pool = torch.tensor(self.written_slots, dtype=torch.int32)
@@ -101,9 +103,9 @@ class Scene:
             gaps = torch.rand(tokens, topk, generator=self.generator) < 0.2
             picks[gaps] = -1                             # no token there
             picks[:, 1] = picks[:, 0]                    # a duplicate counts twice
-            inputs["topk_indices"] = picks
+            inputs["topk_indices"] = picks.to(self.device)
             inputs["topk_length"] = torch.randint(topk // 2, topk + 1, (tokens,), generator=self.generator,
-                                                  dtype=torch.int32)
+                                                  dtype=torch.int32).to(self.device)
         return inputs
 
     def run(self, inputs, *, layer=None, kv_cache=None, window_cache=None):
@@ -126,9 +128,11 @@ class Scene:
     def reference(self, inputs) -> torch.Tensor:
         """Naive float64 V4 attention of the step just run (caches read after its writes), [T, N * 512]."""
         layer = self.layer
-        q = inputs["q"].double()
-        sink = layer.attn_sink.double()
-        out = torch.zeros(q.shape[0], HEADS, 512, dtype=torch.float64)
+        q = inputs["q"].double().cpu()
+        sink = layer.attn_sink.double().cpu()
+        kv_cache = None if self.kv_cache is None else clone_cache(self.kv_cache, CPU)
+        window_cache = None if self.window_cache is None else clone_cache(self.window_cache, CPU)
+        out = torch.zeros(q.shape[0], self.heads, 512, dtype=torch.float64)
         for t, (request, position) in enumerate(self.token_positions(inputs["requests"])):
             rows = []
             if layer.topk is not None:
@@ -136,10 +140,10 @@ class Scene:
                 slots = [s for s in inputs["topk_indices"][t, :count].tolist() if s >= 0]
                 if slots:
                     rows.append(cache_formats.get_format(layer.kv_format).read_rows(
-                        self.kv_cache, torch.float64, torch.tensor(slots)))
+                        kv_cache, torch.float64, torch.tensor(slots)))
             if layer.window_size:
                 rows.append(cache_formats.get_format(layer.window_kv_format).read_rows(
-                    self.window_cache, torch.float64, torch.tensor(self.window_slots(request, position))))
+                    window_cache, torch.float64, torch.tensor(self.window_slots(request, position))))
             if not rows:
                 continue
             keys = torch.cat(rows)
@@ -147,7 +151,7 @@ class Scene:
             lse = torch.logsumexp(scores, dim=1, keepdim=True)
             attended = torch.softmax(scores, dim=1) @ keys        # [N, 512]
             out[t] = attended * torch.sigmoid(lse - sink.unsqueeze(1))  # exp(lse) / (exp(lse) + exp(sink))
-        return out.reshape(q.shape[0], HEADS * 512)
+        return out.reshape(q.shape[0], self.heads * 512)
 
     def check_writes(self, inputs) -> None:
         """The step's rows sit where their positions (window) and slots (main) say, within the format's error."""
@@ -155,11 +159,11 @@ class Scene:
         if layer.window_size:
             slots = [self.tables[r][p // BLOCK] * BLOCK + p % BLOCK for r, p in self.token_positions(inputs["requests"])]
             stored = cache_formats.get_format(layer.window_kv_format).read_rows(
-                self.window_cache, torch.float64, torch.tensor(slots))
+                clone_cache(self.window_cache, CPU), torch.float64, torch.tensor(slots))
             assert relative_error(stored, inputs["kv"].double()) < BOUND[layer.window_kv_format]
         if "compressed_kv" in inputs:
             stored = cache_formats.get_format(layer.kv_format).read_rows(
-                self.kv_cache, torch.float64, inputs["compressed_slot_mapping"])
+                clone_cache(self.kv_cache, CPU), torch.float64, inputs["compressed_slot_mapping"].cpu())
             assert relative_error(stored, inputs["compressed_kv"].double()) < BOUND[layer.kv_format]
 
 
@@ -173,6 +177,7 @@ STEPS = {
 
 
 def scene_with_history(**options) -> Scene:
+    """A scene whose requests 0-2 hold HISTORY (and 8 compressed rows), written by the layer."""
     scene = Scene(**options)
     inputs = scene.step(HISTORY, compressed=8)
     scene.run(inputs)
@@ -180,7 +185,7 @@ def scene_with_history(**options) -> Scene:
 
 
 def check_step(scene: Scene, inputs, out, tolerance=1e-5) -> None:
-    assert out.shape == (inputs["q"].shape[0], HEADS * 512) and out.dtype == scene.dtype
+    assert out.shape == (inputs["q"].shape[0], scene.heads * 512) and out.dtype == scene.dtype
     assert torch.isfinite(out).all()
     scene.check_writes(inputs)
     error = relative_error(out, scene.reference(inputs))
@@ -544,3 +549,25 @@ def test_demo_v4_on_the_cpu_checks_against_float64(capsys):
     assert "fp8_ds_mla_v41 + window fp4_ds_mla_v41" in out
     assert "sparse_decode_v4=REFERENCE, sparse_prefill_v4=REFERENCE" in out
     assert "up to 4 tokens each" in out and out.splitlines()[-1].endswith("OK")
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", [("fp8_ds_mla_v4", None), ("fp8_ds_mla_v41", "fp4_ds_mla_v41")],
+                         ids=["584", "528+288"])
+def test_layer_on_the_gpu_against_float64(formats):
+    """bfloat16, DeepSeek-V4 Flash's 64 heads, through whichever V4 backends the registry picks on the device;
+    decodes, MTP decodes, prefills and a mixed step against float64 over the dequantised caches."""
+    kv_format, window_kv_format = formats
+    scene = Scene(kv_format=kv_format, window_kv_format=window_kv_format, dtype=torch.bfloat16,
+                  device=torch.device("cuda"), heads=64, topk=64, window=16)
+    with torch.inference_mode():
+        inputs = scene.step(HISTORY, compressed=8)
+        scene.layer.plan(inputs["metadata"])
+        check_step(scene, inputs, scene.run(inputs), tolerance=1e-2)
+        for requests, threshold in STEPS.values():
+            inputs = scene.step(requests, decode_threshold=threshold)
+            scene.layer.plan(inputs["metadata"])
+            check_step(scene, inputs, scene.run(inputs), tolerance=1e-2)
