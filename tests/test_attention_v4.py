@@ -393,6 +393,28 @@ def test_compile_fullgraph_matches_eager(kind):
     assert relative_error(attn, scene.reference(inputs)) < 1e-5
 
 
+def test_compiled_steps_of_new_lengths_do_not_recompile():
+    """dynamic=True: one graph for steps of any batch (the metadata never enters the graph)."""
+    scene = scene_with_history()
+    model = Model(scene.layer)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    steps = [([(0, 1), (1, 1), (2, 1), (3, 2)], 1, 2), (STEPS["mtp_decode"][0], 8, 3), (STEPS["mixed"][0], 4, 4),
+             ([(4, 17), (1, 3)], 1, 5)]
+    with torch.inference_mode():
+        for index, (requests, threshold, compressed) in enumerate(steps):
+            inputs = scene.step(requests, decode_threshold=threshold, compressed=compressed)
+            x = torch.randn(inputs["q"].shape[0], 12, generator=torch.Generator().manual_seed(index))
+            eager_caches = (clone_cache(scene.kv_cache), clone_cache(scene.window_cache))
+            scene.layer.plan(inputs["metadata"])
+            rest = (inputs["topk_indices"], inputs["topk_length"], inputs["compressed_kv"],
+                    inputs["compressed_slot_mapping"])
+            y_eager = model(x, inputs["kv"], *eager_caches, *rest, metadata=inputs["metadata"])
+            y = compiled(x, inputs["kv"], scene.kv_cache, scene.window_cache, *rest)
+            torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5 * y_eager.abs().max().item())
+            assert torch.equal(scene.window_cache, eager_caches[1]) and torch.equal(scene.kv_cache, eager_caches[0])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 def test_compile_graph_holds_one_opaque_node_and_the_schema():
     scene = scene_with_history()
     inputs = scene.step(STEPS["decode"][0])
@@ -416,6 +438,21 @@ def test_compile_graph_holds_one_opaque_node_and_the_schema():
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"kv_cache", "window_cache", "output"}
     assert torch.Tag.cudagraph_unsafe in torch.ops.mla_multi.mla_attention_v4.default.tags
+
+
+def test_opcheck():
+    # V4.1's blocks are unpadded (opcheck's AOT tests copy the mutated caches with their default strides)
+    scene = scene_with_history(kv_format="fp8_ds_mla_v41")
+    inputs = scene.step(STEPS["mixed"][0], decode_threshold=4)
+    scene.layer.plan(inputs["metadata"])
+    out = torch.zeros(inputs["q"].shape[0], HEADS * 512)
+    torch.library.opcheck(
+        torch.ops.mla_multi.mla_attention_v4.default,
+        (inputs["q"], inputs["kv"], scene.kv_cache, scene.window_cache, out, inputs["topk_indices"],
+         inputs["topk_length"], inputs["compressed_kv"], inputs["compressed_slot_mapping"], scene.layer.layer_id),
+        test_utils=["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                    "test_aot_dispatch_dynamic"],
+    )
 
 
 def test_compiled_forward_without_a_current_step_says_what_to_call():
