@@ -1085,7 +1085,8 @@ class MLAAttentionV4(torch.nn.Module):
                              f"{', '.join(allowed)}")
         if topk is None and cache_formats.FORMATS[window_kv_format].second_segment_only:
             raise ValueError(f"window_kv_format={window_kv_format!r} serves only as a second segment; a layer "
-                             f"without topk reads the window as its only segment: accepted {', '.join(V4_MAIN_FORMATS)}")
+                             "without topk reads the window as its only segment: accepted "
+                             f"{', '.join(V4_MAIN_FORMATS)}")
         if dtype not in ops.FLOAT_DTYPES:
             raise ValueError(f"dtype={dtype!r}; accepted: {', '.join(dtype_name(d) for d in ops.FLOAT_DTYPES)}")
         if workspace_tokens is not None:

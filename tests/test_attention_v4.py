@@ -157,7 +157,8 @@ class Scene:
         """The step's rows sit where their positions (window) and slots (main) say, within the format's error."""
         layer = self.layer
         if layer.window_size:
-            slots = [self.tables[r][p // BLOCK] * BLOCK + p % BLOCK for r, p in self.token_positions(inputs["requests"])]
+            slots = [self.tables[r][p // BLOCK] * BLOCK + p % BLOCK
+                     for r, p in self.token_positions(inputs["requests"])]
             stored = cache_formats.get_format(layer.window_kv_format).read_rows(
                 clone_cache(self.window_cache, CPU), torch.float64, torch.tensor(slots))
             assert relative_error(stored, inputs["kv"].double()) < BOUND[layer.window_kv_format]
@@ -518,7 +519,8 @@ def test_forward_errors_name_the_argument():
         (dict(kv=kv[:, :448]), r"^kv "),
         (dict(kv_cache=window[:, :, :528]), r"kv_cache"),
         (dict(kv_cache=torch.zeros(4, 16, 584)), r"kv_cache"),
-        (dict(window_cache=cache_formats.get_format("fp8_ds_mla_v4").allocate(4, 16)), r"window_cache has blocks of 16"),
+        (dict(window_cache=cache_formats.get_format("fp8_ds_mla_v4").allocate(4, 16)),
+         r"window_cache has blocks of 16"),
         (dict(window_cache=None), r"window_cache"),
         (dict(topk_indices=None), r"forward needs topk_indices"),
         (dict(topk_indices=topk.long()), r"topk_indices"),
