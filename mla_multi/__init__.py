@@ -13,7 +13,7 @@ import sys
 import torch
 
 from mla_multi import envs
-from mla_multi.attention import MLAAttention
+from mla_multi.attention import MLAAttention, MLAAttentionV4
 from mla_multi.dims import MLADims
 from mla_multi.kv_cache import allocate_kv_cache
 from mla_multi.metadata import (
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MLAAttention",
+    "MLAAttentionV4",
     "MLADims",
     "BatchOrder",
     "CommonAttentionMetadata",

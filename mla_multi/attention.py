@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 
 import torch
 
@@ -968,3 +970,530 @@ class MLAAttention(torch.nn.Module):
                 return
             out, _ = ops.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
         output[num_decode_tokens:] = out.reshape(out.shape[0], d.num_heads * d.v_head_dim)
+
+
+# ---------------------------------------------------------------------------------------------------- DeepSeek-V4
+V4_WIDTH = 512  # d_qk = d_v: 448 latent + 64 RoPE dims
+V4_ROPE = 64
+V4_MAIN_FORMATS = ("fp8_ds_mla_v4", "fp8_ds_mla_v41")
+# the most new tokens a decode request may carry (MTP): FlashMLA's sparse decode takes s_q up to this
+V4_MAX_DECODE_QUERY_LEN = 8
+
+
+class MLAAttentionV4(torch.nn.Module):
+    """One DeepSeek-V4 attention layer's attention (`torch.nn.Module`): sparse MLA under the V4 contract.
+
+    Per step, for every new token t (decodes and prefills alike) one softmax runs over two KV segments of
+    512-wide rows (448 latent + 64 RoPE dims; the key and the value are the whole row: d_qk = d_v = 512):
+
+    * the top-k segment: the rows of the main cache `kv_cache` named by `topk_indices[t]` (the model's
+      compressed tokens its indexer selected, or all of them), in `kv_format` ("fp8_ds_mla_v4", 584 bytes a
+      token, or V4.1's "fp8_ds_mla_v41", 528);
+    * the window segment: the `window_size` most recent tokens of t's request, t itself included (positions
+      max(0, p - window_size + 1) .. p), from `window_cache`, in `window_kv_format` (the main cache's format,
+      or "fp4_ds_mla_v41", 288 bytes, beside "fp8_ds_mla_v41"). Their indices are built by the layer, once per
+      step, from the positions and the step's block table (vLLM's way).
+
+    and the output is scaled by the attention sink of each head, exp(lse) / (exp(lse) + exp(attn_sink[h])).
+
+    Conventions:
+
+    * q [T, N, 512]: each head's query after `wq_b`, its last 64 dims rotated (RoPE is the caller's).
+    * kv [T, 512]: the new tokens' rows (after `kv_norm`, the last 64 dims rotated); the layer writes them
+      into `window_cache` at `metadata.slot_mapping` (`mla_multi.ops.concat_and_cache_mla_v4`).
+    * metadata: the step's `CommonAttentionMetadata`, built for the window cache (its block_table and
+      block_size page `window_cache`; block_size is this layer's). Decodes first (query_len <=
+      metadata.decode_threshold, up to 8 new tokens a decode request: MTP), or ``reorder=True``.
+    * topk_indices int32 [T, <= topk]: each token's top-k segment as slots of `kv_cache` (block *
+      kv_block_size + offset: FlashMLA's ``indices``, vLLM's global top-k indices), -1 = none, a duplicate
+      counts twice; topk_length int32 [T] (optional): only the first topk_length[t] count.
+    * compressed_kv [C, 512] and compressed_slot_mapping [C] int64 (optional): rows the model's compressor
+      produced this step, written into `kv_cache` (negative slot: skipped) before the attention reads it.
+    * The output [T, N * 512]: each head's attended rows, in q's dtype. The projection after it is the
+      model's: the inverse RoPE of each head's last 64 dims, then `wo_a` (grouped) and `wo_b`. In the V3.2
+      mode the layer up-projects with W_UV because the value is `latent @ W_UV` (part of the attention, held
+      in `kv_b_proj`); V4 has no kv_b_proj (its value is the row itself), and the inverse RoPE needs the
+      caller's positions and rotation, as q's RoPE does: the layer ends where the attention ends.
+    * scale: the softmax scale, 512 ** -0.5 for DeepSeek-V4 (head_dim ** -0.5).
+
+    Weights: `attn_sink` [N] float32, the module's parameter (`state_dict()` key ``attn_sink``), -inf at
+    construction (no sink: the output unscaled) until the checkpoint's values are loaded; `.to()` moves it
+    and keeps it float32 (`.half()` etc. change the layer's compute dtype, not the sink's).
+
+    A layer without a top-k segment (`topk=None`: V4's layers without compression) takes no kv_cache and no
+    topk_indices; a layer with `window_size=0` takes no window_cache (its kv is then not written).
+
+    Plan / forward / compile: as `MLAAttention` in sparse mode. `plan(metadata)` once per step (the window
+    indices and the prefill chunks are made there, on the host and in queued device work: no
+    synchronisation) and makes the step current; `forward` then only launches. Under `torch.compile` the
+    forward is one opaque op, ``torch.ops.mla_multi.mla_attention_v4``, that runs this eager forward with the
+    current step. Inference only (`NO_BACKWARD`).
+
+    Args:
+        num_heads: query heads on this device (N).
+        scale: softmax scale.
+        block_size: tokens per block of the window cache (the step metadata's block_size).
+        max_model_len, max_num_seqs: the largest request and batch (bounds checked at plan).
+        topk: the most top-k entries a token (None: no top-k segment, no main cache).
+        window_size: tokens of the window segment (0: none; DeepSeek-V4's is 128).
+        kv_format: the main cache's format ("fp8_ds_mla_v4" or "fp8_ds_mla_v41").
+        window_kv_format: the window cache's format (None: kv_format; "fp4_ds_mla_v41" beside "fp8_ds_mla_v41").
+        dtype: the compute dtype of q, kv and the output (float32 / float64 / bfloat16 / float16).
+        device: where the sink parameter lives (the caches and inputs must be there too).
+        workspace_tokens: prefill top-k rows dequantised at a time (a chunk of tokens' top-k rows; the window
+            rows of a step's prefills are read once, one span per request).
+        decode_backend, prefill_backend: force the sparse_decode / sparse_prefill backend by name.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        topk: int | None = None,
+        window_size: int = 128,
+        kv_format: str = "fp8_ds_mla_v4",
+        window_kv_format: str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        workspace_tokens: int | None = None,
+        decode_backend: str | None = None,
+        prefill_backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        from mla_multi import cache_formats
+
+        for name, value in (("num_heads", num_heads), ("block_size", block_size), ("max_model_len", max_model_len),
+                            ("max_num_seqs", max_num_seqs)):
+            checks.check_positive_int(name, value)
+        self.scale = checks.check_positive_float("scale", scale)
+        checks.check_positive_int("topk", topk, allow_none=True)
+        if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 0:
+            raise ValueError(f"window_size={window_size!r}; accepted: an int >= 0 (0: no window segment)")
+        if topk is None and window_size == 0:
+            raise ValueError("topk=None with window_size=0 leaves nothing to attend to; accepted: a topk, a "
+                             "window_size >= 1, or both")
+        if kv_format not in V4_MAIN_FORMATS:
+            raise ValueError(f"kv_format={kv_format!r}; accepted: {', '.join(V4_MAIN_FORMATS)}")
+        window_kv_format = kv_format if window_kv_format is None else window_kv_format
+        allowed = (kv_format,) + tuple(f.name for f in cache_formats.FORMATS.values() if kv_format in f.main_formats)
+        if window_kv_format not in allowed:
+            raise ValueError(f"window_kv_format={window_kv_format!r} beside kv_format={kv_format!r}; accepted: "
+                             f"{', '.join(allowed)}")
+        if topk is None and cache_formats.FORMATS[window_kv_format].second_segment_only:
+            raise ValueError(f"window_kv_format={window_kv_format!r} serves only as a second segment; a layer "
+                             "without topk reads the window as its only segment: accepted "
+                             f"{', '.join(V4_MAIN_FORMATS)}")
+        if dtype not in ops.FLOAT_DTYPES:
+            raise ValueError(f"dtype={dtype!r}; accepted: {', '.join(dtype_name(d) for d in ops.FLOAT_DTYPES)}")
+        if workspace_tokens is not None:
+            checks.check_positive_int("workspace_tokens", workspace_tokens)
+        self.num_heads = num_heads
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.topk = topk
+        self.window_size = window_size
+        self.kv_format = kv_format
+        self.window_kv_format = window_kv_format
+        self.dtype = dtype
+        # prefill top-k rows dequantised at a time: at least one token's
+        self.workspace_tokens = max(workspace_tokens or 16 * 1024, topk or 1)
+        self._forced_backends = (decode_backend, prefill_backend)
+        self.attn_sink = torch.nn.Parameter(
+            torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self._bind()
+        from mla_multi import library
+
+        self.layer_id: int = library.register_layer(self)
+
+    # ------------------------------------------------------------------ selection
+    @property
+    def device(self) -> torch.device:
+        return self.attn_sink.device
+
+    def _segments(self, phase: str) -> tuple[str, str | None]:
+        """(kv_format, extra_kv_format) of the op calls of `phase`: the top-k segment first (the window the
+        second), or the window alone."""
+        if phase == "sparse_prefill":
+            both = self.topk is not None and self.window_size > 0
+            return "rows", ("rows" if both else None)
+        if self.topk is None:
+            return self.window_kv_format, None
+        return self.kv_format, (self.window_kv_format if self.window_size > 0 else None)
+
+    def _bind(self) -> None:
+        """The backends of both phases for the layer's dtype and device (again after `.to()`)."""
+        from mla_multi.registry import select_sparse_backend
+
+        dims = MLADims(self.num_heads, kv_lora_rank=V4_WIDTH - V4_ROPE, qk_rope_head_dim=V4_ROPE)
+        entries = (self.topk or 0) + self.window_size
+        selected = {}
+        for phase, forced in zip(("sparse_decode", "sparse_prefill"), self._forced_backends):
+            kv_format, extra = self._segments(phase)
+            kv_dtype = torch.uint8 if phase == "sparse_decode" else self.dtype
+            selected[phase] = select_sparse_backend(
+                phase, dims, self.dtype, kv_dtype, entries, backend=forced, with_lengths=True, kv_format=kv_format,
+                extra_kv_format=extra, with_sink=True, platform=None,
+            )
+        self.decode_backend = selected["sparse_decode"]
+        self.prefill_backend = selected["sparse_prefill"]
+        ops.error_flag(self.device)  # exists before a graph captures its address
+
+    def backends(self) -> dict[str, str]:
+        """{"sparse_decode_v4": name, "sparse_prefill_v4": name}: the registry's choice for this layer's
+        configuration (each call is planned by the ops, which may choose by its token count)."""
+        return {"sparse_decode_v4": self.decode_backend.name, "sparse_prefill_v4": self.prefill_backend.name}
+
+    def _apply(self, fn, recurse=True):
+        # `.to(device / dtype)`, `.half()` ...: the compute dtype follows a dtype change, the sink stays float32
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        result = super()._apply(fn, recurse)
+        if self.attn_sink.dtype != torch.float32:
+            self.attn_sink.data = self.attn_sink.data.float()
+        if probe.is_floating_point() and probe.dtype in ops.FLOAT_DTYPES:
+            self.dtype = probe.dtype
+        self._bind()
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, scale={self.scale:.6g}, topk={self.topk}, "
+                f"window_size={self.window_size}, kv_format={self.kv_format}, "
+                f"window_kv_format={self.window_kv_format}, block_size={self.block_size}, "
+                f"dtype={dtype_name(self.dtype)}, backends={self.backends()}")
+
+    # ------------------------------------------------------------------ caches
+    def allocate_kv_cache(self, num_blocks: int, block_size: int | None = None, *, device=None) -> torch.Tensor:
+        """A zeroed main (top-k) cache: uint8 [num_blocks, block_size, bytes] in `kv_format` with its block
+        stride (`CacheFormat.allocate`); block_size defaults to the layer's."""
+        from mla_multi import cache_formats
+
+        if self.topk is None:
+            raise ValueError("this MLAAttentionV4 has no top-k segment (topk=None): it uses no kv_cache")
+        checks.check_positive_int("num_blocks", num_blocks)
+        checks.check_positive_int("block_size", block_size, allow_none=True)
+        return cache_formats.get_format(self.kv_format).allocate(
+            num_blocks, block_size or self.block_size, self.device if device is None else device)
+
+    def allocate_window_cache(self, num_blocks: int, *, device=None) -> torch.Tensor:
+        """A zeroed window cache: uint8 [num_blocks, block_size, bytes] in `window_kv_format`."""
+        from mla_multi import cache_formats
+
+        if self.window_size == 0:
+            raise ValueError("this MLAAttentionV4 has no window segment (window_size=0): it uses no window_cache")
+        checks.check_positive_int("num_blocks", num_blocks)
+        return cache_formats.get_format(self.window_kv_format).allocate(
+            num_blocks, self.block_size, self.device if device is None else device)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, metadata: CommonAttentionMetadata, *, cuda_graph: bool = False) -> None:
+        """Plan the step of `metadata` once (shared by every V4 layer of the same window size and block size):
+        each token's position and window indices, the decode / prefill split and the prefill chunks; and make
+        it the current step of the layer's device (the compiled forward runs it). `cuda_graph` is accepted
+        for `MLAAttention.plan`'s signature: the plan is the same."""
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        from mla_multi import library
+
+        library.set_current_metadata(self.device, metadata)
+        self._step(metadata)
+
+    def _step(self, metadata: CommonAttentionMetadata) -> dict:
+        """The step's V4 plan, made once per (step, window_size, rows a prefill chunk may hold)."""
+        key = ("v4 step", self.window_size, self.block_size, self.topk, self.workspace_tokens)
+        found = metadata.backend_plans.get(key)
+        if found is not None:
+            return found
+        if metadata.block_size != self.block_size:
+            raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size (its window "
+                             f"cache's) is {self.block_size}")
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
+        query_lens, computed = metadata.host_lengths()
+        longest_decode = max(query_lens[:num_decodes], default=0)
+        if longest_decode > V4_MAX_DECODE_QUERY_LEN:
+            raise ValueError(f"metadata.decode_threshold={metadata.decode_threshold} makes a decode of "
+                             f"{longest_decode} tokens; accepted: at most {V4_MAX_DECODE_QUERY_LEN} new tokens a "
+                             "decode request (MTP)")
+        if metadata.num_reqs > self.max_num_seqs:
+            raise ValueError(f"the step has {metadata.num_reqs} requests; this layer's max_num_seqs is "
+                             f"{self.max_num_seqs}")
+        if metadata.max_seq_len > self.max_model_len:
+            raise ValueError(f"the step's longest request has {metadata.max_seq_len} tokens; this layer's "
+                             f"max_model_len is {self.max_model_len}")
+        tokens = metadata.num_actual_tokens
+        device = metadata.block_table.device
+        # every token's request and position, on the host, then one queued copy
+        lengths = torch.tensor(query_lens, dtype=torch.int64)
+        requests = torch.repeat_interleave(torch.arange(len(query_lens)), lengths)
+        starts = torch.tensor(list(itertools.accumulate(query_lens, initial=0))[:-1], dtype=torch.int64)
+        positions = torch.arange(tokens) - starts[requests] + torch.tensor(computed, dtype=torch.int64)[requests]
+        requests_host, positions_host = requests, positions
+        packed = to_device(torch.cat([requests, positions]), device)
+        requests, positions = packed[:tokens], packed[tokens:]
+        table = metadata.block_table.long()
+        step = {"num_decode_tokens": num_decode_tokens, "num_prefills": num_prefills,
+                "requests": requests, "positions": positions}
+        width = self.window_size
+        if width > 0:
+            # newest first: the window's valid entries lead, so its length is min(p + 1, window_size)
+            back = positions.unsqueeze(1) - torch.arange(width, device=device)
+            valid = back >= 0
+            safe = back.clamp(min=0)
+            blocks = table[requests.unsqueeze(1), (safe // self.block_size).clamp(max=table.shape[1] - 1)]
+            slots = blocks * self.block_size + safe % self.block_size
+            step["window_indices"] = torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+            step["window_lengths"] = (positions + 1).clamp(max=width).to(torch.int32)
+        if num_prefills > 0 and width > 0:
+            # the prefills' window rows, read once a step: each prefill request's span of positions from
+            # max(0, context - window_size + 1) to its last token (vLLM's gather); a prefill token at position
+            # p of a span that starts at `first`, at row `base` of the rows, reads rows base + p - first - j
+            first = [max(0, c - width + 1) for c in computed[num_decodes:]]
+            spans = [c + n - f for c, n, f in zip(computed[num_decodes:], query_lens[num_decodes:], first)]
+            span_requests = torch.repeat_interleave(torch.arange(num_decodes, len(query_lens)),
+                                                    torch.tensor(spans, dtype=torch.int64))
+            offsets = torch.tensor(list(itertools.accumulate(spans, initial=0)), dtype=torch.int64)
+            span_index = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(torch.tensor(spans))
+            span_positions = span_index + torch.tensor(first, dtype=torch.int64).repeat_interleave(torch.tensor(spans))
+            # each prefill token's row in the span: its request's offset + (its position - the span's first)
+            prefill_requests = requests_host[num_decode_tokens:] - num_decodes
+            token_rows = (offsets[:-1][prefill_requests] + positions_host[num_decode_tokens:]
+                          - torch.tensor(first, dtype=torch.int64)[prefill_requests])
+            packed = to_device(torch.cat([span_requests, span_positions, token_rows]), device)
+            rows = span_requests.numel()
+            span_requests, span_positions, token_rows = packed[:rows], packed[rows: 2 * rows], packed[2 * rows:]
+            blocks = table[span_requests, span_positions // self.block_size]
+            step["prefill_window_slots"] = blocks * self.block_size + span_positions % self.block_size
+            local = token_rows.unsqueeze(1) - torch.arange(width, device=device)
+            step["prefill_window_rows"] = torch.where(
+                valid[num_decode_tokens:], local, torch.full_like(local, -1)).to(torch.int32)
+        # prefill tokens in chunks whose top-k rows fit workspace_tokens
+        per_chunk = max(1, self.workspace_tokens // self.topk) if self.topk is not None else max(1, tokens)
+        step["prefill_chunks"] = tuple(
+            (start, min(start + per_chunk, tokens)) for start in range(num_decode_tokens, tokens, per_chunk)
+        )
+        metadata.backend_plans[key] = step
+        return step
+
+    # ------------------------------------------------------------------ forward
+    def _check_inputs(self, q, kv, kv_cache, window_cache, metadata, output, topk_indices, topk_length,
+                      compressed_kv, compressed_slot_mapping) -> torch.Tensor:
+        """Check a step's inputs against the layer; the output to write."""
+        from mla_multi import cache_formats
+
+        if not isinstance(metadata, CommonAttentionMetadata):
+            raise ValueError(f"metadata={type(metadata).__name__}; accepted: a CommonAttentionMetadata")
+        tokens, n, dtype, device = metadata.num_actual_tokens, self.num_heads, self.dtype, self.device
+        checks.expect_tensor("q", q, (tokens, n, V4_WIDTH), dtype, device)
+        checks.expect_tensor("kv", kv, (tokens, V4_WIDTH), dtype, device)
+        if self.window_size > 0:
+            checks.check_tensor("window_cache", window_cache, ndim=3, dtypes=(torch.uint8,), device=device)
+            cache_formats.check_cache("window_cache", window_cache, self.window_kv_format)
+            if window_cache.shape[1] != self.block_size:
+                raise ValueError(f"window_cache has blocks of {window_cache.shape[1]} tokens; this layer's "
+                                 f"block_size is {self.block_size}")
+        elif window_cache is not None:
+            raise ValueError("window_cache given to an MLAAttentionV4 with window_size=0; accepted: None")
+        if self.topk is not None:
+            checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), device=device)
+            cache_formats.check_cache("kv_cache", kv_cache, self.kv_format)
+            if topk_indices is None:
+                raise ValueError(f"this MLAAttentionV4 has a top-k segment (topk={self.topk}): forward needs "
+                                 f"topk_indices, int32 [{tokens}, <= {self.topk}] slots of kv_cache")
+            checks.check_tensor("topk_indices", topk_indices, ndim=2, dtypes=(torch.int32,), shape=(tokens, None),
+                                device=device)
+            if topk_indices.shape[1] > self.topk:
+                raise ValueError(f"topk_indices has {topk_indices.shape[1]} entries a token; accepted: at most "
+                                 f"topk={self.topk}")
+            if topk_length is not None:
+                checks.check_tensor("topk_length", topk_length, ndim=1, dtypes=(torch.int32,), shape=(tokens,),
+                                    device=device)
+            if (compressed_kv is None) != (compressed_slot_mapping is None):
+                raise ValueError("compressed_kv and compressed_slot_mapping go together: the rows and their slots "
+                                 "in kv_cache")
+            if compressed_kv is not None:
+                checks.check_tensor("compressed_kv", compressed_kv, ndim=2, dtypes=(dtype,), shape=(None, V4_WIDTH),
+                                    device=device)
+                checks.check_tensor("compressed_slot_mapping", compressed_slot_mapping, ndim=1,
+                                    dtypes=checks.INDEX_DTYPES, shape=(compressed_kv.shape[0],), device=device)
+        else:
+            for name, value in (("kv_cache", kv_cache), ("topk_indices", topk_indices), ("topk_length", topk_length),
+                                ("compressed_kv", compressed_kv),
+                                ("compressed_slot_mapping", compressed_slot_mapping)):
+                if value is not None:
+                    raise ValueError(f"{name} given to an MLAAttentionV4 without a top-k segment (topk=None); "
+                                     "accepted: None")
+        if output is None:
+            return torch.empty(tokens, n * V4_WIDTH, dtype=dtype, device=device)
+        checks.expect_tensor("output", output, (tokens, n * V4_WIDTH), dtype, device)
+        return output
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        window_cache: torch.Tensor | None,
+        metadata: CommonAttentionMetadata | None,
+        output: torch.Tensor | None = None,
+        *,
+        topk_indices: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
+        compressed_kv: torch.Tensor | None = None,
+        compressed_slot_mapping: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output [T, N * 512] for the step of `metadata` (the conventions: the class docstring).
+
+        Under `torch.compile` it is one opaque op, ``torch.ops.mla_multi.mla_attention_v4``, run with the
+        current step of q's device (set by `plan` or `mla_multi.set_step`); `metadata` is not read there.
+        """
+        if torch.compiler.is_compiling():
+            if output is None:
+                output = q.new_empty((q.shape[0], self.num_heads * V4_WIDTH))
+            torch.ops.mla_multi.mla_attention_v4(q, kv, kv_cache, window_cache, output, topk_indices, topk_length,
+                                                 compressed_kv, compressed_slot_mapping, self.layer_id)
+            return output
+        args = (q, kv, kv_cache, window_cache, metadata, output, topk_indices, topk_length, compressed_kv,
+                compressed_slot_mapping)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self._forward_eager(*args)
+            if q.requires_grad or kv.requires_grad:
+                out = _InferenceOnly.apply(out, q, kv)
+            return out
+        return self._forward_eager(*args)
+
+    def _forward_eager(self, q, kv, kv_cache, window_cache, metadata, output, topk_indices, topk_length,
+                       compressed_kv, compressed_slot_mapping) -> torch.Tensor:
+        result = self._check_inputs(q, kv, kv_cache, window_cache, metadata, output, topk_indices, topk_length,
+                                    compressed_kv, compressed_slot_mapping)
+        order = metadata.batch_order
+        if order is not None and not order.identity:
+            # the caller's order of requests: the tokens gathered into the step's, the output scattered back
+            step_out = self._forward_step(
+                order.to_step(q), order.to_step(kv), kv_cache, window_cache, metadata, None,
+                None if topk_indices is None else order.to_step(topk_indices),
+                None if topk_length is None else order.to_step(topk_length), compressed_kv,
+                compressed_slot_mapping,
+            )
+            result.index_copy_(0, order.token_index, step_out)
+            return result
+        return self._forward_step(q, kv, kv_cache, window_cache, metadata, result, topk_indices, topk_length,
+                                  compressed_kv, compressed_slot_mapping)
+
+    def _forward_step(self, q, kv, kv_cache, window_cache, metadata, output, topk_indices, topk_length,
+                      compressed_kv, compressed_slot_mapping) -> torch.Tensor:
+        tokens, n = metadata.num_actual_tokens, self.num_heads
+        if output is None:
+            output = torch.empty(tokens, n * V4_WIDTH, dtype=self.dtype, device=self.device)
+        step = self._step(metadata)
+        if self.topk is not None and checks.data_checks_enabled(self.device):
+            num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+            slots = topk_indices.detach().cpu().long()
+            bad = slots[(slots < -1) | (slots >= num_slots)]
+            if bad.numel():
+                raise ValueError(f"topk_indices hold slots {bad[:8].tolist()} outside kv_cache; accepted: -1 (none) "
+                                 f"or a slot in [0, {num_slots})")
+        if self.window_size > 0:  # the window's blocks (with the data checks on)
+            checks.check_block_table_data(metadata.block_table, metadata.seq_lens, window_cache.shape[0],
+                                          self.block_size)
+        # the cache writes: this step's rows into the window, the compressor's rows into the main cache
+        if self.window_size > 0:
+            ops.concat_and_cache_mla_v4(kv[:, : V4_WIDTH - V4_ROPE], kv[:, V4_WIDTH - V4_ROPE:], window_cache,
+                                        metadata.slot_mapping, kv_format=self.window_kv_format)
+        if compressed_kv is not None:
+            ops.concat_and_cache_mla_v4(compressed_kv[:, : V4_WIDTH - V4_ROPE], compressed_kv[:, V4_WIDTH - V4_ROPE:],
+                                        kv_cache, compressed_slot_mapping, kv_format=self.kv_format)
+        out = output.view(tokens, n, V4_WIDTH)
+        decode_tokens = step["num_decode_tokens"]
+        if decode_tokens > 0:
+            self._decode(q, kv_cache, window_cache, step, topk_indices, topk_length, 0, decode_tokens,
+                         out[:decode_tokens])
+        if step["prefill_chunks"]:
+            window = self._prefill_window(window_cache, step)
+            for start, end in step["prefill_chunks"]:
+                self._prefill(q, kv_cache, window, step, topk_indices, topk_length, start, end, out[start:end])
+        return output
+
+    def _segment_args(self, kv_cache, window_cache, step, topk_indices, topk_length, start, end) -> list:
+        """[(cache, format, indices, lengths), ...] of tokens start .. end: the top-k segment, then the window."""
+        segments = []
+        if self.topk is not None:
+            segments.append((kv_cache, self.kv_format, topk_indices[start:end],
+                             None if topk_length is None else topk_length[start:end]))
+        if self.window_size > 0:
+            segments.append((window_cache, self.window_kv_format, step["window_indices"][start:end],
+                             step["window_lengths"][start:end]))
+        return segments
+
+    def _decode(self, q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out) -> None:
+        """Decode tokens start .. end (each token its own query: MTP tokens of a request included), read from
+        the quantised caches by `mla_sparse_decode_v4`."""
+        segments = self._segment_args(kv_cache, window_cache, step, topk_indices, topk_length, start, end)
+        (cache, fmt, indices, lengths), extra = segments[0], segments[1:]
+        keywords = {}
+        if extra:
+            extra_cache, extra_fmt, extra_indices, extra_lengths = extra[0]
+            keywords = dict(extra_kv_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_lengths,
+                            extra_kv_format=extra_fmt)
+        result = ops.mla_sparse_decode_v4(
+            q[start:end], cache, indices, self.scale, kv_format=fmt, topk_length=lengths, attn_sink=self.attn_sink,
+            backend=self._forced_backends[0], **keywords,
+        )
+        out.copy_(result)
+
+    def _prefill_window(self, window_cache, step):
+        """(rows, bad) of the step's prefill window spans, dequantised once (512 wide, the layer's dtype): bad
+        marks the rows whose slot lies outside the cache (read as slot 0); None without a window."""
+        from mla_multi import cache_formats
+
+        if self.window_size == 0:
+            return None
+        slots = step["prefill_window_slots"]
+        num_slots = window_cache.shape[0] * window_cache.shape[1]
+        bad = (slots < 0) | (slots >= num_slots)
+        rows = cache_formats.get_format(self.window_kv_format).read_rows(
+            window_cache, self.dtype, torch.where(bad, torch.zeros_like(slots), slots))
+        return rows, bad
+
+    def _prefill(self, q, kv_cache, window, step, topk_indices, topk_length, start, end, out) -> None:
+        """Prefill tokens start .. end: their top-k rows dequantised (512 wide, the layer's dtype) beside the
+        step's window rows, attended by `mla_sparse_prefill_v4`. A slot outside its cache gives that token NaN
+        rows and the SPARSE_INDEX error flag (the decode op's policy), never a read outside the cache."""
+        from mla_multi import cache_formats, errors
+
+        tokens = end - start
+        first = step["num_decode_tokens"]
+        bad_tokens = torch.zeros(tokens, dtype=torch.bool, device=out.device)
+        segments = []  # (rows, indices, lengths)
+        if self.topk is not None:
+            num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+            slots = topk_indices[start:end].long()
+            inside = (slots >= 0) & (slots < num_slots)
+            bad_tokens |= ((slots < -1) | (slots >= num_slots)).any(dim=1)
+            rows = cache_formats.get_format(self.kv_format).read_rows(
+                kv_cache, self.dtype, torch.where(inside, slots, torch.zeros_like(slots)).reshape(-1))
+            width = slots.shape[1]
+            local = torch.arange(tokens * width, device=slots.device, dtype=torch.int64).view(tokens, width)
+            local = torch.where(inside, local, torch.full_like(local, -1)).to(torch.int32)
+            segments.append((rows, local, None if topk_length is None else topk_length[start:end]))
+        if window is not None:
+            rows, bad_rows = window
+            local = step["prefill_window_rows"][start - first:end - first]
+            bad_tokens |= (bad_rows[local.clamp(min=0).long()] & (local >= 0)).any(dim=1)
+            segments.append((rows, local, step["window_lengths"][start:end]))
+        (rows, local, lengths), extra = segments[0], segments[1:]
+        keywords = {}
+        if extra:
+            extra_rows, extra_local, extra_lengths = extra[0]
+            keywords = dict(extra_kv=extra_rows, extra_indices=extra_local, extra_topk_length=extra_lengths)
+        result = ops.mla_sparse_prefill_v4(
+            q[start:end], rows, local, self.scale, topk_length=lengths, attn_sink=self.attn_sink,
+            backend=self._forced_backends[1], **keywords,
+        )
+        flag = errors.error_flag(out.device)
+        flag.bitwise_or_(bad_tokens.any().to(torch.int32) * errors.SPARSE_INDEX)
+        out.copy_(torch.where(bad_tokens.view(tokens, 1, 1), torch.full_like(result, math.nan), result))

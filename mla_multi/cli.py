@@ -346,6 +346,8 @@ def cmd_demo(args) -> int:
     weight = (torch.randn(num_heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank,
                           generator=generator) / dims.kv_lora_rank**0.5).to(dtype).to(device)
     scale = dims.qk_head_dim**-0.5
+    if args.v4 is not None:
+        return _demo_v4(args, mm, platform, device, on_gpu, dtype)
     if args.sparse:
         return _demo_sparse(args, mm, platform, device, on_gpu, num_heads, dtype, tolerance, dims, block_size, weight,
                             scale)
@@ -419,6 +421,113 @@ def _demo_sparse(args, mm, platform, device, on_gpu, num_heads, dtype, tolerance
     status = "OK" if worst <= bound else "FAILED"
     print(f"max relative error vs naive float64 sparse MLA (unquantised rows): {worst:.2e} (bound {bound:.0e}) {status}")
     return 0 if worst <= bound else 1
+
+
+# `mla-multi demo --v4 FORMATS`: the main cache's format and the window cache's
+_V4_DEMO_FORMATS = {"584": ("fp8_ds_mla_v4", None), "528": ("fp8_ds_mla_v41", None),
+                    "528+288": ("fp8_ds_mla_v41", "fp4_ds_mla_v41")}
+
+
+def _demo_v4(args, mm, platform, device, on_gpu, dtype):
+    """`mla-multi demo --v4`: a DeepSeek-V4-shaped layer (`MLAAttentionV4`: d 512, the top-k segment over the
+    compressed rows of a stand-in compressor (one row per 4 tokens) and indexer, a 128-token window, a
+    sink), decodes (MTP included) and prefills, checked against naive float64 V4 attention over the
+    dequantised caches."""
+    import torch
+
+    from mla_multi import cache_formats
+    from mla_multi.testing import relative_error
+
+    kv_format, window_kv_format = _V4_DEMO_FORMATS[args.v4]
+    num_heads = args.num_heads or (64 if on_gpu else 8)  # DeepSeek-V4 Flash: 64 heads
+    topk, window, ratio = (512, 128, 4) if on_gpu else (64, 128, 4)
+    block_size, main_block, max_blocks = 64, 64, 64
+    generator = torch.Generator().manual_seed(0)
+    layer = mm.MLAAttentionV4(num_heads, 512**-0.5, block_size=block_size, max_model_len=max_blocks * block_size,
+                              max_num_seqs=16, topk=topk, window_size=window, kv_format=kv_format,
+                              window_kv_format=window_kv_format, dtype=dtype, device=device)
+    layer.attn_sink.data = (torch.randn(num_heads, generator=generator) + 2.0).to(device)  # a loaded sink
+    window_cache, kv_cache = layer.allocate_window_cache(512), layer.allocate_kv_cache(256, main_block)
+    free_blocks = torch.randperm(512, generator=generator).tolist()
+    free_slots = torch.randperm(256 * main_block, generator=generator).tolist()
+    tables: dict = {}      # request -> its window-cache blocks
+    compressed: dict = {}  # request -> the main-cache slots of its compressed rows, in order
+    lengths: dict = {}
+    steps = [
+        ([(0, 300), (1, 45), (2, 500)], 1),                  # fresh prefills
+        ([(0, 1), (1, 1), (2, 1)], 1),                       # decodes
+        ([(0, 4), (1, 2), (3, 120), (2, 64)], 4),            # MTP decodes + prefills (one with context)
+        ([(3, 1), (0, 3), (1, 1), (2, 2)], 4),               # MTP decodes
+    ]
+    print(f"platform: {platform.name} ({platform.vendor} {platform.arch}); device {device}")
+    print(f"V4 layer: DeepSeek-V4 sparse MLA (d 512, top-{topk} of one compressed row per {ratio} tokens, a "
+          f"{window}-token window, a sink), {num_heads} heads, {dtype}, caches {kv_format} + window "
+          f"{window_kv_format or kv_format}; backends: " + ", ".join(f"{k}={v}" for k, v in layer.backends().items()))
+    worst = 0.0
+    for index, (requests, threshold) in enumerate(steps):
+        query_lens, seq_lens, table = [], [], []
+        rows_c, slots_c = [], []
+        for request, new in requests:
+            length = lengths.get(request, 0) + new
+            blocks = tables.setdefault(request, [])
+            while len(blocks) * block_size < length:
+                blocks.append(free_blocks.pop())
+            mine = compressed.setdefault(request, [])
+            while len(mine) < length // ratio:  # the stand-in compressor's new rows
+                mine.append(free_slots.pop())
+                slots_c.append(mine[-1])
+            lengths[request] = length
+            query_lens.append(new)
+            seq_lens.append(length)
+            table.append(blocks + [0] * (max_blocks - len(blocks)))
+        metadata = mm.CommonAttentionMetadata.from_lengths(
+            query_lens, seq_lens, torch.tensor(table, dtype=torch.int32, device=device), block_size, threshold)
+        tokens = metadata.num_actual_tokens
+        q = torch.randn(tokens, num_heads, 512, generator=generator).to(dtype).to(device)
+        kv = torch.randn(tokens, 512, generator=generator).to(dtype).to(device)
+        compressed_kv = torch.randn(len(slots_c), 512, generator=generator).to(dtype).to(device)
+        # the stand-in indexer: each token's top-k of its request's compressed rows so far (causal), as slots
+        positions = [(r, lengths[r] - new + i) for r, new in requests for i in range(new)]
+        picks = torch.full((tokens, topk), -1, dtype=torch.int32)
+        counts = torch.zeros(tokens, dtype=torch.int32)
+        for t, (request, position) in enumerate(positions):
+            visible = compressed[request][: (position + 1) // ratio]
+            chosen = torch.randperm(len(visible), generator=generator)[:topk].tolist()
+            picks[t, : len(chosen)] = torch.tensor([visible[c] for c in chosen], dtype=torch.int32)
+            counts[t] = len(chosen)
+        layer.plan(metadata)
+        out = layer(q, kv, kv_cache, window_cache, metadata, topk_indices=picks.to(device),
+                    topk_length=counts.to(device), compressed_kv=compressed_kv,
+                    compressed_slot_mapping=torch.tensor(slots_c, dtype=torch.int64, device=device))
+        # naive float64 V4 attention over the dequantised caches: one softmax over both segments, the sink
+        window_slots = torch.full((tokens, window), -1, dtype=torch.int64)
+        for t, (request, position) in enumerate(positions):
+            back = range(position, max(-1, position - window), -1)
+            window_slots[t, : len(back)] = torch.tensor([tables[request][p // block_size] * block_size
+                                                         + p % block_size for p in back])
+        keys = []
+        for cache, fmt, slots in ((kv_cache, kv_format, picks.long()),
+                                  (window_cache, window_kv_format or kv_format, window_slots)):
+            every_row = cache_formats.get_format(fmt).read_rows(cache.cpu(), torch.float64)  # the whole cache
+            keys.append((every_row[slots.clamp(min=0)], slots >= 0))
+        rows = torch.cat([keys[0][0], keys[1][0]], dim=1)
+        valid = torch.cat([keys[0][1], keys[1][1]], dim=1)
+        scores = torch.einsum("thd,tkd->thk", q.cpu().double(), rows) * layer.scale
+        scores = scores.masked_fill(~valid.unsqueeze(1), -torch.inf)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        ref = torch.einsum("thk,tkd->thd", torch.softmax(scores, dim=-1), rows)
+        ref = ref * torch.sigmoid(lse - layer.attn_sink.cpu().double().view(1, -1, 1))
+        error = relative_error(out, ref.reshape(tokens, -1))
+        worst = max(worst, error)
+        decodes = sum(1 for _, n in requests if n <= threshold)
+        print(f"step {index}: {decodes} decodes (up to {threshold} tokens each), {len(requests) - decodes} prefills, "
+              f"{tokens} tokens, {len(slots_c)} compressed rows written, max seq_len {metadata.max_seq_len}: "
+              f"rel err {error:.2e}")
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    status = "OK" if worst <= tolerance else "FAILED"
+    print(f"max relative error vs naive float64 V4 attention (dequantised caches): {worst:.2e} "
+          f"(tolerance {tolerance:.0e}) {status}")
+    return 0 if worst <= tolerance else 1
 
 
 def cmd_warmup(args) -> int:
@@ -518,6 +627,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workspace-tokens", type=_positive_int, default=256, help="context tokens gathered per chunk")
     demo.add_argument("--sparse", action="store_true",
                       help="a sparse layer (DeepSeek-V3.2: top-k positions, the fp8_ds_mla cache) instead")
+    demo.add_argument("--v4", nargs="?", const="584", choices=tuple(_V4_DEMO_FORMATS), default=None,
+                      help="a DeepSeek-V4 layer (MLAAttentionV4: d 512, top-k + a 128-token window, a sink) "
+                           "instead; its caches: 584 (fp8_ds_mla_v4, the default), 528 (fp8_ds_mla_v41) or "
+                           "528+288 (V4.1 with an FP4 window)")
     demo.set_defaults(func=cmd_demo)
     warmup = sub.add_parser("warmup", help="build the kernels of one layer configuration ahead of serving")
     warmup.add_argument("--num-heads", type=_positive_int, default=128)

@@ -586,3 +586,29 @@ def _mla_sparse_attention_fake(q, kv_c_normed, k_pe, kv_cache, output, topk_indi
 
 LIBRARY.impl("mla_sparse_attention", _mla_sparse_attention_kernel, "CompositeExplicitAutograd")
 torch.library.register_fake(f"{NAMESPACE}::mla_sparse_attention", _mla_sparse_attention_fake, lib=LIBRARY)
+
+# The DeepSeek-V4 layer (`MLAAttentionV4`): the same opaque op with both caches (either may be absent), each
+# token's top-k slots and lengths, and the compressor's rows for the main cache.
+V4_ATTENTION_SCHEMA = (
+    "mla_attention_v4(Tensor q, Tensor kv, Tensor(a!)? kv_cache, Tensor(b!)? window_cache, Tensor(c!) output, "
+    "Tensor? topk_indices, Tensor? topk_length, Tensor? compressed_kv, Tensor? compressed_slot_mapping, "
+    "int layer_id) -> ()"
+)
+LIBRARY.define(V4_ATTENTION_SCHEMA, tags=(torch.Tag.cudagraph_unsafe,))
+
+
+def _mla_attention_v4_kernel(q, kv, kv_cache, window_cache, output, topk_indices, topk_length, compressed_kv,
+                             compressed_slot_mapping, layer_id):
+    layer = layer_by_id(layer_id)
+    metadata = _current_step_for(q, layer_id)
+    _eager(layer.forward, q, kv, kv_cache, window_cache, metadata, output, topk_indices=topk_indices,
+           topk_length=topk_length, compressed_kv=compressed_kv, compressed_slot_mapping=compressed_slot_mapping)
+
+
+def _mla_attention_v4_fake(q, kv, kv_cache, window_cache, output, topk_indices, topk_length, compressed_kv,
+                           compressed_slot_mapping, layer_id):
+    return None  # writes the caches and output in place, as declared
+
+
+LIBRARY.impl("mla_attention_v4", _mla_attention_v4_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::mla_attention_v4", _mla_attention_v4_fake, lib=LIBRARY)
