@@ -208,8 +208,10 @@ def test_v41_decode_runs_the_current_kernels_on_sm100_only(fake_flash_mla):
                                         torch.uint8, 192, kv_format="fp8_ds_mla_v41", extra_kv_format="fp4_ds_mla_v41")
         reasons = registry.default_registry.reasons("sparse_decode", "FLASHMLA", mm.current_platform(), config)
         assert any("sm_100 only" in r and "sm_90" in r and "fp8_ds_mla_v41 and fp4_ds_mla_v41" in r for r in reasons)
-        # unforced, the V4.1 call falls past FLASHMLA on sm_90
-        _decode(None, q, kv, indices, **keywords)
+        # unforced, the V4.1 call falls past FLASHMLA on sm_90 (to TRITON, a GPU launch)
+        assert registry.select_sparse_backend(
+            "sparse_decode", MLADims(128, kv_lora_rank=448, qk_rope_head_dim=64), torch.bfloat16, torch.uint8,
+            192, kv_format="fp8_ds_mla_v41", extra_kv_format="fp4_ds_mla_v41", with_sink=True).name == "TRITON"
         assert len(_v4_calls(fake_flash_mla)) == 1
 
 
@@ -297,10 +299,10 @@ def test_v4_prefill_over_no_rows_and_the_second_segment(fake_flash_mla):
             mm.ops.mla_sparse_prefill_v4(q, torch.zeros(8, WIDTH, dtype=torch.bfloat16), indices, SCALE,
                                          extra_kv=torch.zeros(8, WIDTH, dtype=torch.bfloat16),
                                          extra_indices=indices, backend="FLASHMLA")
-        # unforced, a prefill with a second segment goes past FLASHMLA
-        out = mm.ops.mla_sparse_prefill_v4(q, torch.ones(8, WIDTH, dtype=torch.bfloat16), indices, SCALE,
-                                           extra_kv=torch.ones(8, WIDTH, dtype=torch.bfloat16), extra_indices=indices)
-        assert out.shape == (3, 64, WIDTH)
+        # unforced, a prefill with a second segment goes past FLASHMLA (to TRITON, a GPU launch)
+        assert registry.select_sparse_backend(
+            "sparse_prefill", MLADims(64, kv_lora_rank=448, qk_rope_head_dim=64), torch.bfloat16, torch.bfloat16,
+            128, kv_format="rows", extra_kv_format="rows", with_sink=False).name == "TRITON"
     assert not [c for c in fake_flash_mla.CALLS if c["function"] == "flash_mla_sparse_fwd"]
     impl = flashmla.FlashMLASparsePrefillImpl(64, 448, 64)
     with pytest.raises(ValueError, match="extra_kv: FlashMLA's sparse prefill"):

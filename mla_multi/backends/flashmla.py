@@ -379,24 +379,23 @@ class _V4Segment:
     FlashMLA's tile, the padded copy FlashMLA reads (the tail -1, filled once)."""
 
     def __init__(self, tokens: int, topk: int, heads: int, device, *, decode: bool, has_length: bool,
-                 multiple: int) -> None:
+                 multiple: int, accumulate: bool = False) -> None:
         from mla_multi.kernels.sparse_indices import Scratch, SparseIndexPlan
 
         self.topk, self.width = topk, _padded(topk, multiple)
         self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=decode,
-                                          has_length=has_length)
+                                          has_length=has_length, accumulate=accumulate)
         self.scratch = Scratch()
 
-    def sanitize(self, indices, num_slots: int, topk_length):
-        """(the list FlashMLA reads [T, width], the tokens marked bad or None)."""
+    def sanitize(self, indices, num_slots: int, topk_length, bad_rows=None):
+        """(the list FlashMLA reads [T, width], the tokens marked bad or None). A segment made with `accumulate`
+        ORs its marks into `bad_rows` (the other segment's): one launch a segment, nothing after them."""
         if indices.stride(-1) != 1:
             indices = indices.contiguous()
-        clean, bad = self.index_plan.sanitize(indices, num_slots, topk_length)
-        if self.width != self.topk:
-            padded = self.scratch.full("padded", (clean.shape[0], self.width), -1, torch.int32, clean.device)
-            padded[:, :self.topk].copy_(clean)
-            clean = padded
-        return clean, bad
+        padded = None
+        if self.width != self.topk:  # the sanitising launch writes into the padded list, its tail -1 (filled once)
+            padded = self.scratch.full("padded", (indices.shape[0], self.width), -1, torch.int32, indices.device)
+        return self.index_plan.sanitize(indices, num_slots, topk_length, bad_rows=bad_rows, out=padded)
 
 
 class _V4DecodeCall:
@@ -409,7 +408,7 @@ class _V4DecodeCall:
                                multiple=TOPK_MULTIPLE["sparse_decode"])
         self.extra = None if extra_topk is None else _V4Segment(
             tokens, extra_topk, heads, device, decode=True, has_length=has_extra_length,
-            multiple=TOPK_MULTIPLE["sparse_decode"])
+            multiple=TOPK_MULTIPLE["sparse_decode"], accumulate=True)
         self.device = device
         self.legacy = legacy
         self.schedule_meta = None  # FlashMLA's FlashMLASchedMeta, filled by its first (eager) call
@@ -522,9 +521,8 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
         clean, bad_rows = call.main.sanitize(indices, kv.shape[0] * kv.shape[1], topk_length)
         extra = {}
         if extra_kv is not None:
-            extra_clean, extra_bad = call.extra.sanitize(extra_indices, extra_kv.shape[0] * extra_kv.shape[1],
-                                                         extra_topk_length)
-            bad_rows = bad_rows | extra_bad
+            extra_clean, bad_rows = call.extra.sanitize(extra_indices, extra_kv.shape[0] * extra_kv.shape[1],
+                                                        extra_topk_length, bad_rows)
             extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -32,7 +32,7 @@ _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 @triton.jit
 def _sanitize_indices_kernel(
     Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
-    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     count = topk
@@ -49,7 +49,10 @@ def _sanitize_indices_kernel(
         tl.store(Out + token * stride_out_t + offs, tl.where(outside | (offs >= count), -1, idx), mask=mask)
     if BAD_IS_ERROR:
         bad = tl.max(any_bad, axis=0)
-        tl.store(Bad_rows + token, bad.to(tl.int8))
+        if ACCUMULATE:  # a second list of the same tokens: its marks join the first one's
+            tl.store(Bad_rows + token, (tl.load(Bad_rows + token) | bad).to(tl.int8))
+        else:
+            tl.store(Bad_rows + token, bad.to(tl.int8))
         if bad > 0:
             tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
 
@@ -246,40 +249,59 @@ class SparseIndexPlan:
     LSE some kernels leave for a token with nothing to attend to into -inf."""
 
     def __init__(self, tokens: int, topk: int, heads: int, row_width: int, device: torch.device, *,
-                 bad_is_error: bool, has_length: bool) -> None:
+                 bad_is_error: bool, has_length: bool, accumulate: bool = False) -> None:
         from mla_multi.kernels.launch import BoundLaunch
 
         self.tokens, self.topk, self.heads, self.row_width = tokens, topk, heads, row_width
         self.device = device
         self.bad_is_error = bad_is_error
         self.has_length = has_length
+        self.accumulate = accumulate  # `sanitize` ORs its marks into the bad_rows it is given (a second list)
         self.gpu = device.type == "cuda"
         self.scratch = Scratch()  # the sanitised copy and the marks, reused by eager calls
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
-                dict(_list_launch(topk), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length), device)
+                dict(_list_launch(topk), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length,
+                     ACCUMULATE=bad_is_error and accumulate), device)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
                 dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
                      num_warps=4), device)
 
-    def sanitize(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None):
-        """(indices with every out-of-contract entry and every entry past topk_length -1, bad_rows or None)."""
+    def sanitize(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
+                 bad_rows: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """(indices with every out-of-contract entry and every entry past topk_length -1, bad_rows or None).
+
+        A plan made with `accumulate` ORs its marks into `bad_rows` (another list's of the same tokens) and
+        returns it; `out` [T, >= topk] int32 (rows of stride >= topk, last stride 1) receives the list in its
+        first topk columns instead of the plan's scratch."""
+        if self.accumulate and self.bad_is_error and bad_rows is None:
+            raise ValueError("bad_rows=None; a plan made with accumulate=True ORs into another list's bad_rows")
         if not self.gpu:  # the same contract in PyTorch (CPU tensors, tests)
             outside = (indices < 0) | (indices >= num_slots)
             past = torch.zeros_like(outside)
             if topk_length is not None:
                 past = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) >= topk_length.unsqueeze(1)
             clean = torch.where(outside | past, torch.full_like(indices, -1), indices)
+            if out is not None:
+                out[:, :clean.shape[1]].copy_(clean)
+                clean = out
             if not self.bad_is_error:
                 return clean, None
             bad = (outside & (indices != -1)).any(dim=-1)
             errors.error_flag(indices.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
+            if self.accumulate:
+                bad_rows.bitwise_or_(bad.to(torch.int8))
+                return clean, bad_rows
             return clean, bad.to(torch.int8)
-        clean = self.scratch.get("clean", (self.tokens, self.topk), torch.int32, self.device)
-        bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device) if self.bad_is_error else clean
+        clean = out if out is not None else self.scratch.get("clean", (self.tokens, self.topk), torch.int32,
+                                                             self.device)
+        if not self.bad_is_error:
+            bad_rows = clean
+        elif not self.accumulate:
+            bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device)
         if self.tokens:
             self._sanitize(indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
                            self.topk, indices.stride(0), clean.stride(0))
