@@ -460,7 +460,7 @@ class _SparseThroughDense(MLASparseImpl):
                 and indices.stride(-1) == 1):
             tokens, topk = indices.shape
             # every token's whole index list
-            lens = self._scratch.full("full lengths", (tokens,), topk, torch.int32, indices.device)
+            lens = self._scratch.constant("full lengths", (tokens,), topk, torch.int32, indices.device)
             out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale)
         else:
             tokens, topk = indices.shape
@@ -484,7 +484,7 @@ class _SparseThroughDense(MLASparseImpl):
         from mla_multi.kernels.sparse_v4 import ROPE_DIM, apply_sink
 
         tokens, heads, _ = q.shape
-        q_pe = self._scratch.full("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
+        q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
         launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None)
         out, lse = launch(q, q_pe, pages, table, lens, scale)
         if attn_sink is not None:

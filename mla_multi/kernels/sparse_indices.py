@@ -152,12 +152,23 @@ class Scratch:
 
 
     def full(self, name: str, shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `value` everywhere, made once (a capture gets its own)."""
+        """A tensor of `value` everywhere, made once, that a call may write after the fill (a capture gets its
+        own)."""
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.full(shape, value, dtype=dtype, device=device)
         found = self._buffers.get(name)
         if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
             found = self._buffers[name] = torch.full(shape, value, dtype=dtype, device=device)
+        return found
+
+    def constant(self, name: str, shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of `value` everywhere that nothing writes: made once, and a CUDA-graph capture reads the one
+        an eager call made (no fill inside the graph); made during a capture, it belongs to that graph alone."""
+        found = self._buffers.get(name)
+        if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
+            found = torch.full(shape, value, dtype=dtype, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._buffers[name] = found
         return found
 
 

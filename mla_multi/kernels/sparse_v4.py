@@ -94,23 +94,28 @@ def _read_rows(Cache, slot, valid, block_size, stride_block, stride_token, FORMA
         values = tl.load(row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     elif FORMAT == _V4_FORMAT:
         # the block's tokens' 448 e4m3 values and 64 bf16 rotary values (576 bytes each), then their 7
-        # UE8M0 scales and a pad byte each
+        # UE8M0 scales and a pad byte each: a tile's scales loaded once a row and spread over their 64 values
         base = Cache + block * stride_block
         data = base + offset * 576
         tail = base + block_size * 576 + offset * 8
         latent = offs_d[None, :] < 448
         codes = tl.load(data[:, None] + offs_d[None, :], mask=mask & latent, other=0)
-        scale_codes = tl.load(tail[:, None] + offs_d[None, :] // 64, mask=mask & latent, other=127)
+        offs_g = COL0 // 64 + tl.arange(0, COLS // 64)
+        scale_codes = tl.load(tail[:, None] + offs_g[None, :], mask=mask & (offs_g[None, :] < 7), other=127)
+        scaled = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // 64, 64])
+                            * _ue8m0(scale_codes.to(tl.int32))[:, :, None], [ROWS, COLS])
         rope_ptr = (data + 448).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr[:, None] + (offs_d[None, :] - 448), mask=mask & (offs_d[None, :] >= 448),
                        other=0.0).to(tl.float32)
-        values = tl.where(latent, _e4m3(codes) * _ue8m0(scale_codes.to(tl.int32)), rope)
+        values = tl.where(latent, scaled, rope)
     elif FORMAT == _V41_FORMAT:
         # 512 e4m3 values, then 16 UE8M0 scales (one per 32)
         row = Cache + block * stride_block + offset * stride_token
         codes = tl.load(row[:, None] + offs_d[None, :], mask=mask, other=0)
-        scale_codes = tl.load(row[:, None] + WIDTH + offs_d[None, :] // 32, mask=mask, other=127)
-        values = _e4m3(codes) * _ue8m0(scale_codes.to(tl.int32))
+        offs_g = COL0 // 32 + tl.arange(0, COLS // 32)
+        scale_codes = tl.load(row[:, None] + WIDTH + offs_g[None, :], mask=mask, other=127)
+        values = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // 32, 32])
+                            * _ue8m0(scale_codes.to(tl.int32))[:, :, None], [ROWS, COLS])
     else:
         # 512 e2m1 values two a byte (the even one in the low nibble), then 32 e4m3 scales (one per 16)
         row = Cache + block * stride_block + offset * stride_token
@@ -122,8 +127,10 @@ def _read_rows(Cache, slot, valid, block_size, stride_block, stride_token, FORMA
         power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
         magnitude = tl.where(exponent == 0, mantissa * 0.5, power * (1.0 + mantissa * 0.5))
         magnitude = tl.where(code >= 8, -magnitude, magnitude)
-        scale_codes = tl.load(row[:, None] + WIDTH // 2 + offs_d[None, :] // 16, mask=mask, other=0)
-        values = magnitude * _e4m3(scale_codes)
+        offs_g = COL0 // 16 + tl.arange(0, COLS // 16)
+        scale_codes = tl.load(row[:, None] + WIDTH // 2 + offs_g[None, :], mask=mask, other=0)
+        values = tl.reshape(tl.reshape(magnitude, [ROWS, COLS // 16, 16]) * _e4m3(scale_codes)[:, :, None],
+                            [ROWS, COLS])
     return values
 
 
@@ -175,12 +182,25 @@ def _gather_rows_kernel(
         out = Rows + target * stride_rows
         # a quarter of the row at a time: the registers of one [ROWS, 128] tile a segment
         for col in tl.static_range(0, WIDTH, COLS):
-            values = _read_rows(Cache, idx, counts & (offs < topk), block_size, stride_block, stride_token, FORMAT,
-                                ROWS, WIDTH, col, COLS)
             if HAS_EXTRA:
-                extra_values = _read_rows(Extra_cache, idx, counts & is_extra, extra_block_size, extra_stride_block,
-                                          extra_stride_token, EXTRA_FORMAT, ROWS, WIDTH, col, COLS)
-                values = tl.where(is_extra[:, None], extra_values, values)
+                # a program's entries lie in one segment unless its chunk straddles topk: that segment's
+                # reads alone
+                if start + ROWS <= topk:
+                    values = _read_rows(Cache, idx, counts, block_size, stride_block, stride_token, FORMAT, ROWS,
+                                        WIDTH, col, COLS)
+                elif start >= topk:
+                    values = _read_rows(Extra_cache, idx, counts, extra_block_size, extra_stride_block,
+                                        extra_stride_token, EXTRA_FORMAT, ROWS, WIDTH, col, COLS)
+                else:
+                    values = _read_rows(Cache, idx, counts & (offs < topk), block_size, stride_block, stride_token,
+                                        FORMAT, ROWS, WIDTH, col, COLS)
+                    extra_values = _read_rows(Extra_cache, idx, counts & is_extra, extra_block_size,
+                                              extra_stride_block, extra_stride_token, EXTRA_FORMAT, ROWS, WIDTH, col,
+                                              COLS)
+                    values = tl.where(is_extra[:, None], extra_values, values)
+            else:
+                values = _read_rows(Cache, idx, counts, block_size, stride_block, stride_token, FORMAT, ROWS, WIDTH,
+                                    col, COLS)
             offs_d = col + tl.arange(0, COLS)
             tl.store(out[:, None] + offs_d[None, :], values.to(Rows.dtype.element_ty), mask=counts[:, None])
         offs_r = tl.arange(0, ROPE_DIM)
