@@ -1147,8 +1147,18 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
         return None
     slots = slot_mapping.long()
     errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)
-    kept = torch.nonzero((slots >= 0) & (slots < num_slots)).flatten()
-    fmt.write_rows(kv_cache, slots[kept], torch.cat([kv_c, k_pe], dim=-1)[kept])
+    if num_slots == 0:  # a cache of no block: nothing to write (a slot past it is flagged above)
+        return None
+    kept = (slots >= 0) & (slots < num_slots)
+    records = fmt.quantize(torch.cat([kv_c, k_pe], dim=-1))
+    # No host synchronisation (CUDA graphs): a skipped token writes the first kept token's record to that
+    # token's slot (the same bytes, so duplicates agree) or, where no token is kept, slot 0's own bytes back.
+    first = torch.argmax(kept.to(torch.int32)).reshape(1)
+    any_kept = kept.any()
+    donor_slot = torch.where(any_kept, slots.index_select(0, first), torch.zeros_like(first))
+    donor_record = torch.where(any_kept, records.index_select(0, first), fmt.read_records(kv_cache, donor_slot))
+    fmt.write_records(kv_cache, torch.where(kept, slots, donor_slot), torch.where(kept.unsqueeze(1), records,
+                                                                                    donor_record))
     return None
 
 library.bind_eager(

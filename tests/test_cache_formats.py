@@ -194,6 +194,25 @@ def test_concat_and_cache_mla_v4_writes_every_format(name):
                                                                                     dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("name", list(cf.FORMATS))
+@pytest.mark.parametrize("slots", [[-1, -1], [-1, 3, -1, 5], [-2, 0]], ids=["none kept", "first skipped", "slot 0"])
+def test_concat_and_cache_mla_v4_skipped_tokens_change_no_byte(name, slots):
+    """Skipped tokens (negative slots) leave every byte of the cache (the blocks' padding too) but the kept
+    tokens' records as it was: the writer is free of host synchronisation, so a skipped token writes a record
+    that is already there or being written."""
+    fmt = cf.get_format(name)
+    latent = fmt.width - fmt.rope_dims
+    cache = fmt.allocate(3, 4, fill=7)
+    expected = fmt.allocate(3, 4, fill=7)
+    slots = torch.tensor(slots)
+    rows = torch.randn(len(slots), fmt.width, dtype=torch.bfloat16)
+    mm.ops.concat_and_cache_mla_v4(rows[:, :latent], rows[:, latent:], cache, slots)
+    kept = slots >= 0
+    if kept.any():
+        fmt.write_records(expected, slots[kept], fmt.quantize(rows[kept]))
+    assert torch.equal(_block_bytes_view(fmt, cache), _block_bytes_view(fmt, expected))
+
+
 def test_concat_and_cache_mla_v4_zero_tokens_is_a_no_op():
     cache = cf.FP8_DS_MLA_V4.allocate(2, 4, fill=7)
     before = _block_bytes_view(cf.FP8_DS_MLA_V4, cache).clone()

@@ -32,7 +32,7 @@ _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 @triton.jit
 def _sanitize_indices_kernel(
     Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
-    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     token = tl.program_id(0)
     count = topk
@@ -341,13 +341,18 @@ def compile_specs(platform) -> list:
     for bad_is_error in (True, False):
         signature = {"Indices": "*i32", "Out": "*i32", "Bad_rows": "*i8", "Error_flag": "*i32", "Topk_length": "*i32",
                      "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
-                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
-        specs.append(CompileSpec(
-            name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}]", fn=_sanitize_indices_kernel,
-            signature=signature, constexprs={"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error,
-                                             "HAS_LENGTH": True},
-            options={"num_warps": list_2048["num_warps"]}, divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
-        ))
+                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr",
+                     "ACCUMULATE": "constexpr"}
+        # the decode's second list (DeepSeek-V4's window segment) ORs its marks into the first one's
+        for accumulate in ((False, True) if bad_is_error else (False,)):
+            specs.append(CompileSpec(
+                name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',accumulate' if accumulate else ''}]",
+                fn=_sanitize_indices_kernel, signature=signature,
+                constexprs={"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True,
+                            "ACCUMULATE": accumulate},
+                options={"num_warps": list_2048["num_warps"]},
+                divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
+            ))
         signature = {"Bad_rows": "*i8", "Out": "*bf16", "Lse": "*fp32", "row_width": "i32", "lse_width": "i32",
                      "stride_o_t": "i32", "stride_lse_t": "i32", "BLOCK": "constexpr", "LSE_BLOCK": "constexpr",
                      "HAS_BAD": "constexpr"}
