@@ -129,7 +129,7 @@ def mla_decode(
         plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend,
                             needs_lse=bool(return_lse))
         _remember(key, plan)
-    elif plan.data_checks:
+    elif plan.data_checks and checks.data_checks_enabled(plan.device):
         checks.report_pending_errors(plan.device)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
         checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
@@ -300,7 +300,7 @@ class MLADecodePlan:
         self._check_output("out", out, self._out_shape, self._dtype)
         self._check_output("lse", lse, self._out_shape[:-1], torch.float32)
         plan = self._plan
-        if plan.data_checks:
+        if plan.data_checks and checks.data_checks_enabled(plan.device):
             checks.report_pending_errors(plan.device)
             checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
@@ -343,7 +343,7 @@ class MLAPrefillPlan:
                 "the tensors differ from the planned ones in shape, strides, dtype, device, alignment or "
                 "MLA_MULTI_* environment; accepted: tensors laid out as at plan_mla_prefill (plan again for others)"
             )
-        if self._plan.data_checks:
+        if self._plan.data_checks and checks.data_checks_enabled(q.device):
             _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)
         return self._plan.impl.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -408,7 +408,7 @@ def mla_prefill(
     if plan is None:
         plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
         _remember(key, plan)
-    elif plan.data_checks:
+    elif plan.data_checks and checks.data_checks_enabled(q.device):
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)  # int64 taken too
     return plan.impl.forward_varlen(
@@ -522,7 +522,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     if plan is None:
         plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
         _remember(key, plan)
-    elif plan.data_checks:
+    elif plan.data_checks and checks.data_checks_enabled(plan.device):
         checks.report_pending_errors(plan.device)
         if torch.is_tensor(k_scale):  # a float k_scale is part of the key, checked when planned; a tensor's value not
             checks.check_scale("k_scale", k_scale, required=True)
@@ -749,7 +749,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
         key = plan = None
     if plan is not None:
         # checked when planned; the data checks run on every call where they are on
-        if plan.data_checks:
+        if plan.data_checks and checks.data_checks_enabled(plan.device):
             checks.report_pending_errors(plan.device)
             checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
@@ -1038,7 +1038,7 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
         plan = _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
                                extra_topk_length, extra_kv_format, backend, kv_name=kv_name, extra_name=extra_name)
         _remember(key, plan)
-    elif plan.data_checks:
+    elif plan.data_checks and checks.data_checks_enabled(plan.device):
         checks.report_pending_errors(plan.device)
         _check_v4_plan_data(plan, phase == "sparse_decode", indices, topk_length, extra_indices, extra_topk_length)
     tokens, heads = plan.tokens, plan.heads
