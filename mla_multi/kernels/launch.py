@@ -152,3 +152,22 @@ class BoundLaunch:
             self._run = run
         except Exception:  # noqa: BLE001 - keep launching through Triton
             self._run = None
+
+
+# the bound launches of the kernels launched by layout outside an impl's plan (the sparse index lists, the
+# V4 gathering): one bounded cache, keyed by kernel, grid and every layout and integer a launch depends on
+_BY_LAYOUT: dict = {}
+_BY_LAYOUT_MAX = 256
+
+
+def bound_by_layout(kernel, grid: tuple[int, ...], constexprs: dict[str, Any], device: torch.device,
+                    key: tuple) -> BoundLaunch:
+    """The `BoundLaunch` of `kernel` for `key` (every layout and integer its specialisation depends on), made
+    once and kept in the bounded cache `_BY_LAYOUT`."""
+    key = (kernel, grid) + key
+    launch = _BY_LAYOUT.get(key)
+    if launch is None:
+        if len(_BY_LAYOUT) >= _BY_LAYOUT_MAX:
+            _BY_LAYOUT.clear()
+        launch = _BY_LAYOUT[key] = BoundLaunch(kernel, grid, constexprs, device)
+    return launch

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
-from mla_multi.kernels.launch import layout_key
+from mla_multi.kernels.launch import bound_by_layout, layout_key
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -122,7 +122,7 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
     else:
         table, lens = out
     if tokens:
-        launch = _bound(
+        launch = bound_by_layout(
             _compact_indices_kernel, (tokens,),
             dict(_list_launch(topk), HAS_LENGTH=topk_length is not None, OUT_OF_RANGE_IS_NONE=out_of_range_is_none),
             indices.device,
@@ -172,21 +172,6 @@ class Scratch:
         return found
 
 
-# bound launches of the index kernels, by the layouts of their tensors (see `mla_multi.kernels.launch`)
-_LAUNCHES: dict = {}
-
-
-def _bound(kernel, grid, constexprs, device, key):
-    """The `BoundLaunch` of `kernel` for `key` (every layout and integer its specialisation depends on)."""
-    from mla_multi.kernels.launch import BoundLaunch
-
-    key = (kernel, grid) + key
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        if len(_LAUNCHES) >= 256:
-            _LAUNCHES.clear()
-        launch = _LAUNCHES[key] = BoundLaunch(kernel, grid, constexprs, device)
-    return launch
 
 
 @triton.jit
@@ -231,7 +216,7 @@ def dequantize_named_rows(table: torch.Tensor, lens: torch.Tensor, cache: torch.
     flat = cache.reshape(-1, cache.shape[-1])
     rows = torch.empty(tokens * topk, 576, dtype=dtype, device=table.device)
     if tokens and topk:
-        launch = _bound(
+        launch = bound_by_layout(
             _dequant_rows_kernel, (tokens, triton.cdiv(topk, _DEQUANT_ROWS)),
             dict(ROWS=_DEQUANT_ROWS, KV_LORA_RANK=512, ROPE_DIM=64, num_warps=4), table.device,
             ("dequant", layout_key(table), layout_key(flat), dtype),

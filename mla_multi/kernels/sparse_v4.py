@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
-from mla_multi.kernels.launch import layout_key
+from mla_multi.kernels.launch import bound_by_layout, layout_key
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -282,20 +282,6 @@ _SCAN = 512
 _PAD_ROWS = 16
 _SINK_HEADS = 16
 
-# bound launches of these kernels, by the layouts of their tensors (see `mla_multi.kernels.launch`)
-_LAUNCHES: dict = {}
-
-
-def _bound(kernel, grid, constexprs, device, key):
-    from mla_multi.kernels.launch import BoundLaunch
-
-    key = (kernel, grid) + key
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        if len(_LAUNCHES) >= 256:
-            _LAUNCHES.clear()
-        launch = _LAUNCHES[key] = BoundLaunch(kernel, grid, constexprs, device)
-    return launch
 
 
 def _segment_args(cache, fmt: str):
@@ -333,7 +319,7 @@ def gather_rows(indices, topk_length, cache, fmt: str, extra_indices, extra_topk
         HAS_LENGTH=topk_length is not None, HAS_EXTRA=has_extra, HAS_EXTRA_LENGTH=extra_topk_length is not None,
         GATHER=True, BAD_IS_ERROR=True, WIDTH=WIDTH, ROPE_DIM=ROPE_DIM, COLS=_GATHER_COLS, num_warps=4,
     )
-    launch = _bound(_gather_rows_kernel, grid, constexprs, indices.device,
+    launch = bound_by_layout(_gather_rows_kernel, grid, constexprs, indices.device,
                     ("gather", layout_key(indices), _optional_key(topk_length), layout_key(cache), fmt,
                      _optional_key(extra_indices), _optional_key(extra_topk_length), _optional_key(extra_cache),
                      extra_fmt, layout_key(rows), layout_key(table)))
@@ -366,7 +352,7 @@ def compact_lists(indices, topk_length, num_slots: int, extra_indices, extra_top
         HAS_EXTRA=has_extra, HAS_EXTRA_LENGTH=extra_topk_length is not None, GATHER=False, BAD_IS_ERROR=False,
         WIDTH=WIDTH, ROPE_DIM=ROPE_DIM, COLS=_GATHER_COLS, num_warps=4,
     )
-    launch = _bound(_gather_rows_kernel, grid, constexprs, indices.device,
+    launch = bound_by_layout(_gather_rows_kernel, grid, constexprs, indices.device,
                     ("compact", layout_key(indices), _optional_key(topk_length), _optional_key(extra_indices),
                      _optional_key(extra_topk_length), layout_key(table)))
     launch(indices, lens if topk_length is None else topk_length, indices if extra_indices is None else extra_indices,
@@ -382,7 +368,7 @@ def pad_rows(kv: torch.Tensor, extra_kv: torch.Tensor | None, rows: torch.Tensor
     if count + extra_count == 0:
         return
     grid = (triton.cdiv(count + extra_count, _PAD_ROWS),)
-    launch = _bound(_pad_rows_kernel, grid,
+    launch = bound_by_layout(_pad_rows_kernel, grid,
                     dict(ROWS=_PAD_ROWS, HAS_EXTRA=extra_kv is not None, WIDTH=WIDTH, ROPE_DIM=ROPE_DIM, num_warps=4),
                     kv.device, ("pad", layout_key(kv), _optional_key(extra_kv), layout_key(rows)))
     launch(kv, kv if extra_kv is None else extra_kv, rows, count, extra_count, kv.stride(0),
@@ -396,7 +382,7 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) ->
         return
     block_h = min(_SINK_HEADS, triton.next_power_of_2(heads))
     grid = (tokens, triton.cdiv(heads, block_h))
-    launch = _bound(_apply_sink_kernel, grid, dict(BLOCK_H=block_h, WIDTH=WIDTH, num_warps=4), out.device,
+    launch = bound_by_layout(_apply_sink_kernel, grid, dict(BLOCK_H=block_h, WIDTH=WIDTH, num_warps=4), out.device,
                     ("sink", layout_key(out), layout_key(lse), layout_key(attn_sink)))
     launch(out, lse, attn_sink, heads, out.stride(0), out.stride(1), lse.stride(0))
 
