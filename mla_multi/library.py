@@ -101,8 +101,8 @@ SCHEMAS: dict[str, str] = {
     ),
     "mla_prefill": (
         "mla_prefill(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, float scale, *, bool causal=True, bool return_lse=False, str? backend=None) "
-        "-> (Tensor, Tensor)"
+        "SymInt max_seqlen_k, float scale, *, bool causal=True, bool return_lse=False, str? backend=None, "
+        "Tensor? q_scale=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)"
     ),
     "merge_attn_states": (
         "merge_attn_states(Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, Tensor suffix_lse) "
@@ -230,10 +230,10 @@ def mla_decode_traced(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, *, k
 
 
 def _mla_prefill_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
-                        return_lse=False, backend=None):
+                        return_lse=False, backend=None, q_scale=None, k_scale=None, v_scale=None):
     result = _eager(
         _EAGER["mla_prefill"], q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-        causal=causal, return_lse=return_lse, backend=backend,
+        causal=causal, return_lse=return_lse, backend=backend, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
     )
     if return_lse:
         out, lse = result
@@ -242,19 +242,21 @@ def _mla_prefill_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def _mla_prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
-                      return_lse=False, backend=None):
+                      return_lse=False, backend=None, q_scale=None, k_scale=None, v_scale=None):
     tokens, heads = q.shape[0], q.shape[1]
-    out = q.new_empty((tokens, heads, v.shape[-1]))
-    lse = q.new_empty((heads, tokens), dtype=_lse_dtype(q.dtype)) if return_lse else _no_lse(q)
+    dtype = torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) else q.dtype
+    out = q.new_empty((tokens, heads, v.shape[-1]), dtype=dtype)
+    lse = q.new_empty((heads, tokens), dtype=_lse_dtype(dtype)) if return_lse else _no_lse(out)
     return out, lse
 
 
 def mla_prefill_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *, causal=True,
-                       return_lse=False, backend=None):
+                       return_lse=False, backend=None, q_scale=None, k_scale=None, v_scale=None):
     """`mla_multi.ops.mla_prefill` through ``torch.ops.mla_multi.mla_prefill``."""
     out, lse = torch.ops.mla_multi.mla_prefill(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scale),
-        causal=bool(causal), return_lse=bool(return_lse), backend=backend,
+        causal=bool(causal), return_lse=bool(return_lse), backend=backend, q_scale=_scale_tensor(q_scale, q.device),
+        k_scale=_scale_tensor(k_scale, q.device), v_scale=_scale_tensor(v_scale, q.device),
     )
     return (out, lse) if return_lse else out
 

@@ -374,6 +374,9 @@ def mla_prefill(
     causal: bool = True,
     return_lse: bool = False,
     backend: str | None = None,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Varlen MHA of MLA prefill (qk head dim P + R, v head dim V).
 
@@ -389,28 +392,45 @@ def mla_prefill(
     (ValueError naming it, on every call); a NaN, or a score of +inf, reaching a row's softmax makes that row
     and its LSE NaN; scores of -inf weigh nothing; an empty batch gives empty outputs.
     cu_seqlens_* may be int32 or int64 (converted once to int32).
+
+    FP8 prefill: k and v in one FP8 type with their per-tensor dequantisation scales `k_scale` / `v_scale`
+    (a finite positive float or a 1-element float tensor), q float (the backend quantises it per tensor where
+    its kernel takes an FP8 query) or FP8 with `q_scale`; the output is q's dtype, bfloat16 for an FP8 q.
+    ROCM_AITER runs it on gfx950 (aiter's FP8 MLA prefill: new tokens, no LSE), REFERENCE anywhere (the
+    dequantised values in float32); a scale given with float k / v is refused (ValueError naming it).
     """
     if torch.compiler.is_compiling():
         return library.mla_prefill_traced(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-            causal=causal, return_lse=return_lse, backend=backend,
+            causal=causal, return_lse=return_lse, backend=backend, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         )
     _check_backend_arg("prefill", backend)
     try:
         key = (
             "mla_prefill", _layout(q), _layout(k), _layout(v), _layout(cu_seqlens_q), _layout(cu_seqlens_k),
-            max_seqlen_q, max_seqlen_k, scale, bool(causal), backend, envs.snapshot(),
+            max_seqlen_q, max_seqlen_k, scale, bool(causal), backend, _scale_key(q_scale), _scale_key(k_scale),
+            _scale_key(v_scale), envs.snapshot(),
         )
         hash(key)
     except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what was wrong
         key = None
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend)
+        plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend,
+                             q_scale, k_scale, v_scale)
         _remember(key, plan)
     elif plan.data_checks and checks.data_checks_enabled(q.device):
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if plan.fp8:  # a float scale is part of the key, checked when planned; a tensor's value is not
+            for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+                if torch.is_tensor(value):
+                    checks.check_scale(name, value, required=True)
     cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)  # int64 taken too
+    if plan.fp8:
+        return plan.impl.forward_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            return_softmax_lse=return_lse, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        )
     return plan.impl.forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
     )
@@ -419,10 +439,11 @@ def mla_prefill(
 class _PrefillPlan:
     """What `mla_prefill` decided for one key: the backend and its impl (whose wrappers and plans persist)."""
 
-    def __init__(self, backend_cls, impl, data_checks: bool) -> None:
+    def __init__(self, backend_cls, impl, data_checks: bool, fp8: bool = False) -> None:
         self.backend_cls = backend_cls
         self.impl = impl
         self.data_checks = data_checks
+        self.fp8 = fp8  # FP8 k / v: the impl takes q_scale, k_scale and v_scale
 
 
 def _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
@@ -441,14 +462,37 @@ def _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name}={bound} is below the longest sequence ({longest}); accepted: >= {longest}")
 
 
-def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend) -> _PrefillPlan:
+def _check_prefill_fp8(q, k, q_scale, k_scale, v_scale) -> bool:
+    """Whether k / v are FP8 (then their scales are required, and q is float or FP8 with q_scale); a scale given
+    with float k / v is refused. The tensors' dtypes: `_plan_prefill`'s checks."""
+    fp8 = torch.is_tensor(k) and k.dtype in FP8_DTYPES
+    if not fp8:
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ValueError(f"{name}={checks.describe(value)} with {checks.describe(k)} keys (not FP8: "
+                                 f"nothing is scaled); accepted: {name}=None, or FP8 k and v with their scales")
+        return False
+    checks.check_scale("k_scale", k_scale, required=True)
+    checks.check_scale("v_scale", v_scale, required=True)
+    if torch.is_tensor(q) and q.dtype in FP8_DTYPES:
+        checks.check_scale("q_scale", q_scale, required=True)
+    elif q_scale is not None:
+        raise ValueError(f"q_scale={checks.describe(q_scale)} with a {checks.describe(q)} query (not FP8: the "
+                         "backend quantises a float query itself); accepted: q_scale=None, or an FP8 query")
+    return True
+
+
+def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend, q_scale=None,
+                  k_scale=None, v_scale=None) -> _PrefillPlan:
     """Check the inputs of `mla_prefill` (all of them, once per key) and choose the backend."""
-    checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    fp8 = _check_prefill_fp8(q, k, q_scale, k_scale, v_scale)
+    checks.check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES + ((k.dtype,) if fp8 else ()))
     device = q.device
     num_heads, qk_head_dim = q.shape[1], q.shape[2]
-    checks.check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(None, num_heads, qk_head_dim), device=device,
+    kv_dtypes = FP8_DTYPES if fp8 else (q.dtype,)
+    checks.check_tensor("k", k, ndim=3, dtypes=kv_dtypes, shape=(None, num_heads, qk_head_dim), device=device,
                         shape_from="q's heads and head dim")
-    checks.check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], num_heads, None), device=device,
+    checks.check_tensor("v", v, ndim=3, dtypes=(k.dtype,), shape=(k.shape[0], num_heads, None), device=device,
                         shape_from="k's tokens, q's heads")
     checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=checks.INDEX_DTYPES, device=device)
     checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=checks.INDEX_DTYPES, shape=(cu_seqlens_q.shape[0],),
@@ -464,11 +508,12 @@ def _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
     rope = min(64, qk_head_dim - 1)
     dims = MLADims(num_heads, qk_nope_head_dim=qk_head_dim - rope, qk_rope_head_dim=rope, v_head_dim=v.shape[-1])
-    backend_cls = select_prefill_backend(dims, q.dtype, backend=backend)
+    # FP8 k / v select by their dtype: the backends that take it run FP8 prefill
+    backend_cls = select_prefill_backend(dims, k.dtype if fp8 else q.dtype, backend=backend)
     impl = backend_cls.get_prefill_impl_cls()(
         num_heads, scale, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, device
     )
-    return _PrefillPlan(backend_cls, impl, checks.data_checks_enabled(device))
+    return _PrefillPlan(backend_cls, impl, checks.data_checks_enabled(device), fp8)
 
 
 def _check_sparse_extras(tokens: int, heads: int, topk_length, attn_sink, device, lengths_name: str = "topk_length",

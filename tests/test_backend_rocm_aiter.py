@@ -656,8 +656,8 @@ def test_fp8_prefill_selection_follows_aiters_facts(fake_aiter):
     ]
     with pytest.raises(NoBackendError, match="does not run on gfx942"):
         registry.select("prefill", PrefillSelectorConfig(dims, torch.float8_e4m3fnuz), mi300, backend="ROCM_AITER")
-    with pytest.raises(NoBackendError, match="REFERENCE"):  # nothing else runs FP8 prefill
-        registry.select("prefill", PrefillSelectorConfig(dims, torch.float8_e4m3fnuz), mi300)
+    # the dequantising last resort runs it elsewhere
+    assert registry.select("prefill", PrefillSelectorConfig(dims, torch.float8_e4m3fnuz), mi300).name == "REFERENCE"
 
 
 def test_fp8_prefill_needs_aiters_fp8_prefill_functions(fake_aiter, monkeypatch):
@@ -718,6 +718,28 @@ def test_fp8_prefill_matches_float64_within_fp8_tolerance(fake_aiter, num_heads,
     q_scale = q.float().abs().max().item() / 448
     assert kernel["scales"] == pytest.approx([q_scale, k_scale.item(), v_scale.item()], rel=1e-6)
     assert calls["mla_reduce_v1"]["final_lse"] is False and calls["mla_reduce_v1"]["max_seqlen_q"] == 256
+
+
+def test_fp8_prefill_through_the_public_op(fake_aiter):
+    """`mm.ops.mla_prefill` with FP8 k / v and their scales: on an impersonated MI355X the registry sends it to
+    ROCM_AITER's FP8 prefill (aiter's kernel called), on MI300X to REFERENCE (dequantised); both within FP8
+    tolerance of float64 attention over the unquantised inputs."""
+    import aiter.ops.attention as attention
+
+    import mla_multi as mm
+
+    q, k, v, cu = _fp8_prefill_case(16, [70, 33], 11)
+    scale = 192 ** -0.5
+    ref, _ = varlen_attention_reference(q.double(), k.double(), v.double(), cu, cu, scale, True)
+    for spec, fp8, served in (("MI355X", torch.float8_e4m3fn, True), ("MI300X", torch.float8_e4m3fnuz, False)):
+        k8, k_scale = rocm_aiter.quantize_per_tensor(k, fp8)
+        v8, v_scale = rocm_aiter.quantize_per_tensor(v, fp8)
+        attention.CALLS.clear()
+        with override(spec):
+            out = mm.ops.mla_prefill(q, k8, v8, cu, cu, 70, 70, scale, k_scale=k_scale, v_scale=float(v_scale))
+        assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 6e-2, (spec, relative_error(out, ref))
+        called = any(c["function"] == "mla_prefill_ps_asm_fwd" for c in attention.CALLS)
+        assert called == served, spec
 
 
 def test_fp8_prefill_takes_an_fp8_query_with_its_scale(fake_aiter):
