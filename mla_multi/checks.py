@@ -119,14 +119,16 @@ def check_positive_float(name: str, value) -> float:
 _SCALE_ACCEPTED = "a finite positive float or a 1-element floating-point tensor holding one"
 
 
-def check_scale(name: str, scale, required: bool, *, refuse_unused: bool = False) -> None:
+def check_scale(name: str, scale, required: bool, *, refuse_unused: bool = False,
+                scaled: str = "an fp8 kv_cache") -> None:
     """A ValueError naming `name` unless `scale` is None (where not `required`), a finite positive float, or a
     1-element floating-point tensor whose value (read where the data checks run, see `data_checks_enabled`) is
     finite and positive. `required`: the cache is FP8 and needs it. `refuse_unused`: a scale given for a cache
-    that is not FP8 (which no backend would apply) is refused rather than ignored."""
+    that is not FP8 (which no backend would apply) is refused rather than ignored. `scaled`: what the scale
+    belongs to, for the message of a missing one."""
     if scale is None:
         if required:
-            raise ValueError(f"{name}=None with an fp8 kv_cache; accepted: {_SCALE_ACCEPTED}")
+            raise ValueError(f"{name}=None with {scaled}; accepted: {_SCALE_ACCEPTED}")
         return
     if refuse_unused and not required:
         raise ValueError(f"{name}={describe(scale)} with a kv_cache that is not FP8 (its values are not scaled); "
@@ -160,6 +162,13 @@ def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     if device is None:
         return False
     return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
+
+
+def planned_checks_run(planned: bool, device) -> bool:
+    """Whether a plan's data checks run for this call: the plan was made with them on (`data_checks_enabled`
+    read once then), and they still run now (not while a CUDA graph is being captured, which cannot read
+    tensors on the host)."""
+    return planned and data_checks_enabled(device)
 
 
 def report_pending_errors(device: torch.device) -> None:

@@ -129,7 +129,7 @@ def mla_decode(
         plan = _plan_decode(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, backend,
                             needs_lse=bool(return_lse))
         _remember(key, plan)
-    elif plan.data_checks and checks.data_checks_enabled(plan.device):
+    elif checks.planned_checks_run(plan.data_checks, plan.device):
         checks.report_pending_errors(plan.device)
         checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
         checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
@@ -300,7 +300,7 @@ class MLADecodePlan:
         self._check_output("out", out, self._out_shape, self._dtype)
         self._check_output("lse", lse, self._out_shape[:-1], torch.float32)
         plan = self._plan
-        if plan.data_checks and checks.data_checks_enabled(plan.device):
+        if checks.planned_checks_run(plan.data_checks, plan.device):
             checks.report_pending_errors(plan.device)
             checks.check_scale("k_scale", k_scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_block_table_data(block_table, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
@@ -343,7 +343,7 @@ class MLAPrefillPlan:
                 "the tensors differ from the planned ones in shape, strides, dtype, device, alignment or "
                 "MLA_MULTI_* environment; accepted: tensors laid out as at plan_mla_prefill (plan again for others)"
             )
-        if self._plan.data_checks and checks.data_checks_enabled(q.device):
+        if checks.planned_checks_run(self._plan.data_checks, q.device):
             _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)
         return self._plan.impl.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -419,20 +419,17 @@ def mla_prefill(
         plan = _plan_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend,
                              q_scale, k_scale, v_scale)
         _remember(key, plan)
-    elif plan.data_checks and checks.data_checks_enabled(q.device):
+    elif checks.planned_checks_run(plan.data_checks, q.device):
         _check_prefill_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if plan.fp8:  # a float scale is part of the key, checked when planned; a tensor's value is not
             for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
                 if torch.is_tensor(value):
                     checks.check_scale(name, value, required=True)
     cu_seqlens_q, cu_seqlens_k = checks.as_int32(cu_seqlens_q), checks.as_int32(cu_seqlens_k)  # int64 taken too
-    if plan.fp8:
-        return plan.impl.forward_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-            return_softmax_lse=return_lse, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-        )
+    scales = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale) if plan.fp8 else {}
     return plan.impl.forward_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, return_softmax_lse=return_lse,
+        **scales,
     )
 
 
@@ -472,10 +469,10 @@ def _check_prefill_fp8(q, k, q_scale, k_scale, v_scale) -> bool:
                 raise ValueError(f"{name}={checks.describe(value)} with {checks.describe(k)} keys (not FP8: "
                                  f"nothing is scaled); accepted: {name}=None, or FP8 k and v with their scales")
         return False
-    checks.check_scale("k_scale", k_scale, required=True)
-    checks.check_scale("v_scale", v_scale, required=True)
+    checks.check_scale("k_scale", k_scale, required=True, scaled="FP8 k")
+    checks.check_scale("v_scale", v_scale, required=True, scaled="FP8 v")
     if torch.is_tensor(q) and q.dtype in FP8_DTYPES:
-        checks.check_scale("q_scale", q_scale, required=True)
+        checks.check_scale("q_scale", q_scale, required=True, scaled="an FP8 q")
     elif q_scale is not None:
         raise ValueError(f"q_scale={checks.describe(q_scale)} with a {checks.describe(q)} query (not FP8: the "
                          "backend quantises a float query itself); accepted: q_scale=None, or an FP8 query")
@@ -567,7 +564,7 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     if plan is None:
         plan = _plan_sparse_decode(q_nope, q_pe, kv_cache, indices, k_scale, topk_length, attn_sink, backend)
         _remember(key, plan)
-    elif plan.data_checks and checks.data_checks_enabled(plan.device):
+    elif checks.planned_checks_run(plan.data_checks, plan.device):
         checks.report_pending_errors(plan.device)
         if torch.is_tensor(k_scale):  # a float k_scale is part of the key, checked when planned; a tensor's value not
             checks.check_scale("k_scale", k_scale, required=True)
@@ -794,7 +791,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
         key = plan = None
     if plan is not None:
         # checked when planned; the data checks run on every call where they are on
-        if plan.data_checks and checks.data_checks_enabled(plan.device):
+        if checks.planned_checks_run(plan.data_checks, plan.device):
             checks.report_pending_errors(plan.device)
             checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
             checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
@@ -1083,7 +1080,7 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
         plan = _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
                                extra_topk_length, extra_kv_format, backend, kv_name=kv_name, extra_name=extra_name)
         _remember(key, plan)
-    elif plan.data_checks and checks.data_checks_enabled(plan.device):
+    elif checks.planned_checks_run(plan.data_checks, plan.device):
         checks.report_pending_errors(plan.device)
         _check_v4_plan_data(plan, phase == "sparse_decode", indices, topk_length, extra_indices, extra_topk_length)
     tokens, heads = plan.tokens, plan.heads

@@ -419,12 +419,6 @@ def gathered_segment_v4(kv: torch.Tensor, kv_format: str, indices: torch.Tensor,
 # --------------------------------------------------------------------------- backend classes
 
 
-def _dequantized(x: torch.Tensor, scale) -> torch.Tensor:
-    """FP8 values times their per-tensor scale (a float or a 1-element tensor) in float32."""
-    factor = scale.reshape(()).to(device=x.device, dtype=torch.float32) if torch.is_tensor(scale) else float(scale)
-    return x.to(torch.float32) * factor
-
-
 class ReferencePrefillImpl(MLAPrefillImpl):
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_softmax_lse,
                        *, q_scale=None, k_scale=None, v_scale=None):
@@ -433,8 +427,8 @@ class ReferencePrefillImpl(MLAPrefillImpl):
         out_dtype = q.dtype
         if k.dtype in FP8_DTYPES:
             out_dtype = torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype
-            q = _dequantized(q, q_scale) if q.dtype in FP8_DTYPES else q.to(torch.float32)
-            k, v = _dequantized(k, k_scale), _dequantized(v, v_scale)
+            q = dequantize_cache_rows(q, q_scale, torch.float32)
+            k, v = dequantize_cache_rows(k, k_scale, torch.float32), dequantize_cache_rows(v, v_scale, torch.float32)
         out, lse = varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, self.scale, causal, max_seqlen_q, max_seqlen_k
         )

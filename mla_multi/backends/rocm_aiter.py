@@ -836,6 +836,16 @@ _plan_buffers: dict = {}
 _plan_lock = threading.Lock()
 
 
+_WORK_NAMES = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+               "reduce_partial_map")
+
+
+def _allocate_work(specs, device: torch.device, names: tuple[str, ...] = _WORK_NAMES) -> dict[str, torch.Tensor]:
+    """The persistent paths' six work buffers, named in the order aiter's *_metadata_info_v1 returns their
+    (shape, dtype) specs."""
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+
+
 def _metadata_buffers(route: AiterDecodeRoute, batch: int, device: torch.device, q_dtype: torch.dtype,
                       kv_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The persistent path's six buffers, shaped by aiter's get_mla_metadata_info_v1 for `batch` requests."""
@@ -845,9 +855,7 @@ def _metadata_buffers(route: AiterDecodeRoute, batch: int, device: torch.device,
         batch_size=batch, max_seqlen_qo=route.query_len, num_head_qo=route.heads, q_dtype=q_dtype,
         kv_dtype=kv_dtype, is_sparse=False, fast_mode=True,
     )
-    names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
-             "reduce_partial_map")
-    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+    return _allocate_work(specs, device)
 
 
 class AiterMLADecodeImpl(MLADecodeImpl):
@@ -1291,10 +1299,11 @@ class AiterMLADecodeBackend(MLADecodeBackend):
 def quantize_per_tensor(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in `fp8_dtype`, its float32 scale [1]): scale = amax(|x|) / the FP8 type's largest finite value (aiter's
     per_tensor_quant rule), computed on x's device (no host read); an all-zero x gets scale 1."""
+    from mla_multi.backends.reference import quantize_to_fp8
+
     amax = x.detach().abs().amax().float().reshape(1)
-    top = torch.finfo(fp8_dtype).max
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    return (x.float() / scale).clamp(-top, top).to(fp8_dtype), scale
+    scale = torch.where(amax > 0, amax / torch.finfo(fp8_dtype).max, torch.ones_like(amax))
+    return quantize_to_fp8(x, scale, fp8_dtype), scale
 
 
 def _fp8_prefill_metadata(batch: int, num_heads: int, max_seqlen_q: int, device: torch.device
@@ -1309,9 +1318,9 @@ def _fp8_prefill_metadata(batch: int, num_heads: int, max_seqlen_q: int, device:
         max_qlen=max(int(max_seqlen_q), 1),
         qlen_granularity=AITER_FP8_PREFILL_TILE_Q,
     )
-    names = ("work_metadata_ptrs", "work_indptr", "work_info", "reduce_indptr", "reduce_final_map",
-             "reduce_partial_map")
-    return {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+    # get_ps_metadata_v1 names two of them otherwise
+    return _allocate_work(specs, device, ("work_metadata_ptrs", "work_indptr", "work_info", "reduce_indptr",
+                                         "reduce_final_map", "reduce_partial_map"))
 
 
 def _fp8_prefill(q8, k8, v8, q_scale, k_scale, v_scale, cu_seqlens_q, qo_cpu, max_seqlen_q: int,
@@ -1727,9 +1736,7 @@ def _sparse_persistent_mla_decode_fwd(
         batch_size=tokens, max_seqlen_qo=1, num_head_qo=heads, q_dtype=query.dtype, kv_dtype=kv_buffer.dtype,
         is_sparse=True, fast_mode=True, num_kv_splits=AITER_SPARSE_PERSISTENT_SPLITS,
     )
-    names = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
-             "reduce_partial_map")
-    work = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in zip(names, specs)}
+    work = _allocate_work(specs, device)
     aiter.get_mla_metadata_v1(
         seqlens_qo_indptr=index.qo_indptr,
         seqlens_kv_indptr=index.kv_indptr,
