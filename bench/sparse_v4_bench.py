@@ -3,7 +3,8 @@
 Decode: a 584-byte ``fp8_ds_mla_v4`` cache in pages of 64, top-k 512 of a 32768-token context and a
 128-token window in its own cache of the same format, topk_length and extra_topk_length full, a sink; the
 inputs copied enough times to exceed L2 and one graph replays a call on each copy (µs per call, median of
-`triton.testing.do_bench`). TRITON's two parts are timed alone too: the gathering launch
+`triton.testing.do_bench`). TRITON reads the caches in place on sm_90; its other way, the rows gathered
+first, is timed beside it ("TRITON rows gathered"), and that way's two parts alone: the gathering launch
 (`kernels/sparse_v4.gather_rows`) and the rest (dense decode and sink). Prefill: float rows, top-k 2048
 and a 128-row window.
 
@@ -105,6 +106,14 @@ def bench_decode(heads: int, batch: int, rounds: int = 3) -> dict:
     def dense(i):
         return impl._v4_pages(q, rows_buf.view(-1, 1, 576), table, lens, scale, sink)
 
+    def gathered(i):  # TRITON with the rows gathered first, where it reads the caches in place
+        TritonSparseDecodeImpl.read_v4_in_place = False
+        try:
+            return triton_call(i)
+        finally:
+            TritonSparseDecodeImpl.read_v4_in_place = True
+
+    runs["TRITON rows gathered"] = gathered
     runs["TRITON gather"] = gather
     runs["TRITON dense+sink"] = dense
     module = _flash_mla()

@@ -56,7 +56,7 @@ def _check(out, lse, want, want_lse):
     torch.testing.assert_close(lse.double().cpu()[~empty], want_lse[~empty], rtol=1e-3, atol=1e-3)
 
 
-def _decode_case(main, extra, heads, batch, s_q, seed):
+def _decode_case(main, extra, heads, batch, s_q, seed, extra_block_size=32):
     gen = torch.Generator().manual_seed(seed)
     lead = (batch, s_q) if s_q > 1 else (batch,)
     cache, cache_cpu = _cache(main, 16, 64, gen)
@@ -69,8 +69,9 @@ def _decode_case(main, extra, heads, batch, s_q, seed):
     kwargs = dict(topk_length=lengths, attn_sink=sink)
     cpu_kwargs = dict(kwargs)
     if extra is not None:
-        extra_cache, extra_cpu = _cache(extra, 4, 32, gen)
-        extra_indices = _indices(gen, lead, 128, 4 * 32)
+        extra_blocks = 128 // extra_block_size
+        extra_cache, extra_cpu = _cache(extra, extra_blocks, extra_block_size, gen)
+        extra_indices = _indices(gen, lead, 128, 128)
         extra_lengths = torch.randint(0, 129, (batch,), generator=gen, dtype=torch.int32)
         extra_lengths[0] = 0  # request 0: nothing at all
         kwargs.update(extra_kv_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_lengths)
@@ -92,11 +93,44 @@ def test_decode_matches_reference(main, extra, heads):
     assert not bool(out[:, 1].any())  # the +inf sink: zeros
 
 
+def _reads_v4_in_place() -> bool:
+    """Whether this device's TRITON reads fp8_ds_mla_v4 caches in place (sm_90's warp-specialised kernels)."""
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+    from mla_multi.platforms import current_platform
+
+    return not ds_mla_decode_reason(current_platform())
+
+
+@pytest.mark.parametrize("extra", ["fp8_ds_mla_v4", None])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_decode_in_place_matches_reference_and_the_gathered_rows(monkeypatch, extra, heads):
+    """Caches of one page size: read in place on sm_90 (the V4 loader of the warp-specialised kernel), the
+    same answer as REFERENCE in float64 and as the rows gathered first (`read_v4_in_place = False`)."""
+    from mla_multi.backends.triton import TritonSparseDecodeImpl
+
+    _skip_without_fp8("fp8_ds_mla_v4")
+    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", extra, heads, 40, 1,
+                                                                    seed=50 + heads, extra_block_size=64)
+    impl = TritonSparseDecodeImpl(heads, 448, 64, "cuda")
+    reason = impl._v4_in_place_reason(q.cuda(), cache, "fp8_ds_mla_v4", kwargs.get("extra_kv_cache"), extra)
+    assert (reason == "") == _reads_v4_in_place(), reason
+    out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
+                                           return_lse=True, **kwargs)
+    want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
+                                                 return_lse=True, **cpu_kwargs)
+    _check(out, lse, want, want_lse)
+    monkeypatch.setattr(TritonSparseDecodeImpl, "read_v4_in_place", False)
+    gathered, gathered_lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
+                                                         return_lse=True, **kwargs)
+    torch.testing.assert_close(out, gathered, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, gathered_lse, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_two_query_tokens_a_request(heads):
     _skip_without_fp8("fp8_ds_mla_v4")
     q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", "fp8_ds_mla_v4", heads, 4, 2,
-                                                                    seed=7)
+                                                                    seed=7, extra_block_size=64)
     out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
                                            return_lse=True, **kwargs)
     want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
@@ -108,7 +142,8 @@ def test_decode_two_query_tokens_a_request(heads):
 def test_decode_replays_in_a_cuda_graph_on_new_values(monkeypatch):
     _skip_without_fp8("fp8_ds_mla_v4")
     monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")  # the data checks read the indices: not in a capture
-    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", "fp8_ds_mla_v4", 64, 8, 1, seed=9)
+    q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", "fp8_ds_mla_v4", 64, 8, 1, seed=9,
+                                                                    extra_block_size=64)
     q_gpu, idx_gpu = q.cuda(), indices.cuda()
     call = lambda: mm.ops.mla_sparse_decode_v4(q_gpu, cache, idx_gpu, SCALE, backend="TRITON", return_lse=True,
                                                **kwargs)

@@ -272,18 +272,19 @@ class TritonDecodeImpl(MLADecodeImpl):
 
     def bind(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
              max_seq_len: int | None = None, masked_entries: bool = False,
-             min_tokens_per_split: int | None = None) -> TritonDecodeLaunch:
+             min_tokens_per_split: int | None = None, v4=None) -> TritonDecodeLaunch:
         """See `MLADecodeImpl.bind`: the split count (`choose_num_kv_splits`) and, on a GPU, the kernels bound
         at the first launch. `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the
         block table); `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits`
-        too."""
+        too; `v4`: `mla_decode.V4Pages` (DeepSeek-V4 caches read in place, the second one passed to each call
+        as `extra_cache`)."""
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
             batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1],
             min_tokens_per_split=min_tokens_per_split,
         )
-        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries)
+        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries, v4)
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
@@ -319,8 +320,10 @@ class TritonDecodeLaunch(DecodeLaunch):
     first launch. Partials come from the given `workspace_manager` (views kept while its buffer stays), the
     caller (`attn_logits`) or the device's shared workspace (`shared_split_partials`)."""
 
-    def __init__(self, impl: TritonDecodeImpl, q_nope: torch.Tensor, num_kv_splits: int, masked_entries: bool) -> None:
+    def __init__(self, impl: TritonDecodeImpl, q_nope: torch.Tensor, num_kv_splits: int, masked_entries: bool,
+                 v4=None) -> None:
         super().__init__(impl, num_kv_splits)
+        self.v4 = v4
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         self.device = q_nope.device
@@ -339,7 +342,7 @@ class TritonDecodeLaunch(DecodeLaunch):
         return split_partials(*self.partial_dims, self.device)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
-                 lse=None, attn_logits=None, workspace_manager=None):
+                 lse=None, attn_logits=None, workspace_manager=None, extra_cache=None):
         from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
         impl = self.impl
@@ -364,16 +367,17 @@ class TritonDecodeLaunch(DecodeLaunch):
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
                 num_kv_splits=self.num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=impl.platform,
-                masked_entries=self.masked_entries,
+                masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache,
             )
         state = (capturing(q_nope), workspace_manager is not None)
         kernels = self._kernels.get(state)
         if kernels is None:
             kernels = self._kernels[state] = DecodeKernelPlan(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
-                platform=impl.platform, masked_entries=self.masked_entries,
+                platform=impl.platform, masked_entries=self.masked_entries, v4=self.v4,
             )
-        kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
+        kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
+                       extra_cache=extra_cache)
         return out, lse
 
 
@@ -426,14 +430,14 @@ class _SparseThroughDense(MLASparseImpl):
         return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale)
 
     def _dense_launch(self, way: str, q_nope, q_pe, pages, table, lens, k_scale, *, masked_entries=False,
-                      min_tokens_per_split=None):
+                      min_tokens_per_split=None, v4=None):
         """The dense decode launch of `way` for these tensors: the one bound before where their layout is the
         same, else a new one."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import capturing
 
         key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
-               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope))
+               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4)
         found = self._launches.get(way)
         if found is not None and found[0] == key:
             return found[1]
@@ -443,7 +447,7 @@ class _SparseThroughDense(MLASparseImpl):
                 self.num_heads, 1.0, q_nope.shape[-1], q_pe.shape[-1], pages.dtype, 1, q_nope.device
             )
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
-                           min_tokens_per_split=min_tokens_per_split)
+                           min_tokens_per_split=min_tokens_per_split, v4=v4)
         self._launches[way] = (key, launch)
         return launch
 
@@ -477,16 +481,23 @@ class _SparseThroughDense(MLASparseImpl):
             out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
         return out, lse
 
-    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink):
+    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink, *, v4=None, extra_cache=None):
         """The V4 attention of q [T, N, 512] over one-token `pages` [P, 1, 576] (zero tails) through `table` /
         `lens` on the dense kernels: the query's rotary part is zero (a stride-0 view of 64 zeros kept by the
-        scratch), so the scores and values are the 512-wide rows'. The sink is applied in place from the LSE."""
+        scratch), so the scores and values are the 512-wide rows'. With `v4` (`mla_decode.V4Pages`) `pages` is
+        the main fp8_ds_mla_v4 cache read in place (`extra_cache` the second), the table its slots, and the
+        kernel reads the 512 columns alone. The sink is applied in place from the LSE."""
         from mla_multi.kernels.sparse_v4 import ROPE_DIM, apply_sink
 
         tokens, heads, _ = q.shape
         q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
-        launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None)
-        out, lse = launch(q, q_pe, pages, table, lens, scale)
+        if v4 is None:
+            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None)
+            out, lse = launch(q, q_pe, pages, table, lens, scale)
+        else:
+            launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
+                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
+            out, lse = launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache)
         if attn_sink is not None:
             apply_sink(out, lse, attn_sink)
         return out, lse
@@ -515,6 +526,9 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
     kernels read the index lists themselves, -1 masked, and nothing is compacted), elsewhere its named rows
     first dequantised (one launch) into a scratch of T * topk rows in the query's dtype."""
 
+    # V4 caches read in place where `_v4_in_place_reason` allows (False: always gathered first; for comparison)
+    read_v4_in_place: bool = True
+
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         in_place = kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype)
         return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
@@ -522,19 +536,53 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
     def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
-        """The V4 contract (`MLASparseImpl.forward_v4`): every token's named rows of both segments dequantised
-        (one launch, `sparse_v4.gather_rows`) into its stretch of 576-wide rows in q's dtype, then the dense
-        kernels over them as one-token pages."""
-        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows
+        """The V4 contract (`MLASparseImpl.forward_v4`). fp8_ds_mla_v4 caches on sm_90 (`_v4_in_place_reason`):
+        each token's entries that count compacted into a table of slots of both caches (one launch,
+        `sparse_v4.compact_lists`), which the warp-specialised kernel's V4 loader reads in place. Elsewhere every
+        token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`) into its stretch
+        of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
+        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, compact_lists, gather_rows
 
         tokens = q.shape[0]
         if tokens == 0:
             return _v4_empty(q)
         width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        if not self._v4_in_place_reason(q, kv, kv_format, extra_kv, extra_kv_format):
+            from mla_multi.kernels.mla_decode import V4Pages
+
+            num_slots = kv.shape[0] * kv.shape[1]
+            extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
+            device = q.device
+            table = self._scratch.get("v4 table", (tokens, width), torch.int32, device)
+            lens = self._scratch.get("v4 lens", (tokens,), torch.int32, device)
+            compact_lists(indices, topk_length, num_slots, extra_indices, extra_topk_length, extra_slots, table=table,
+                          lens=lens, bad_is_error=True)
+            v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
+                         kv.stride(0) if extra_kv is None else extra_kv.stride(0))
+            return self._v4_pages(q, kv, table, lens, scale, attn_sink, v4=v4, extra_cache=extra_kv)
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
         return self._v4_pages(q, rows.view(-1, 1, PAGE_WIDTH), table, lens, scale, attn_sink)
+
+    def _v4_in_place_reason(self, q, kv, kv_format, extra_kv, extra_kv_format) -> str:
+        """Why the V4 caches cannot be read in place ("" where they can): fp8_ds_mla_v4 caches (both, the
+        second of the main cache's page size) on a device whose decode kernels read fp8_ds_mla in place
+        (`_in_place_reason`: sm_90, a bfloat16 query, rows on 4-byte boundaries), slots that int32 holds."""
+        if not self.read_v4_in_place:
+            return "read_v4_in_place is off (the rows are gathered first)"
+        if kv_format != "fp8_ds_mla_v4" or (extra_kv is not None and extra_kv_format not in (None, "fp8_ds_mla_v4")):
+            return f"caches of formats {kv_format} / {extra_kv_format} (in place: fp8_ds_mla_v4)"
+        for cache in (kv,) if extra_kv is None else (kv, extra_kv):
+            reason = self._in_place_reason(cache, q.dtype)
+            if reason:
+                return reason
+        if extra_kv is not None and extra_kv.shape[1] != kv.shape[1]:
+            return f"a second cache of {extra_kv.shape[1]}-token pages beside {kv.shape[1]}-token ones"
+        slots = kv.shape[0] * kv.shape[1] + (0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1])
+        if slots >= 2**31:
+            return f"{slots} slots do not fit int32"
+        return ""
 
     def _lists_as_they_are(self, q_nope) -> bool:
         """Whether the in-place kernels read the index lists themselves (-1 masked in the kernel) rather than a

@@ -56,6 +56,7 @@ Design (why it is shaped this way):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -536,8 +537,28 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class V4Pages:
+    """DeepSeek-V4 caches (``fp8_ds_mla_v4``, uint8 [num_blocks, page_size, 584] whose block stride is the
+    padded block: `mla_multi.cache_formats`) read in place by the sm_90 warp-specialised kernel: the main
+    cache is the plan's ``kv_cache``, an optional second one (the same page size) is passed to each launch as
+    ``extra_cache``. The block table's entries are slots of both (``block * page_size + offset``; the second
+    cache's offset by ``first_extra_slot``, the main cache's slot count) and ``seq_lens`` counts them; the
+    query is 512 wide (``q_pe``: 64 columns the kernel does not read)."""
+
+    page_size: int
+    first_extra_slot: int
+    num_slots: int  # both caches'
+    extra_block_stride: int  # bytes
+
+
+# a V4 token's bytes
+V4_BYTES = 584
+
+
 def _check_inputs(
-    q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag=None
+    q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag=None,
+    v4: V4Pages | None = None,
 ):
     if q_nope.dim() not in (3, 4):
         raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}; accepted: [B, N, Lkv] or [B, Q, N, Lkv]")
@@ -568,11 +589,17 @@ def _check_inputs(
         )
     if ds_mla and q_nope.dtype != torch.bfloat16:
         raise ValueError(f"an fp8_ds_mla (uint8) kv_cache with a {q_nope.dtype} query; accepted: bfloat16")
-    width = FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
+    width = V4_BYTES if v4 is not None else FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
         raise ValueError(
             f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, {width}] "
-            + ("(fp8_ds_mla bytes)" if ds_mla else "(kv_lora_rank + qk_rope_head_dim)")
+            + ("(fp8_ds_mla_v4 bytes)" if v4 is not None else "(fp8_ds_mla bytes)" if ds_mla
+               else "(kv_lora_rank + qk_rope_head_dim)")
+        )
+    if v4 is not None and (not ds_mla or kv_cache.shape[1] != v4.page_size):
+        raise ValueError(
+            f"V4 pages of {v4.page_size} tokens with a {kv_cache.dtype} kv_cache of shape {tuple(kv_cache.shape)}; "
+            f"accepted: uint8 [num_blocks, {v4.page_size}, {V4_BYTES}]"
         )
     if kv_cache.dtype not in _CACHE_DTYPES + (torch.uint8,):
         raise ValueError(
@@ -654,6 +681,8 @@ def mla_decode_fwd(
     platform: Any = None,
     error_flag: torch.Tensor | None = None,
     masked_entries: bool = False,
+    v4: V4Pages | None = None,
+    extra_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -685,15 +714,18 @@ def mla_decode_fwd(
         masked_entries: an fp8_ds_mla cache of one-token pages read on sm_90 (the sparse decode's index
             lists as the block table): an entry -1 is no token, masked; one outside [-1, num_blocks)
             makes the request's rows NaN and sets `errors.SPARSE_INDEX`.
+        v4: DeepSeek-V4 pages read in place on sm_90 (`V4Pages`): kv_cache the main ``fp8_ds_mla_v4``
+            cache, ``extra_cache`` the second (default: none, the main cache stands in), q_nope [B, N, 512].
 
     Returns:
         (out, lse), the buffers passed in.
     """
     plan = DecodeKernelPlan(
         q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
-        config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries,
+        config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries, v4=v4,
     )
-    plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale)
+    plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
+                extra_cache=extra_cache)
     return out, lse
 
 
@@ -729,11 +761,13 @@ class DecodeKernelPlan:
     def __init__(
         self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, *,
         config: DecodeLaunchConfig | None = None, platform: Any = None, error_flag: torch.Tensor | None = None,
-        masked_entries: bool = False,
+        masked_entries: bool = False, v4: V4Pages | None = None,
     ) -> None:
         batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
-            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag
+            q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag,
+            v4,
         )
+        self.v4 = v4
         if platform is None:
             from mla_multi.platforms import current_platform
 
@@ -769,11 +803,12 @@ class DecodeKernelPlan:
             o_strides = (out.stride(0), out.stride(1), out.stride(2))
             lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
         self.has_k_scale = k_scale is not None
+        # V4 pages: the table names slots, one-token pages of both caches
         self.int_args = (
             num_heads,
             num_kv_splits,
-            block_table.shape[1] * kv_cache.shape[1],
-            kv_cache.shape[0],
+            block_table.shape[1] * (1 if v4 is not None else kv_cache.shape[1]),
+            v4.num_slots if v4 is not None else kv_cache.shape[0],
             *qn_strides,
             *qp_strides,
             cache.stride(0),
@@ -802,7 +837,10 @@ class DecodeKernelPlan:
                 )
             if reason:
                 raise ValueError(f"an fp8_ds_mla kv_cache cannot be decoded here: {reason}")
-        if masked_entries and not (ds_mla and kv_cache.shape[1] == 1):
+        if v4 is not None and not config.warpgroup:
+            raise ValueError(f"V4 pages are read by the sm_90 warp-specialised kernels; decode config {config.name} "
+                             f"is the Triton kernel's")
+        if masked_entries and (v4 is not None or not (ds_mla and kv_cache.shape[1] == 1)):
             raise ValueError(
                 f"masked_entries=True reads -1 entries of one-token fp8_ds_mla pages; got a {kv_cache.dtype} cache "
                 f"of block size {kv_cache.shape[1]}"
@@ -838,13 +876,14 @@ class DecodeKernelPlan:
                 q_len=q_len,
                 kv_lora_rank=kv_lora_rank,
                 rope_dim=rope_dim,
-                page_size=kv_cache.shape[1],
+                page_size=1 if v4 is not None else kv_cache.shape[1],
                 config=config,
                 has_k_scale=k_scale is not None,
                 fp8_cache=kv_cache.dtype in FP8_DTYPES or ds_mla,
                 direct=direct,
                 allow_tma=eager_tma(q_nope, batch * q_len),
                 masked_entries=masked_entries,
+                v4_page=0 if v4 is None else v4.page_size,
             )
         else:
             self.split = BoundLaunch(
@@ -888,8 +927,10 @@ class DecodeKernelPlan:
                 *lse_strides,
             )
 
-    def launch(self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale) -> None:
-        """Run the plan on tensors with the plan's key (writes `out` and `lse`)."""
+    def launch(self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale, *,
+               extra_cache=None) -> None:
+        """Run the plan on tensors with the plan's key (writes `out` and `lse`); `extra_cache`: V4 pages' second
+        cache (`V4Pages`)."""
         split = self.split
         if split is None:
             return
@@ -898,7 +939,11 @@ class DecodeKernelPlan:
             q_nope, q_pe, cache, block_table, seq_lens, k_scale if self.has_k_scale else seq_lens, attn_logits, out,
             lse, self.error_flag, float(scale), *self.int_args,
         )
-        if self.tma:
+        v4 = self.v4
+        if v4 is not None:
+            split(*args, Extra_cache=kv_cache if extra_cache is None else extra_cache,
+                  extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride)
+        elif self.tma:
             from mla_multi.kernels.mla_decode_wgmma import tma_keywords
 
             split(*args, **tma_keywords(kv_cache, self.config.block_n, self.kv_lora_rank))
@@ -994,8 +1039,17 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs["ROWS_AS_M"] = config.kernel == "wgmma_rm"
     constexprs["RAW_STAGES"] = config.raw_stages
     constexprs.setdefault("MASKED_ENTRIES", False)
-    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES"):
+    constexprs.setdefault("V4_PAGE", 0)
+    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE"):
         signature[key] = "constexpr"
+    # the V4 pages' second cache (`V4Pages`), passed by name; absent elsewhere
+    if constexprs["V4_PAGE"]:
+        signature["Extra_cache"] = "*u8"
+    else:
+        constexprs["Extra_cache"] = None
+        signature["Extra_cache"] = "constexpr"
+    signature["extra_first_slot"] = "i32"
+    signature["stride_extra_block"] = "i32"
     if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
         # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
         constexprs["TMA"] = True
@@ -1090,6 +1144,14 @@ def compile_specs(platform) -> list[CompileSpec]:
                     constexprs["MASKED_ENTRIES"] = True
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
                         f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
+                specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
+            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots)
+            for direct in (False, True):
+                constexprs = {
+                    "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
+                    "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
+                }
+                name = f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,{'direct' if direct else 'partial'}]"
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     for reduce_config in all_decode_reduce_configs(platform):
         specs.append(

@@ -700,7 +700,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, ready, tile, K_STAGES: gl.constexpr,
-               ROWS_AS_M: gl.constexpr, s_shape: gl.constexpr, s_layout: gl.constexpr):
+               ROWS_AS_M: gl.constexpr, s_shape: gl.constexpr, s_layout: gl.constexpr, ROPE: gl.constexpr = True):
         """Wait until the stage holding `tile` is ready and issue its QK product (async; S, or S^T with the
         tokens as M): 16-bit stages, or raw FP8 stages with an e4m3 query on the FP8 tensor cores."""
         slot = tile % K_STAGES
@@ -710,10 +710,12 @@ if gluon is not None:
         s = gl.zeros(s_shape, gl.float32, layout=s_layout)
         if ROWS_AS_M:
             s = warpgroup_mma(q_smem, k_stages.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(qpe_smem, kpe_stages.index(slot).permute((1, 0)), s, is_async=True)
+            if ROPE:
+                s = warpgroup_mma(qpe_smem, kpe_stages.index(slot).permute((1, 0)), s, is_async=True)
         else:
             s = warpgroup_mma(k_stages.index(slot), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(kpe_stages.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
+            if ROPE:
+                s = warpgroup_mma(kpe_stages.index(slot), qpe_smem.permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -770,9 +772,10 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
-        MASKED_ENTRIES: gl.constexpr = False,
+        MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
+        V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused.
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
@@ -872,7 +875,8 @@ if gluon is not None:
                 bad_block = bad_block | _tile_bad_block(
                     block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
                 )
-            s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout)
+            s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout,
+                       V4_PAGE == 0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             if MASKED_ENTRIES:  # a -1 entry's score (of the zeros the loader wrote) is no score
                 if ROWS_AS_M:
@@ -1366,6 +1370,145 @@ if gluon is not None:
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
 
+    # DeepSeek-V4 rows (fp8_ds_mla_v4, 584 bytes a token) read in place: a 16-row piece as int32 words, two
+    # words (8 bytes) a thread, [16, 16] words (one 64-value scale group of 16 rows) covered once
+    _V4_PIECE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [2, 2], [1, 0]))
+
+    @gluon.jit
+    def _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                 stride_kv_block, stride_extra_block, FIRST: gl.constexpr, PIECE: gl.constexpr,
+                 V4_PAGE: gl.constexpr, layout: gl.constexpr):
+        """Word pointers of the data (576 bytes: 448 e4m3 values, 64 bfloat16 rotary values) and of the scales
+        (8 bytes in the block's tail) of tile positions [start + FIRST, start + FIRST + PIECE), and whether
+        they lie before split_end. The entries are slots of both caches (those >= extra_first_slot the second
+        cache's, less extra_first_slot); one outside [0, num_cache_blocks) reads slot 0 (the softmax partition
+        flags it)."""
+        pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+        outside = (entries < 0) | (entries >= num_cache_blocks)
+        entries = gl.where(outside, 0, entries)
+        extra = entries >= extra_first_slot
+        slot = gl.where(extra, entries - extra_first_slot, entries)
+        block = (slot // V4_PAGE).to(gl.int64)
+        offset = (slot % V4_PAGE).to(gl.int64)
+        base = block * gl.where(extra, stride_extra_block, stride_kv_block).to(gl.int64)
+        words = gl.where(extra, Extra_words, KV_words)
+        data = words + ((base + offset * 576) >> 2)
+        scales = words + ((base + V4_PAGE * 576 + offset * 8) >> 2)
+        return data, scales, pos < split_end
+
+    @gluon.jit
+    def _v4_piece_load(data, scales, valid, layout: gl.constexpr):
+        """A piece of V4 rows as int32 words (zeros where not valid): the seven 64-value latent groups [PIECE,
+        16] each, the rotary part [PIECE, 32] and each row's two words of UE8M0 scale bytes [PIECE]."""
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+        at = data[:, None] + cols[None, :]
+        mask = valid[:, None]
+        g0 = gl.load(at, mask=mask, other=0)
+        g1 = gl.load(at + 16, mask=mask, other=0)
+        g2 = gl.load(at + 32, mask=mask, other=0)
+        g3 = gl.load(at + 48, mask=mask, other=0)
+        g4 = gl.load(at + 64, mask=mask, other=0)
+        g5 = gl.load(at + 80, mask=mask, other=0)
+        g6 = gl.load(at + 96, mask=mask, other=0)
+        cols_r = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+        rope = gl.load(data[:, None] + 112 + cols_r[None, :], mask=mask, other=0)
+        s0 = gl.load(scales, mask=valid, other=0)
+        s1 = gl.load(scales + 1, mask=valid, other=0)
+        return (g0, g1, g2, g3, g4, g5, g6, rope, s0, s1)
+
+    @gluon.jit
+    def _v4_group_store(rows, words, code, GROUP: gl.constexpr):
+        """One 64-value group [PIECE, 16 words] times its UE8M0 scale (`code`'s low byte: 2^(code - 127), a
+        bfloat16 whose exponent field is the byte) into bfloat16 columns [64 GROUP, 64 GROUP + 64) of a
+        stage's rows (its word view)."""
+        bits = (code & 0xFF) << 7
+        pairs = bits | (bits << 16)
+        lo, hi = _e4m3_words_scaled(words, gl.broadcast(pairs[:, None], words)[0])
+        rows.slice(GROUP * 32, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 32]))
+
+    @gluon.jit
+    def _v4_piece_store(kv_words, piece, FIRST: gl.constexpr, PIECE: gl.constexpr):
+        """A piece's latent groups dequantised, and its rotary part as it is, into rows [FIRST, FIRST + PIECE)
+        of the stage's word view: [448 latent | 64 rotary] bfloat16 values, the V4 row."""
+        rows = kv_words.slice(FIRST, PIECE, dim=0)
+        s0 = piece[8]
+        s1 = piece[9]
+        _v4_group_store(rows, piece[0], s0, 0)
+        _v4_group_store(rows, piece[1], s0 >> 8, 1)
+        _v4_group_store(rows, piece[2], s0 >> 16, 2)
+        _v4_group_store(rows, piece[3], s0 >> 24, 3)
+        _v4_group_store(rows, piece[4], s1, 4)
+        _v4_group_store(rows, piece[5], s1 >> 8, 5)
+        _v4_group_store(rows, piece[6], s1 >> 16, 6)
+        rows.slice(224, 32, dim=1).store(piece[7])
+
+    @gluon.jit
+    def _ws_load_v4(
+        kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end, num_tiles,
+        num_cache_blocks, stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        """DeepSeek-V4 tiles (fp8_ds_mla_v4: in a block of V4_PAGE tokens each token's 448 e4m3 values and 64
+        bfloat16 rotary values, 576 bytes, then the tokens' seven UE8M0 scales and a pad byte each) of one or
+        two caches, named by the block table's entries (slots, `_v4_rows`), into the bfloat16 stages both
+        products read as the 512-wide V4 row [448 latent | 64 rotary] (the query's rotary part is not used:
+        QK reads the 512 columns, P V the same). As `_ws_load_ds_mla`: 16-row quarters through the loader's
+        registers, three ahead of the one stored, the entries a tile ahead; the scale bytes come with their
+        rows. Needs 4-byte aligned rows and a bfloat16 query."""
+        gl.static_assert(BLOCK_N == 64, "the V4 loader takes 64-token tiles in four 16-row quarters")
+        gl.static_assert(KV_LORA_RANK == 512, "V4 rows are 512 values wide")
+        gl.static_assert(kv_smem.dtype == gl.bfloat16, "V4 rows are read with a bfloat16 query")
+        P: gl.constexpr = 16
+        layout: gl.constexpr = _V4_PIECE_LAYOUT
+        words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        Extra_cache, extra_first_slot, stride_extra_block = v4_args
+        KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
+        Extra_words = Extra_cache.to(gl.pointer_type(gl.int32), bitcast=True)
+        e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, 1, layout)
+        e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, 1, layout)
+        e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, 1, layout)
+        e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, 1, layout)
+        d, s, v = _v4_rows(e0, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                           stride_kv_block, stride_extra_block, 0, P, V4_PAGE, layout)
+        a = _v4_piece_load(d, s, v, layout)
+        d, s, v = _v4_rows(e1, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                           stride_kv_block, stride_extra_block, 16, P, V4_PAGE, layout)
+        b = _v4_piece_load(d, s, v, layout)
+        d, s, v = _v4_rows(e2, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                           stride_kv_block, stride_extra_block, 32, P, V4_PAGE, layout)
+        c = _v4_piece_load(d, s, v, layout)
+        for tile in range(num_tiles):
+            slot = tile % STAGES
+            start = split_start + tile * BLOCK_N
+            nxt = start + BLOCK_N
+            n0 = _ds_entries(block_table_row, nxt, split_end, 0, P, 1, layout)
+            n1 = _ds_entries(block_table_row, nxt, split_end, 16, P, 1, layout)
+            n2 = _ds_entries(block_table_row, nxt, split_end, 32, P, 1, layout)
+            n3 = _ds_entries(block_table_row, nxt, split_end, 48, P, 1, layout)
+            kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
+            d, s, v = _v4_rows(e3, start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                               stride_kv_block, stride_extra_block, 48, P, V4_PAGE, layout)
+            q3 = _v4_piece_load(d, s, v, layout)
+            mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            _v4_piece_store(kv_words, a, 0, P)
+            d, s, v = _v4_rows(n0, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                               stride_kv_block, stride_extra_block, 0, P, V4_PAGE, layout)
+            a = _v4_piece_load(d, s, v, layout)
+            _v4_piece_store(kv_words, b, 16, P)
+            d, s, v = _v4_rows(n1, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                               stride_kv_block, stride_extra_block, 16, P, V4_PAGE, layout)
+            b = _v4_piece_load(d, s, v, layout)
+            _v4_piece_store(kv_words, c, 32, P)
+            d, s, v = _v4_rows(n2, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
+                               stride_kv_block, stride_extra_block, 32, P, V4_PAGE, layout)
+            c = _v4_piece_load(d, s, v, layout)
+            _v4_piece_store(kv_words, q3, 48, P)
+            e3 = n3
+            # generic-proxy stores, read next by the tensor cores
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(ready_bars.index(slot), count=1)
+
     @gluon.jit
     def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
         """One whole tile inside a page by TMA: two bulk tensor copies (latent and rotary columns, addressed
@@ -1542,7 +1685,7 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
-        TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False,
+        TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, v4_args=None,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1576,6 +1719,11 @@ if gluon is not None:
                 stride_kv_token, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, RAW_STAGES,
                 _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK), TMA,
             )
+        elif V4_PAGE > 0:
+            _ws_load_v4(
+                kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end,
+                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
+            )
         elif KV_cache.dtype.element_ty == gl.uint8:
             _ws_load_ds_mla(
                 kv_smem, kpe_smem, ds_scales, ready_bars, empty_bars, KV_cache, block_table_row, split_start, split_end,
@@ -1606,12 +1754,18 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
-        MASKED_ENTRIES: gl.constexpr = False,
+        MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
+        stride_extra_block=0,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens. MASKED_ENTRIES
-        (fp8_ds_mla pages of one token): a block-table entry -1 is no token, masked, not an error."""
+        (fp8_ds_mla pages of one token): a block-table entry -1 is no token, masked, not an error.
+        V4_PAGE > 0: DeepSeek-V4 rows (fp8_ds_mla_v4, pages of V4_PAGE tokens) of KV_cache and Extra_cache read
+        in place (`_ws_load_v4`), the block table's entries slots of both (those >= extra_first_slot the second
+        cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide."""
+        if V4_PAGE > 0:
+            gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot, compacted")
         if MASKED_ENTRIES:
             gl.static_assert(PAGE_SIZE == 1, "entries of -1 are tokens of one-token pages")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
@@ -1683,7 +1837,7 @@ if gluon is not None:
         mbarrier.init(q_done, count=1)
         # an fp8_ds_mla cache: a tile's row scales as bfloat16 pairs, per 128-value group, two tiles
         ds_scales = gl.allocate_shared_memory(
-            gl.int32, [2, 4 * BLOCK_N] if KV_cache.dtype.element_ty == gl.uint8 else [1, 1],
+            gl.int32, [2, 4 * BLOCK_N] if (KV_cache.dtype.element_ty == gl.uint8 and V4_PAGE == 0) else [1, 1],
             gl.SwizzledSharedLayout(1, 1, 1, [0]),
         )
         bufs = (
@@ -1702,13 +1856,14 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES,
-                            KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES)),
+                            KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES, V4_PAGE,
+                            (Extra_cache, extra_first_slot, stride_extra_block))),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
@@ -1806,9 +1961,11 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
-                             tma: bool, masked_entries: bool = False) -> dict:
+                             tma: bool, masked_entries: bool = False, v4_page: int = 0) -> dict:
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
              "MASKED_ENTRIES": masked_entries}
+    if v4_page:
+        extra["V4_PAGE"] = v4_page
     if tma:
         extra["TMA"] = True
     return dict(
@@ -1827,6 +1984,10 @@ def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config
     )
 
 
+# the V4 split kernel's arguments passed by name: the second cache, its first slot, its block stride in bytes
+V4_KEYWORDS = ("Extra_cache", "extra_first_slot", "stride_extra_block")
+
+
 def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
     """The TMA descriptor arguments of a bound split kernel for `kv_cache` (built once per cache and kept)."""
     descriptors = _tma_cache_descriptors(kv_cache, block_n, kv_lora_rank)
@@ -1834,17 +1995,19 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
-                      fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False):
+                      fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
-    (the warp-specialised kernel over one-token fp8_ds_mla pages)."""
-    tma_ok = (allow_tma and tma_loader(config, fp8_cache)
+    (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
+    that many tokens, read in place (`V4_KEYWORDS` passed by name at every call)."""
+    tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
+        v4_page=v4_page,
     )
-    names = ("KV_desc", "KV_pe_desc") if tma_ok else ()
+    names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
     return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok
