@@ -64,7 +64,7 @@ def _v4_cache(blocks: int):
     return cache
 
 
-def bench_decode(heads: int, batch: int, rounds: int = 3) -> dict:
+def bench_decode(heads: int, batch: int, rounds: int = 3, only: tuple[str, ...] = ()) -> dict:
     from mla_multi import ops
     from mla_multi.backends.triton import TritonSparseDecodeImpl
     from mla_multi.kernels import sparse_v4
@@ -140,6 +140,8 @@ def bench_decode(heads: int, batch: int, rounds: int = 3) -> dict:
         got = triton_call(0)[0].float()
         want = peer(0)[0].view(batch, heads, 512).float()
         row["diff_vs_flashmla"] = float((got - want).norm() / want.norm())
+    if only:
+        runs = {name: fn for name, fn in runs.items() if name in only}
     for r in range(rounds):
         for name, fn in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
             try:
@@ -202,6 +204,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode", default="128x64,128x128,64x64,128x32,128x1")
     parser.add_argument("--prefill", default="128x4096x32768")
+    parser.add_argument("--runs", default="", help="comma list of the decode runs to time (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         from mla_multi.benchmarks import needs_gpu
@@ -209,7 +212,8 @@ def main(argv=None) -> int:
         return needs_gpu("bench/sparse_v4_bench.py")
     for item in filter(None, args.decode.split(",")):
         heads, batch = (int(x) for x in item.split("x"))
-        print(json.dumps(bench_decode(heads, batch)), flush=True)
+        only = tuple(filter(None, args.runs.split(",")))
+        print(json.dumps(bench_decode(heads, batch, only=only)), flush=True)
     for item in filter(None, args.prefill.split(",")):
         heads, tokens, s_kv = (int(x) for x in item.split("x"))
         print(json.dumps(bench_prefill(heads, tokens, s_kv)), flush=True)

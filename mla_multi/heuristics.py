@@ -70,6 +70,7 @@ from mla_multi.checks import check_positive_int
 __all__ = [
     "MIN_TOKENS_PER_SPLIT",
     "PARTIAL_WAVES",
+    "gathered_tile_splits",
     "max_partial_rows",
     "PROGRAM_OVERHEAD_TOKENS",
     "num_kv_splits",
@@ -154,6 +155,26 @@ def max_partial_rows(
     max_splits = max_num_kv_splits(max_model_len, platform)
     programs = max(head_blocks * max_splits, PARTIAL_WAVES * slots)
     return q_len * max(max_num_seqs, min(max_num_seqs * max_splits, programs // head_blocks))
+
+
+def gathered_tile_splits(platform, batch_size: int, num_heads: int, max_seq_len: int, *,
+                         kv_cache_dtype: torch.dtype = torch.uint8, q_len: int = 1) -> int:
+    """The number of KV splits for a decode whose tiles are gathered row by row (DeepSeek-V4 caches read in
+    place: every row's address waits on its own index, so a tile costs the memory's latency several times
+    over, far more than a streamed tile, and the partial rows of a split are cheap beside it): the count that
+    fills one wave of the device's programs, ``slots // (batch x head blocks)``, within 1 .. the tiles of
+    `max_seq_len`. Measured on an H200 (bench/RESULTS.md, V4 top-k 512 + a 128 window): at 64 heads B = 64 and
+    128 heads B = 32 two splits take 42.8 and 40.5 µs against 51.8 and 50.6 for one; at 128 heads B = 64 / 128
+    one split 56.5 / 106.5 against 73.7 / 142.7 for two; at one token the most splits. ``MLA_MULTI_NUM_KV_SPLITS``
+    overrides it."""
+    for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len)):
+        check_positive_int(name, value)
+    forced = _env_override()
+    if forced is not None:
+        return max(1, int(forced))
+    config, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype)
+    tiles = max(1, -(-max_seq_len // config.block_n))
+    return max(1, min(tiles, slots // (batch_size * q_len * head_blocks)))
 
 
 def _env_override() -> int | None:

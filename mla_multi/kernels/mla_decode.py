@@ -544,7 +544,8 @@ class V4Pages:
     cache is the plan's ``kv_cache``, an optional second one (the same page size) is passed to each launch as
     ``extra_cache``. The block table's entries are slots of both (``block * page_size + offset``; the second
     cache's offset by ``first_extra_slot``, the main cache's slot count) and ``seq_lens`` counts them; the
-    query is 512 wide (``q_pe``: 64 columns the kernel does not read)."""
+    query is 512 wide (``q_pe``: 64 columns the kernel does not read). Both caches start on 16 bytes (their
+    blocks do, being multiples of 576 bytes): the loader reads 16 bytes a thread."""
 
     page_size: int
     first_extra_slot: int
@@ -1043,8 +1044,10 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE"):
         signature[key] = "constexpr"
     # the V4 pages' second cache (`V4Pages`), passed by name; absent elsewhere
+    divisible = _SPLIT_DIVISIBLE
     if constexprs["V4_PAGE"]:
         signature["Extra_cache"] = "*u8"
+        divisible = divisible + ("Extra_cache",)
     else:
         constexprs["Extra_cache"] = None
         signature["Extra_cache"] = "constexpr"
@@ -1065,7 +1068,7 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         signature=signature,
         constexprs=constexprs,
         options={"num_warps": config.num_warps, "maxnreg": mla_decode_wgmma.WS_MAXNREG},
-        divisible_by_16=_SPLIT_DIVISIBLE,
+        divisible_by_16=divisible,
     )
 
 
