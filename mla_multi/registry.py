@@ -264,6 +264,16 @@ def few_sparse_tokens(platform: Platform, config) -> bool:
     return tokens == 1 or (config.dims.num_heads <= 64 and tokens <= platform.num_compute_units // 2)
 
 
+def v4_read_in_place(platform: Platform, config) -> bool:
+    """A planned V4 sparse decode over ``fp8_ds_mla_v4`` caches (both segments) where TRITON's sm_90 kernels
+    read them in place (`TritonSparseDecodeImpl._v4_in_place_reason`'s platform and format conditions)."""
+    from mla_multi.kernels.mla_decode import ds_mla_decode_reason
+
+    return (getattr(config, "kv_format", None) == "fp8_ds_mla_v4"
+            and getattr(config, "extra_kv_format", None) in (None, "fp8_ds_mla_v4")
+            and config.dtype == torch.bfloat16 and not ds_mla_decode_reason(platform))
+
+
 # Measured exceptions to the lists above, as deltas: each that matches a configuration moves the backends it
 # prefers ahead of the ones it names, in this order. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
@@ -278,6 +288,21 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         over=("FLASHMLA",),
         when=few_sparse_tokens,
         measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
+    ),
+    SelectionRule(
+        # 64 heads, top-k 512 / 2048 + a 128 window: B = 64 TRITON 46.7 / 88.1 µs, FLASHMLA 56.3 / 97.8; B = 128
+        # 62.6 / 141.1 against 61.3 / 147.5. 128 heads: FLASHMLA ahead from B = 64 (45.2 against 60.1 µs) and
+        # at one token (17.7 against 20.2), even at B = 32 (43.9 against 44.1)
+        name="nvidia-sm90-v4-sparse-decode-64-heads",
+        phase="sparse_decode",
+        vendor="cuda",
+        arch="sm_90",
+        num_heads=(1, 64),
+        num_tokens=(64, None),
+        prefer=("TRITON",),
+        over=("FLASHMLA",),
+        when=v4_read_in_place,
+        measured="bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)",
     ),
     SelectionRule(
         # every head count: at 128 heads TRITON is 0.90-1.41x FlashInfer's speed (0.90-0.93 at B = 128,

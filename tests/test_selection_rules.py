@@ -151,6 +151,18 @@ def rule_cases(phase: str, decode_tokens=(None,)):
                                               getattr(torch, kv), 2048, 1, tokens, lengths), {"ds": ds}
 
 
+def v4_rule_cases(phase: str):
+    """(label, config, flags) of the V4 contract's sparse configurations (fp8_ds_mla_v4 caches, bf16 queries)
+    for the conditions the V4 rule looks at."""
+    if phase not in ("sparse_decode", "sparse_prefill"):
+        return
+    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (64,), (True, False),
+                                                      ("fp8_ds_mla_v4", None)):
+        label = f"V4 N{heads} T{tokens}{' in-place' if ds else ''}{' window' if extra else ''}"
+        yield label, SparseSelectorConfig(MLADims.deepseek_v3(num_heads=heads), torch.bfloat16, torch.uint8, 512, 1,
+                                          tokens, True, "fp8_ds_mla_v4", extra, True), {"ds": ds}
+
+
 @pytest.fixture
 def kernels_flags(monkeypatch):
     """set(flags): make the sm_90 warpgroup kernels and the in-place fp8_ds_mla loader available or not."""
@@ -203,6 +215,25 @@ def test_the_flashmla_rule_is_the_only_change_from_64_tokens(kernels_flags):
             assert order == tuple(before), (spec_name, label)
     assert changed == {("H100", True, "FLASHMLA"), ("H200", True, "FLASHMLA"),
                        ("H100", False, "FLASHINFER"), ("H200", False, "FLASHINFER")}
+
+
+def test_the_v4_rule_puts_triton_first_at_64_heads_from_64_tokens_where_it_reads_in_place(kernels_flags):
+    """V4 sparse decode over fp8_ds_mla_v4 caches: on sm_90, where TRITON reads them in place, at most 64 heads
+    and at least 64 planned tokens, TRITON ahead of FLASHMLA (measured faster there); everywhere else the
+    platform's order."""
+    moved = set()
+    for label, config, flags in v4_rule_cases("sparse_decode"):
+        kernels_flags(flags)
+        for spec_name, spec in SPECS.items():
+            order = registry.default_registry.priority("sparse_decode", spec, config)
+            base = registry.default_registry.base_priority("sparse_decode", spec)
+            if (spec.arch == "sm_90" and flags["ds"] and config.dims.num_heads <= 64
+                    and config.num_tokens is not None and config.num_tokens >= 64):
+                assert order.index("TRITON") < order.index("FLASHMLA"), (spec_name, label)
+                moved.add((spec_name, config.dims.num_heads, config.num_tokens))
+            else:
+                assert order == base, (spec_name, label)
+    assert {(spec, heads) for spec, heads, _ in moved} == {("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64)}
 
 
 # --------------------------------------------------------------------------- the rules as data
@@ -373,7 +404,7 @@ def test_a_new_backend_keeps_its_place_under_every_rule(phase, with_fake, kernel
     applied = set()
     for position in (0, 1, None):
         with_fake(phase, position)
-        for label, config, flags in rule_cases(phase, (None, 1, 64)):
+        for label, config, flags in itertools.chain(rule_cases(phase, (None, 1, 64)), v4_rule_cases(phase)):
             kernels_flags(flags)
             for spec in SPECS.values():
                 base = registry.default_registry.base_priority(phase, spec)
