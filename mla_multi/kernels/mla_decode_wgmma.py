@@ -1423,6 +1423,17 @@ if gluon is not None:
         return (g0, g1, g2, g3, g4, g5, g6, r0, r1, s0, s1)
 
     @gluon.jit
+    def _v4_quarter(entries, start, split_end, src, FIRST: gl.constexpr, PIECE: gl.constexpr,
+                    V4_PAGE: gl.constexpr, layout: gl.constexpr):
+        """The rows of tile positions [start + FIRST, start + FIRST + PIECE) loaded (`_v4_rows`, `_v4_piece_load`);
+        src: (the two caches as int32 words, num_cache_blocks, extra_first_slot, their block strides)."""
+        KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block = src
+        data, scales, valid = _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks,
+                                       extra_first_slot, stride_kv_block, stride_extra_block, FIRST, PIECE, V4_PAGE,
+                                       layout)
+        return _v4_piece_load(data, scales, valid, layout)
+
+    @gluon.jit
     def _v4_group_store(rows, words, code, GROUP: gl.constexpr):
         """One 64-value group [PIECE, 16 words] times its UE8M0 scale (`code`'s low byte: 2^(code - 127), a
         bfloat16 whose exponent field is the byte) into bfloat16 columns [64 GROUP, 64 GROUP + 64) of a
@@ -1473,6 +1484,7 @@ if gluon is not None:
         Extra_cache, extra_first_slot, stride_extra_block = v4_args
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         Extra_words = Extra_cache.to(gl.pointer_type(gl.int32), bitcast=True)
+        src = (KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block)
         e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, 1, layout)
         e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, 1, layout)
         e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, 1, layout)
@@ -1482,18 +1494,10 @@ if gluon is not None:
         n1 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 16, P, 1, layout)
         n2 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 32, P, 1, layout)
         n3 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 48, P, 1, layout)
-        d, s, v = _v4_rows(e0, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                           stride_kv_block, stride_extra_block, 0, P, V4_PAGE, layout)
-        a = _v4_piece_load(d, s, v, layout)
-        d, s, v = _v4_rows(e1, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                           stride_kv_block, stride_extra_block, 16, P, V4_PAGE, layout)
-        b = _v4_piece_load(d, s, v, layout)
-        d, s, v = _v4_rows(e2, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                           stride_kv_block, stride_extra_block, 32, P, V4_PAGE, layout)
-        c = _v4_piece_load(d, s, v, layout)
-        d, s, v = _v4_rows(e3, split_start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                           stride_kv_block, stride_extra_block, 48, P, V4_PAGE, layout)
-        q3 = _v4_piece_load(d, s, v, layout)
+        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout)
+        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout)
+        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout)
+        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
@@ -1508,21 +1512,13 @@ if gluon is not None:
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
             # each quarter stored, then the next tile's same quarter loaded into its registers
             _v4_piece_store(kv_words, a, 0, P)
-            d, s, v = _v4_rows(n0, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                               stride_kv_block, stride_extra_block, 0, P, V4_PAGE, layout)
-            a = _v4_piece_load(d, s, v, layout)
+            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, b, 16, P)
-            d, s, v = _v4_rows(n1, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                               stride_kv_block, stride_extra_block, 16, P, V4_PAGE, layout)
-            b = _v4_piece_load(d, s, v, layout)
+            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, c, 32, P)
-            d, s, v = _v4_rows(n2, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                               stride_kv_block, stride_extra_block, 32, P, V4_PAGE, layout)
-            c = _v4_piece_load(d, s, v, layout)
+            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, q3, 48, P)
-            d, s, v = _v4_rows(n3, nxt, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                               stride_kv_block, stride_extra_block, 48, P, V4_PAGE, layout)
-            q3 = _v4_piece_load(d, s, v, layout)
+            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout)
             n0 = m0
             n1 = m1
             n2 = m2
