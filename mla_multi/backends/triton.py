@@ -272,19 +272,19 @@ class TritonDecodeImpl(MLADecodeImpl):
 
     def bind(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
              max_seq_len: int | None = None, masked_entries: bool = False,
-             min_tokens_per_split: int | None = None, v4=None) -> TritonDecodeLaunch:
+             min_tokens_per_split: int | None = None, v4=None, zero_rope: bool = False) -> TritonDecodeLaunch:
         """See `MLADecodeImpl.bind`: the split count (`choose_num_kv_splits`) and, on a GPU, the kernels bound
         at the first launch. `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the
         block table); `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits`
         too; `v4`: `mla_decode.V4Pages` (DeepSeek-V4 caches read in place, the second one passed to each call
-        as `extra_cache`)."""
+        as `extra_cache`); `zero_rope`: q_pe is zero (`mla_decode_fwd`'s)."""
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
             batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1],
             min_tokens_per_split=min_tokens_per_split,
         )
-        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries, v4)
+        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries, v4, zero_rope)
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
@@ -321,9 +321,10 @@ class TritonDecodeLaunch(DecodeLaunch):
     caller (`attn_logits`) or the device's shared workspace (`shared_split_partials`)."""
 
     def __init__(self, impl: TritonDecodeImpl, q_nope: torch.Tensor, num_kv_splits: int, masked_entries: bool,
-                 v4=None) -> None:
+                 v4=None, zero_rope: bool = False) -> None:
         super().__init__(impl, num_kv_splits)
         self.v4 = v4
+        self.zero_rope = zero_rope
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         self.device = q_nope.device
@@ -367,14 +368,14 @@ class TritonDecodeLaunch(DecodeLaunch):
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
                 num_kv_splits=self.num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=impl.platform,
-                masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache,
+                masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache, zero_rope=self.zero_rope,
             )
         state = (capturing(q_nope), workspace_manager is not None)
         kernels = self._kernels.get(state)
         if kernels is None:
             kernels = self._kernels[state] = DecodeKernelPlan(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
-                platform=impl.platform, masked_entries=self.masked_entries, v4=self.v4,
+                platform=impl.platform, masked_entries=self.masked_entries, v4=self.v4, zero_rope=self.zero_rope,
             )
         kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
                        extra_cache=extra_cache)
@@ -430,14 +431,15 @@ class _SparseThroughDense(MLASparseImpl):
         return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale)
 
     def _dense_launch(self, way: str, q_nope, q_pe, pages, table, lens, k_scale, *, masked_entries=False,
-                      min_tokens_per_split=None, v4=None, num_kv_splits=None):
+                      min_tokens_per_split=None, v4=None, num_kv_splits=None, zero_rope=False):
         """The dense decode launch of `way` for these tensors: the one bound before where their layout is the
         same, else a new one."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import capturing
 
         key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
-               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, num_kv_splits)
+               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, num_kv_splits,
+               zero_rope)
         found = self._launches.get(way)
         if found is not None and found[0] == key:
             return found[1]
@@ -447,7 +449,8 @@ class _SparseThroughDense(MLASparseImpl):
                 self.num_heads, 1.0, q_nope.shape[-1], q_pe.shape[-1], pages.dtype, 1, q_nope.device
             )
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
-                           min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits)
+                           min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
+                           zero_rope=zero_rope)
         self._launches[way] = (key, launch)
         return launch
 
@@ -492,7 +495,8 @@ class _SparseThroughDense(MLASparseImpl):
         tokens, heads, _ = q.shape
         q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
         if v4 is None:
-            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None)
+            # the zero rotary part's product skipped where the kernels can (sm_90's warp-specialised ones)
+            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True)
             out, lse = launch(q, q_pe, pages, table, lens, scale)
         else:
             from mla_multi.heuristics import gathered_tile_splits

@@ -684,6 +684,7 @@ def mla_decode_fwd(
     masked_entries: bool = False,
     v4: V4Pages | None = None,
     extra_cache: torch.Tensor | None = None,
+    zero_rope: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -717,6 +718,8 @@ def mla_decode_fwd(
             makes the request's rows NaN and sets `errors.SPARSE_INDEX`.
         v4: DeepSeek-V4 pages read in place on sm_90 (`V4Pages`): kv_cache the main ``fp8_ds_mla_v4``
             cache, ``extra_cache`` the second (default: none, the main cache stands in), q_nope [B, N, 512].
+        zero_rope: q_pe is zero (V4 rows laid out as 576-wide ones with a zero tail): the sm_90
+            warp-specialised kernels skip its product (the others compute it: the same result).
 
     Returns:
         (out, lse), the buffers passed in.
@@ -724,6 +727,7 @@ def mla_decode_fwd(
     plan = DecodeKernelPlan(
         q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
         config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries, v4=v4,
+        zero_rope=zero_rope,
     )
     plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
                 extra_cache=extra_cache)
@@ -762,7 +766,7 @@ class DecodeKernelPlan:
     def __init__(
         self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, *,
         config: DecodeLaunchConfig | None = None, platform: Any = None, error_flag: torch.Tensor | None = None,
-        masked_entries: bool = False, v4: V4Pages | None = None,
+        masked_entries: bool = False, v4: V4Pages | None = None, zero_rope: bool = False,
     ) -> None:
         batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag,
@@ -885,6 +889,7 @@ class DecodeKernelPlan:
                 allow_tma=eager_tma(q_nope, batch * q_len),
                 masked_entries=masked_entries,
                 v4_page=0 if v4 is None else v4.page_size,
+                qk_rope=not zero_rope,
             )
         else:
             self.split = BoundLaunch(
@@ -1041,7 +1046,8 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs["RAW_STAGES"] = config.raw_stages
     constexprs.setdefault("MASKED_ENTRIES", False)
     constexprs.setdefault("V4_PAGE", 0)
-    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE"):
+    constexprs.setdefault("QK_ROPE", True)
+    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE"):
         signature[key] = "constexpr"
     # the V4 pages' second cache (`V4Pages`), passed by name; absent elsewhere
     divisible = _SPLIT_DIVISIBLE
@@ -1110,6 +1116,10 @@ def compile_specs(platform) -> list[CompileSpec]:
                 if config.warpgroup:
                     if not wgmma_decode_reason(platform, cache_dtype):
                         specs.append(_wgmma_spec(name, config, cache_dtype, constexprs))
+                        if cache_dtype == torch.bfloat16 and page_size == 1:
+                            # the V4 rows laid out as 576-wide pages (`sparse_v4`): the zero rotary product skipped
+                            specs.append(_wgmma_spec(name[:-1] + ",no-rope]", config, cache_dtype,
+                                                     dict(constexprs, QK_ROPE=False)))
                     continue
                 constexprs |= {
                     "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype, config),

@@ -772,10 +772,11 @@ if gluon is not None:
         Q_LEN: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
-        MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0,
+        MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, QK_ROPE: gl.constexpr = True,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
-        V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused.
+        V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused; so too
+        without QK_ROPE (a zero rotary query: the rotary stage's product skipped).
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
@@ -880,7 +881,7 @@ if gluon is not None:
                     block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
                 )
             s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout,
-                       V4_PAGE == 0)
+                       QK_ROPE and V4_PAGE == 0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             if MASKED_ENTRIES:  # a -1 entry's score (of the zeros the loader wrote) is no score
                 if ROWS_AS_M:
@@ -1774,7 +1775,7 @@ if gluon is not None:
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
-        stride_extra_block=0,
+        stride_extra_block=0, QK_ROPE: gl.constexpr = True,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
@@ -1782,7 +1783,9 @@ if gluon is not None:
         (fp8_ds_mla pages of one token): a block-table entry -1 is no token, masked, not an error.
         V4_PAGE > 0: DeepSeek-V4 rows (fp8_ds_mla_v4, pages of V4_PAGE tokens) of KV_cache and Extra_cache read
         in place (`_ws_load_v4`), the block table's entries slots of both (those >= extra_first_slot the second
-        cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide."""
+        cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide.
+        QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
+        product is skipped."""
         if V4_PAGE > 0:
             gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot, compacted")
         if MASKED_ENTRIES:
@@ -1875,7 +1878,7 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
@@ -1980,11 +1983,13 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
-                             tma: bool, masked_entries: bool = False, v4_page: int = 0) -> dict:
+                             tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True) -> dict:
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
              "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
+    if not qk_rope:
+        extra["QK_ROPE"] = False
     if tma:
         extra["TMA"] = True
     return dict(
@@ -2014,19 +2019,21 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
-                      fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0):
+                      fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
+                      qk_rope: bool = True):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
-    that many tokens, read in place (`V4_KEYWORDS` passed by name at every call)."""
+    that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
+    rotary part is zero and its product is skipped."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page,
+        v4_page=v4_page, qk_rope=qk_rope,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
     return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok
