@@ -163,3 +163,25 @@ def test_num_kv_splits_names_a_count_that_is_not_a_positive_int(name, bad):
     args[name] = bad
     with pytest.raises(ValueError, match=rf"{name}={bad!r}; accepted: a positive int"):
         num_kv_splits(SPECS["H100"], max_seq_len=4096, **args)
+
+
+def test_gathered_tile_splits_fill_one_wave_within_the_tiles(monkeypatch):
+    """V4 caches read in place (`gathered_tile_splits`): the split count that fills one wave of an H100's / H200's
+    programs (one 64-head program an SM), at least 1 and at most the tiles of the longest list; the values the
+    H200 sweep found fastest (bench/RESULTS.md); MLA_MULTI_NUM_KV_SPLITS overrides it."""
+    from mla_multi.heuristics import gathered_tile_splits
+
+    platform = SPECS["H200"]
+    width = 512 + 128
+    assert gathered_tile_splits(platform, 64, 128, width) == 1
+    assert gathered_tile_splits(platform, 128, 128, width) == 1
+    assert gathered_tile_splits(platform, 64, 64, width) == 2
+    assert gathered_tile_splits(platform, 32, 128, width) == 2
+    assert gathered_tile_splits(platform, 1, 128, width) == 10  # every tile its own split
+    assert gathered_tile_splits(platform, 1, 128, 0) == 1
+    _, head_blocks, slots = heuristics._occupancy(platform, 16, 1, torch.uint8)
+    assert gathered_tile_splits(platform, 4, 16, 1 << 16) == slots // (4 * head_blocks)
+    monkeypatch.setenv("MLA_MULTI_NUM_KV_SPLITS", "3")
+    assert gathered_tile_splits(platform, 64, 128, width) == 3
+    with pytest.raises(ValueError, match="batch_size"):
+        gathered_tile_splits(platform, 0, 128, width)
