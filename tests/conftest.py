@@ -19,3 +19,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_flash_mla(monkeypatch):
+    """tests/fake_flash_mla (FlashMLA's interface in PyTorch) imported as flash_mla, forgotten afterwards."""
+    import pathlib
+    import sys
+
+    from mla_multi import registry
+    from mla_multi.backends import flashmla
+
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "flash_mla"}
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "fake_flash_mla"))
+    flashmla.clear_caches()
+    registry.default_registry.clear_cache()
+    import flash_mla
+
+    flash_mla.CALLS.clear()
+    yield flash_mla
+    for name in [n for n in sys.modules if n.split(".")[0] == "flash_mla"]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+    flashmla.clear_caches()
+    registry.default_registry.clear_cache()

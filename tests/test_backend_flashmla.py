@@ -60,23 +60,6 @@ def test_fake_flashmla_has_the_published_signatures(flashmla_wheel):
     assert inspect  # the module's own probe reads signatures with inspect
 
 
-@pytest.fixture
-def fake_flash_mla(monkeypatch):
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "flash_mla"}
-    monkeypatch.syspath_prepend(str(FAKE))
-    flashmla.clear_caches()
-    registry.default_registry.clear_cache()
-    import flash_mla
-
-    flash_mla.CALLS.clear()
-    yield flash_mla
-    for name in [n for n in sys.modules if n.split(".")[0] == "flash_mla"]:
-        del sys.modules[name]
-    sys.modules.update(saved)
-    flashmla.clear_caches()
-    registry.default_registry.clear_cache()
-
-
 def _ds_cache(generator, slots, block_size):
     rows = quantize_fp8_ds_mla(torch.randn(slots, 512, generator=generator), torch.randn(slots, 64, generator=generator))
     return rows.view(slots // block_size, block_size, 656), dequantize_fp8_ds_mla(rows, torch.float64)

@@ -19,7 +19,6 @@ from mla_multi import errors, registry
 from mla_multi.backends import flashmla
 from mla_multi.dims import MLADims
 from mla_multi.platforms import override
-from test_backend_flashmla import fake_flash_mla  # noqa: F401 - the fixture
 
 WIDTH = 512
 SCALE = WIDTH ** -0.5

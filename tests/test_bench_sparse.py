@@ -11,7 +11,6 @@ import torch
 
 from mla_multi.benchmarks import sparse
 from mla_multi.platforms import override
-from test_backend_flashmla import fake_flash_mla  # noqa: F401 - the fixture
 
 
 def test_cases_parse_with_their_own_topk():

@@ -79,45 +79,34 @@ TODAY_ORDERS = {
     ('sparse_prefill', 'B200'): ('FLASHMLA', 'TRITON', 'REFERENCE'),
     ('sparse_prefill', 'CPU'): ('REFERENCE',),
 }
+# the exceptions shared by devices of one architecture (A100 and B200 take the few-heads rules alike, H100 and
+# H200 the sm_90 ones)
+_FEW_HEADS_TRITON = (('TRITON', 'FLASHINFER', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
+    'N1 bfloat16 wgmma', 'N1 bfloat16', 'N1 float16 wgmma', 'N1 float16',
+    'N1 float8_e4m3fn wgmma', 'N1 float8_e4m3fn', 'N1 float8_e4m3fnuz wgmma', 'N1 float8_e4m3fnuz',
+    'N16 bfloat16 wgmma', 'N16 bfloat16', 'N16 float16 wgmma', 'N16 float16',
+    'N16 float8_e4m3fn wgmma', 'N16 float8_e4m3fn', 'N16 float8_e4m3fnuz wgmma', 'N16 float8_e4m3fnuz',
+    'N17 float8_e4m3fn wgmma', 'N17 float8_e4m3fn', 'N32 float8_e4m3fn wgmma', 'N32 float8_e4m3fn',
+}))
+_SM90_FLASHINFER = (('FLASHINFER', 'TRITON', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
+    'N17 bfloat16', 'N17 float16', 'N17 float8_e4m3fnuz', 'N32 bfloat16',
+    'N32 float16', 'N32 float8_e4m3fnuz', 'N33 bfloat16', 'N33 float16',
+    'N33 float8_e4m3fn', 'N33 float8_e4m3fnuz', 'N64 bfloat16', 'N64 float16',
+    'N64 float8_e4m3fn', 'N64 float8_e4m3fnuz', 'N127 bfloat16', 'N127 float16',
+    'N127 float8_e4m3fn', 'N127 float8_e4m3fnuz', 'N128 bfloat16', 'N128 float16',
+    'N128 float8_e4m3fn', 'N128 float8_e4m3fnuz',
+}))
+_SM90_SPARSE_TRITON = (('TRITON', 'FLASHMLA', 'REFERENCE'), frozenset({
+    'N32 uint8 T1 in-place', 'N32 uint8 T2 in-place', 'N32 uint8 T66 in-place', 'N64 uint8 T1 in-place',
+    'N64 uint8 T2 in-place', 'N64 uint8 T66 in-place', 'N128 uint8 T1 in-place',
+}))
 TODAY_EXCEPTIONS = {
-    ('decode', 'A100'): (('TRITON', 'FLASHINFER', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N1 bfloat16 wgmma', 'N1 bfloat16', 'N1 float16 wgmma', 'N1 float16',
-        'N1 float8_e4m3fn wgmma', 'N1 float8_e4m3fn', 'N1 float8_e4m3fnuz wgmma', 'N1 float8_e4m3fnuz',
-        'N16 bfloat16 wgmma', 'N16 bfloat16', 'N16 float16 wgmma', 'N16 float16',
-        'N16 float8_e4m3fn wgmma', 'N16 float8_e4m3fn', 'N16 float8_e4m3fnuz wgmma', 'N16 float8_e4m3fnuz',
-        'N17 float8_e4m3fn wgmma', 'N17 float8_e4m3fn', 'N32 float8_e4m3fn wgmma', 'N32 float8_e4m3fn',
-    })),
-    ('decode', 'H100'): (('FLASHINFER', 'TRITON', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N17 bfloat16', 'N17 float16', 'N17 float8_e4m3fnuz', 'N32 bfloat16',
-        'N32 float16', 'N32 float8_e4m3fnuz', 'N33 bfloat16', 'N33 float16',
-        'N33 float8_e4m3fn', 'N33 float8_e4m3fnuz', 'N64 bfloat16', 'N64 float16',
-        'N64 float8_e4m3fn', 'N64 float8_e4m3fnuz', 'N127 bfloat16', 'N127 float16',
-        'N127 float8_e4m3fn', 'N127 float8_e4m3fnuz', 'N128 bfloat16', 'N128 float16',
-        'N128 float8_e4m3fn', 'N128 float8_e4m3fnuz',
-    })),
-    ('decode', 'H200'): (('FLASHINFER', 'TRITON', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N17 bfloat16', 'N17 float16', 'N17 float8_e4m3fnuz', 'N32 bfloat16',
-        'N32 float16', 'N32 float8_e4m3fnuz', 'N33 bfloat16', 'N33 float16',
-        'N33 float8_e4m3fn', 'N33 float8_e4m3fnuz', 'N64 bfloat16', 'N64 float16',
-        'N64 float8_e4m3fn', 'N64 float8_e4m3fnuz', 'N127 bfloat16', 'N127 float16',
-        'N127 float8_e4m3fn', 'N127 float8_e4m3fnuz', 'N128 bfloat16', 'N128 float16',
-        'N128 float8_e4m3fn', 'N128 float8_e4m3fnuz',
-    })),
-    ('decode', 'B200'): (('TRITON', 'FLASHINFER', 'CUDA_FLASH_ATTN', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N1 bfloat16 wgmma', 'N1 bfloat16', 'N1 float16 wgmma', 'N1 float16',
-        'N1 float8_e4m3fn wgmma', 'N1 float8_e4m3fn', 'N1 float8_e4m3fnuz wgmma', 'N1 float8_e4m3fnuz',
-        'N16 bfloat16 wgmma', 'N16 bfloat16', 'N16 float16 wgmma', 'N16 float16',
-        'N16 float8_e4m3fn wgmma', 'N16 float8_e4m3fn', 'N16 float8_e4m3fnuz wgmma', 'N16 float8_e4m3fnuz',
-        'N17 float8_e4m3fn wgmma', 'N17 float8_e4m3fn', 'N32 float8_e4m3fn wgmma', 'N32 float8_e4m3fn',
-    })),
-    ('sparse_decode', 'H100'): (('TRITON', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N32 uint8 T1 in-place', 'N32 uint8 T2 in-place', 'N32 uint8 T66 in-place', 'N64 uint8 T1 in-place',
-        'N64 uint8 T2 in-place', 'N64 uint8 T66 in-place', 'N128 uint8 T1 in-place',
-    })),
-    ('sparse_decode', 'H200'): (('TRITON', 'FLASHMLA', 'REFERENCE'), frozenset({
-        'N32 uint8 T1 in-place', 'N32 uint8 T2 in-place', 'N32 uint8 T66 in-place', 'N64 uint8 T1 in-place',
-        'N64 uint8 T2 in-place', 'N64 uint8 T66 in-place', 'N128 uint8 T1 in-place',
-    })),
+    ('decode', 'A100'): _FEW_HEADS_TRITON,
+    ('decode', 'H100'): _SM90_FLASHINFER,
+    ('decode', 'H200'): _SM90_FLASHINFER,
+    ('decode', 'B200'): _FEW_HEADS_TRITON,
+    ('sparse_decode', 'H100'): _SM90_SPARSE_TRITON,
+    ('sparse_decode', 'H200'): _SM90_SPARSE_TRITON,
 }
 
 
@@ -667,28 +656,6 @@ def test_the_layer_chooses_its_decode_backend_per_step(stepwise):
             reference = scenario.reference(requests, q, scale, weight)
             for out in outs:
                 assert relative_error(out, reference) < 1e-12
-
-
-@pytest.fixture
-def fake_flash_mla(monkeypatch):
-    """tests/fake_flash_mla (FlashMLA's interface in PyTorch) imported as flash_mla, forgotten afterwards."""
-    import sys
-
-    from mla_multi.backends import flashmla
-
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "flash_mla"}
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "fake_flash_mla"))
-    flashmla.clear_caches()
-    registry.default_registry.clear_cache()
-    import flash_mla
-
-    flash_mla.CALLS.clear()
-    yield flash_mla
-    for name in [n for n in sys.modules if n.split(".")[0] == "flash_mla"]:
-        del sys.modules[name]
-    sys.modules.update(saved)
-    flashmla.clear_caches()
-    registry.default_registry.clear_cache()
 
 
 def test_an_h200_layer_decodes_a_step_of_64_rows_through_flashmla(fake_flash_mla, sm90):
