@@ -431,15 +431,15 @@ class _SparseThroughDense(MLASparseImpl):
         return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale)
 
     def _dense_launch(self, way: str, q_nope, q_pe, pages, table, lens, k_scale, *, masked_entries=False,
-                      min_tokens_per_split=None, v4=None, num_kv_splits=None, zero_rope=False):
+                      min_tokens_per_split=None, v4=None, zero_rope=False):
         """The dense decode launch of `way` for these tensors: the one bound before where their layout is the
-        same, else a new one."""
+        same, else a new one. V4 pages (`v4`) split to fill one wave (`heuristics.gathered_tile_splits`: a
+        gathered tile costs the memory's latency), decided when bound."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import capturing
 
         key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
-               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, num_kv_splits,
-               zero_rope)
+               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, zero_rope)
         found = self._launches.get(way)
         if found is not None and found[0] == key:
             return found[1]
@@ -448,6 +448,11 @@ class _SparseThroughDense(MLASparseImpl):
             impl = self._dense[pages.dtype] = TritonDecodeImpl(
                 self.num_heads, 1.0, q_nope.shape[-1], q_pe.shape[-1], pages.dtype, 1, q_nope.device
             )
+        num_kv_splits = None
+        if v4 is not None:
+            from mla_multi.heuristics import gathered_tile_splits
+
+            num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, table.shape[1])
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
                            zero_rope=zero_rope)
@@ -499,12 +504,8 @@ class _SparseThroughDense(MLASparseImpl):
             launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True)
             out, lse = launch(q, q_pe, pages, table, lens, scale)
         else:
-            from mla_multi.heuristics import gathered_tile_splits
-
-            # a gathered tile costs the memory's latency: one wave of programs (`gathered_tile_splits`)
-            splits = gathered_tile_splits(current_platform(), tokens, heads, table.shape[1])
             launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
-                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, num_kv_splits=splits)
+                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
             out, lse = launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache)
         if attn_sink is not None:
             apply_sink(out, lse, attn_sink)
@@ -581,13 +582,12 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
             return "read_v4_in_place is off (the rows are gathered first)"
         if kv_format != "fp8_ds_mla_v4" or (extra_kv is not None and extra_kv_format not in (None, "fp8_ds_mla_v4")):
             return f"caches of formats {kv_format} / {extra_kv_format} (in place: fp8_ds_mla_v4)"
+        if extra_kv is not None and extra_kv.shape[1] != kv.shape[1]:
+            return f"a second cache of {extra_kv.shape[1]}-token pages beside {kv.shape[1]}-token ones"
         for cache in (kv,) if extra_kv is None else (kv, extra_kv):
             reason = self._in_place_reason(cache, q.dtype)
             if reason:
                 return reason
-        if extra_kv is not None and extra_kv.shape[1] != kv.shape[1]:
-            return f"a second cache of {extra_kv.shape[1]}-token pages beside {kv.shape[1]}-token ones"
-        for cache in (kv,) if extra_kv is None else (kv, extra_kv):
             if cache.data_ptr() % 16 or cache.stride(0) % 16:
                 return (f"a V4 cache whose rows do not start on 16 bytes (data_ptr {cache.data_ptr()}, block stride "
                         f"{cache.stride(0)})")

@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.cache_formats import FP8_DS_MLA_V4
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
 from mla_multi.ds_mla_cache import KV_LORA_RANK as DS_KV_LORA_RANK
 from mla_multi.ds_mla_cache import ROPE_DIM as DS_ROPE_DIM
@@ -545,7 +546,7 @@ class V4Pages:
     ``extra_cache``. The block table's entries are slots of both (``block * page_size + offset``; the second
     cache's offset by ``first_extra_slot``, the main cache's slot count) and ``seq_lens`` counts them; the
     query is 512 wide (``q_pe``: 64 columns the kernel does not read). Both caches start on 16 bytes (their
-    blocks do, being multiples of 576 bytes): the loader reads 16 bytes a thread."""
+    blocks do, being multiples of 576 bytes): the loader's row addresses are known multiples of 16."""
 
     page_size: int
     first_extra_slot: int
@@ -553,8 +554,6 @@ class V4Pages:
     extra_block_stride: int  # bytes
 
 
-# a V4 token's bytes
-V4_BYTES = 584
 
 
 def _check_inputs(
@@ -590,7 +589,7 @@ def _check_inputs(
         )
     if ds_mla and q_nope.dtype != torch.bfloat16:
         raise ValueError(f"an fp8_ds_mla (uint8) kv_cache with a {q_nope.dtype} query; accepted: bfloat16")
-    width = V4_BYTES if v4 is not None else FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
+    width = FP8_DS_MLA_V4.bytes_per_token if v4 is not None else FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
         raise ValueError(
             f"kv_cache has shape {tuple(kv_cache.shape)}; accepted: [num_blocks, block_size, {width}] "
@@ -600,7 +599,7 @@ def _check_inputs(
     if v4 is not None and (not ds_mla or kv_cache.shape[1] != v4.page_size):
         raise ValueError(
             f"V4 pages of {v4.page_size} tokens with a {kv_cache.dtype} kv_cache of shape {tuple(kv_cache.shape)}; "
-            f"accepted: uint8 [num_blocks, {v4.page_size}, {V4_BYTES}]"
+            f"accepted: uint8 [num_blocks, {v4.page_size}, {FP8_DS_MLA_V4.bytes_per_token}]"
         )
     if kv_cache.dtype not in _CACHE_DTYPES + (torch.uint8,):
         raise ValueError(

@@ -79,6 +79,7 @@ import torch
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.cache_formats import FP8_DS_MLA_V4 as _V4_FORMAT
 from mla_multi.kernels.launch import BoundLaunch
 
 try:  # Gluon and its Hopper ops: Triton >= 3.6 with the NVIDIA backend's Python side
@@ -1375,6 +1376,14 @@ if gluon is not None:
             _cta_barrier()
             mbarrier.arrive(ready_bars.index(slot), count=1)
 
+    # the fp8_ds_mla_v4 layout (`mla_multi.cache_formats`): a token's data (its e4m3 latent values, then its
+    # bfloat16 RoPE values) at offset * V4_DATA_BYTES in its block, its scale bytes at block_size * V4_DATA_BYTES
+    # + offset * V4_SCALE_BYTES, one UE8M0 scale per 64 values
+    _V4_DATA_BYTES = gl.constexpr(_V4_FORMAT.data_bytes)
+    _V4_SCALE_BYTES = gl.constexpr(_V4_FORMAT.scale_bytes)
+    _V4_LATENT_WORDS = gl.constexpr((_V4_FORMAT.width - _V4_FORMAT.rope_dims) // 4)
+    _V4_GROUP_VALUES = gl.constexpr(_V4_FORMAT.values_per_scale)
+
     # DeepSeek-V4 rows (fp8_ds_mla_v4, 584 bytes a token) read in place: a 16-row piece as int32 words, two
     # words (8 bytes) a thread, [16, 16] words (one 64-value scale group of 16 rows) covered once (measured on
     # an H200: 7-8 % faster than 32-row pieces of 16 bytes a thread)
@@ -1398,8 +1407,8 @@ if gluon is not None:
         offset = (slot % V4_PAGE).to(gl.int64)
         base = block * gl.where(extra, stride_extra_block, stride_kv_block).to(gl.int64)
         words = gl.where(extra, Extra_words, KV_words)
-        data = words + gl.multiple_of((base + offset * 576) >> 2, 4)
-        scales = words + ((base + V4_PAGE * 576 + offset * 8) >> 2)
+        data = words + gl.multiple_of((base + offset * _V4_DATA_BYTES) >> 2, 4)
+        scales = words + ((base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES) >> 2)
         return data, scales, pos < split_end
 
     @gluon.jit
@@ -1417,8 +1426,8 @@ if gluon is not None:
         g4 = gl.load(at + 64, mask=mask, other=0)
         g5 = gl.load(at + 80, mask=mask, other=0)
         g6 = gl.load(at + 96, mask=mask, other=0)
-        r0 = gl.load(at + 112, mask=mask, other=0)
-        r1 = gl.load(at + 128, mask=mask, other=0)
+        r0 = gl.load(at + _V4_LATENT_WORDS, mask=mask, other=0)
+        r1 = gl.load(at + (_V4_LATENT_WORDS + 16), mask=mask, other=0)
         s0 = gl.load(scales, mask=valid, other=0)
         s1 = gl.load(scales + 1, mask=valid, other=0)
         return (g0, g1, g2, g3, g4, g5, g6, r0, r1, s0, s1)
@@ -1458,8 +1467,8 @@ if gluon is not None:
         _v4_group_store(rows, piece[4], s1, 4)
         _v4_group_store(rows, piece[5], s1 >> 8, 5)
         _v4_group_store(rows, piece[6], s1 >> 16, 6)
-        rows.slice(224, 16, dim=1).store(piece[7])
-        rows.slice(240, 16, dim=1).store(piece[8])
+        rows.slice(2 * _V4_LATENT_WORDS, 16, dim=1).store(piece[7])
+        rows.slice(2 * _V4_LATENT_WORDS + 16, 16, dim=1).store(piece[8])
 
     @gluon.jit
     def _ws_load_v4(
@@ -1478,6 +1487,8 @@ if gluon is not None:
         query."""
         gl.static_assert(BLOCK_N == 64, "the V4 loader takes 64-token tiles in four 16-row quarters")
         gl.static_assert(KV_LORA_RANK == 512, "V4 rows are 512 values wide")
+        gl.static_assert(_V4_LATENT_WORDS == 112 and _V4_GROUP_VALUES == 64,
+                         "seven 64-value groups of 16 words, then 64 bfloat16 RoPE values")
         gl.static_assert(kv_smem.dtype == gl.bfloat16, "V4 rows are read with a bfloat16 query")
         P: gl.constexpr = 16
         layout: gl.constexpr = _V4_PIECE_LAYOUT

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.cache_formats import FP4_DS_MLA_V41, FP8_DS_MLA_V4, FP8_DS_MLA_V41
 from mla_multi.kernels.launch import bound_by_layout, layout_key
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
@@ -41,6 +42,15 @@ _ROWS_FORMAT = tl.constexpr(0)
 _V4_FORMAT = tl.constexpr(1)
 _V41_FORMAT = tl.constexpr(2)
 _FP4_FORMAT = tl.constexpr(3)
+# the byte layouts' facts (`mla_multi.cache_formats`): fp8_ds_mla_v4's data bytes a token (its e4m3 latent values,
+# then its bf16 RoPE values), its scale bytes a token in the block's tail, its latent values; the values a
+# scale covers in each format
+_V4_DATA_BYTES = tl.constexpr(FP8_DS_MLA_V4.data_bytes)
+_V4_SCALE_BYTES = tl.constexpr(FP8_DS_MLA_V4.scale_bytes)
+_V4_LATENT = tl.constexpr(FP8_DS_MLA_V4.width - FP8_DS_MLA_V4.rope_dims)
+_V4_GROUP = tl.constexpr(FP8_DS_MLA_V4.values_per_scale)
+_V41_GROUP = tl.constexpr(FP8_DS_MLA_V41.values_per_scale)
+_FP4_GROUP = tl.constexpr(FP4_DS_MLA_V41.values_per_scale)
 
 WIDTH = 512  # d_qk = d_v
 PAGE_WIDTH = 576  # the dense kernels' row: WIDTH and a zero rotary part of 64
@@ -96,25 +106,26 @@ def _read_rows(Cache, slot, valid, block_size, stride_block, stride_token, FORMA
         # the block's tokens' 448 e4m3 values and 64 bf16 rotary values (576 bytes each), then their 7
         # UE8M0 scales and a pad byte each: a tile's scales loaded once a row and spread over their 64 values
         base = Cache + block * stride_block
-        data = base + offset * 576
-        tail = base + block_size * 576 + offset * 8
-        latent = offs_d[None, :] < 448
+        data = base + offset * _V4_DATA_BYTES
+        tail = base + block_size * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES
+        latent = offs_d[None, :] < _V4_LATENT
         codes = tl.load(data[:, None] + offs_d[None, :], mask=mask & latent, other=0)
-        offs_g = COL0 // 64 + tl.arange(0, COLS // 64)
-        scale_codes = tl.load(tail[:, None] + offs_g[None, :], mask=mask & (offs_g[None, :] < 7), other=127)
-        scaled = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // 64, 64])
+        offs_g = COL0 // _V4_GROUP + tl.arange(0, COLS // _V4_GROUP)
+        scale_codes = tl.load(tail[:, None] + offs_g[None, :], mask=mask & (offs_g[None, :] < _V4_LATENT // _V4_GROUP),
+                              other=127)
+        scaled = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // _V4_GROUP, _V4_GROUP])
                             * _ue8m0(scale_codes.to(tl.int32))[:, :, None], [ROWS, COLS])
-        rope_ptr = (data + 448).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + (offs_d[None, :] - 448), mask=mask & (offs_d[None, :] >= 448),
+        rope_ptr = (data + _V4_LATENT).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None] + (offs_d[None, :] - _V4_LATENT), mask=mask & (offs_d[None, :] >= _V4_LATENT),
                        other=0.0).to(tl.float32)
         values = tl.where(latent, scaled, rope)
     elif FORMAT == _V41_FORMAT:
         # 512 e4m3 values, then 16 UE8M0 scales (one per 32)
         row = Cache + block * stride_block + offset * stride_token
         codes = tl.load(row[:, None] + offs_d[None, :], mask=mask, other=0)
-        offs_g = COL0 // 32 + tl.arange(0, COLS // 32)
+        offs_g = COL0 // _V41_GROUP + tl.arange(0, COLS // _V41_GROUP)
         scale_codes = tl.load(row[:, None] + WIDTH + offs_g[None, :], mask=mask, other=127)
-        values = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // 32, 32])
+        values = tl.reshape(tl.reshape(_e4m3(codes), [ROWS, COLS // _V41_GROUP, _V41_GROUP])
                             * _ue8m0(scale_codes.to(tl.int32))[:, :, None], [ROWS, COLS])
     else:
         # 512 e2m1 values two a byte (the even one in the low nibble), then 32 e4m3 scales (one per 16)
@@ -127,9 +138,10 @@ def _read_rows(Cache, slot, valid, block_size, stride_block, stride_token, FORMA
         power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
         magnitude = tl.where(exponent == 0, mantissa * 0.5, power * (1.0 + mantissa * 0.5))
         magnitude = tl.where(code >= 8, -magnitude, magnitude)
-        offs_g = COL0 // 16 + tl.arange(0, COLS // 16)
+        offs_g = COL0 // _FP4_GROUP + tl.arange(0, COLS // _FP4_GROUP)
         scale_codes = tl.load(row[:, None] + WIDTH // 2 + offs_g[None, :], mask=mask, other=0)
-        values = tl.reshape(tl.reshape(magnitude, [ROWS, COLS // 16, 16]) * _e4m3(scale_codes)[:, :, None],
+        values = tl.reshape(tl.reshape(magnitude, [ROWS, COLS // _FP4_GROUP, _FP4_GROUP])
+                            * _e4m3(scale_codes)[:, :, None],
                             [ROWS, COLS])
     return values
 
