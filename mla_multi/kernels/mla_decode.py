@@ -554,8 +554,6 @@ class V4Pages:
     extra_block_stride: int  # bytes
 
 
-
-
 def _check_inputs(
     q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag=None,
     v4: V4Pages | None = None,
