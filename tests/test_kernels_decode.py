@@ -154,6 +154,34 @@ def _errors(tensors, out, lse, scale):
     }
 
 
+def _sink_errors(tensors, out, lse, scale, sink):
+    """`_errors` against the float64 reference times exp(lse) / (exp(lse) + exp(sink)) per head (1 where the row
+    has no mass), the LSE the reference's own."""
+    ref_out, ref_lse = _reference(
+        tensors["q_nope"], tensors["q_pe"], tensors["kv_cache"], tensors["block_table"], tensors["seq_lens"], scale,
+        tensors["k_scale"],
+    )
+    ref_out, ref_lse, sink = ref_out.cpu().double(), ref_lse.cpu().double(), sink.cpu().double()
+    finite = torch.isfinite(ref_lse)
+    factor = torch.where(finite, torch.sigmoid(torch.where(finite, ref_lse, 0.0) - sink), 1.0)
+    ref_out = ref_out * factor.unsqueeze(-1)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    return {
+        "rel_err": float((out - ref_out).norm() / ref_out.norm().clamp_min(1e-300)),
+        "lse_err": float((lse[finite] - ref_lse[finite]).abs().max()) if finite.any() else 0.0,
+        "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+        "inf_pattern_ok": bool(torch.equal(~finite, lse == float("-inf"))),
+        "empty_rows_zero": bool((out[~finite] == 0).all()),
+        # +inf sink: the head's rows all zero; -inf: the rows as without a sink
+        "inf_sink_zero": bool((out[..., sink == float("inf"), :] == 0).all()),
+    }
+
+
+# an attention sink per head: finite either way, +inf (zero output), -inf (no effect)
+SINK = [0.5, float("inf"), float("-inf"), -1.0]
+# (id, lora, rope, splits): one split (the output written by the split kernel) and several (the reduce)
+SINK_CASES = [("sink-direct", 64, 16, 1), ("sink-splits", 64, 16, 3), ("sink-deepseek-splits", 512, 64, 2)]
+
 # (id, batch, heads, q_len, lora, rope, block_size, seq_lens, cache dtype name, splits, platform name or None)
 INTERPRETER_CASES = [
     ("h1-bs16-splits3", 3, 1, 1, 64, 16, 16, [37, 0, 1], "float16", 3, None),
@@ -230,6 +258,12 @@ def _interpreter_main() -> None:
     for case_id, splits in (("no-licm-loop-direct", 1), ("no-licm-loop-splits", 3)):
         out, lse = _run_decode(tensors, 80**-0.5, splits, max_splits=4, config=config)
         results[case_id] = _errors(tensors, out, lse, 80**-0.5)
+    for case_id, lora, rope, splits in SINK_CASES:
+        tensors = _make_case(3, len(SINK), 1, lora, rope, 16, [37, 0, 5], torch.float16, torch.float16, "cpu", 3)
+        scale = (lora + rope) ** -0.5
+        sink = torch.tensor(SINK)
+        out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, attn_sink=sink)
+        results[case_id] = _sink_errors(tensors, out, lse, scale, sink)
     print_results(results)
 
 
@@ -260,6 +294,15 @@ def test_decode_interpreter_fp8_query_range(interpreter_results, case_id):
     # bfloat16 query and output: the bf16 bound
     assert result["rel_err"] <= 1e-2, result
     assert result["lse_err"] <= 2e-2, result
+
+
+@pytest.mark.parametrize("case_id", [case[0] for case in SINK_CASES])
+def test_decode_interpreter_attention_sink(interpreter_results, case_id):
+    result = interpreter_results[case_id]
+    assert not result["nan"], result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"] and result["inf_sink_zero"], result
+    assert result["rel_err"] <= 3e-3, result
+    assert result["lse_err"] <= 2e-3, result
 
 
 def _inputs(**overrides):
@@ -358,6 +401,25 @@ def test_decode_gpu(kv, heads, block_size):
     assert not result["nan"], result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"], result
     assert result["rel_err"] <= (1e-2 if kv == "bf16" else 6e-2), result
+    assert result["lse_err"] <= 2e-2, result
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("heads", [4, 64, 128])
+def test_decode_gpu_attention_sink(heads, splits):
+    """The sink applied by the kernel writing the output (one split: on sm_90 the warp-specialised kernel) or
+    by the reduce (splits), against the float64 reference; the LSE is the one without it."""
+    values = torch.tensor(SINK * (heads // len(SINK)))
+    tensors = _make_case(4, heads, 1, 512, 64, 64, [0, 1, 300, 2100], torch.bfloat16, torch.bfloat16, "cuda", heads)
+    scale = 576**-0.5
+    sink = values.cuda()
+    out, lse = _run_decode(tensors, scale, splits, attn_sink=sink)
+    result = _sink_errors(tensors, out, lse, scale, sink)
+    assert not result["nan"], result
+    assert result["inf_pattern_ok"] and result["empty_rows_zero"] and result["inf_sink_zero"], result
+    assert result["rel_err"] <= 1e-2, result
     assert result["lse_err"] <= 2e-2, result
 
 

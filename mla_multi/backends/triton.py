@@ -272,19 +272,21 @@ class TritonDecodeImpl(MLADecodeImpl):
 
     def bind(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
              max_seq_len: int | None = None, masked_entries: bool = False,
-             min_tokens_per_split: int | None = None, v4=None, zero_rope: bool = False) -> TritonDecodeLaunch:
+             min_tokens_per_split: int | None = None, v4=None, zero_rope: bool = False,
+             sink: bool = False) -> TritonDecodeLaunch:
         """See `MLADecodeImpl.bind`: the split count (`choose_num_kv_splits`) and, on a GPU, the kernels bound
         at the first launch. `masked_entries`: `mla_decode_fwd`'s (the sparse decode's index lists read as the
         block table); `min_tokens_per_split`: `choose_num_kv_splits`'s, which bounds a given `num_kv_splits`
         too; `v4`: `mla_decode.V4Pages` (DeepSeek-V4 caches read in place, the second one passed to each call
-        as `extra_cache`); `zero_rope`: q_pe is zero (`mla_decode_fwd`'s)."""
+        as `extra_cache`); `zero_rope`: q_pe is zero (`mla_decode_fwd`'s); `sink`: each call passes an
+        `attn_sink` (`mla_decode_fwd`'s), applied by the kernels."""
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         num_kv_splits = self.choose_num_kv_splits(
             batch, q_len, max_seq_len, kv_cache.dtype, num_kv_splits, max_blocks=block_table.shape[1],
             min_tokens_per_split=min_tokens_per_split,
         )
-        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries, v4, zero_rope)
+        return TritonDecodeLaunch(self, q_nope, num_kv_splits, masked_entries, v4, zero_rope, sink)
 
     def forward_mqa(self, q_nope, q_pe, kv_cache, block_table, seq_lens, *, k_scale=None, num_kv_splits=None,
                     workspace_manager=None, max_seq_len: int | None = None, step_plans: dict | None = None,
@@ -321,10 +323,11 @@ class TritonDecodeLaunch(DecodeLaunch):
     caller (`attn_logits`) or the device's shared workspace (`shared_split_partials`)."""
 
     def __init__(self, impl: TritonDecodeImpl, q_nope: torch.Tensor, num_kv_splits: int, masked_entries: bool,
-                 v4=None, zero_rope: bool = False) -> None:
+                 v4=None, zero_rope: bool = False, sink: bool = False) -> None:
         super().__init__(impl, num_kv_splits)
         self.v4 = v4
         self.zero_rope = zero_rope
+        self.sink = sink
         batch = q_nope.shape[0]
         q_len = q_nope.shape[1] if q_nope.dim() == 4 else 1
         self.device = q_nope.device
@@ -343,7 +346,7 @@ class TritonDecodeLaunch(DecodeLaunch):
         return split_partials(*self.partial_dims, self.device)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
-                 lse=None, attn_logits=None, workspace_manager=None, extra_cache=None):
+                 lse=None, attn_logits=None, workspace_manager=None, extra_cache=None, attn_sink=None):
         from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
         impl = self.impl
@@ -369,6 +372,7 @@ class TritonDecodeLaunch(DecodeLaunch):
                 q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
                 num_kv_splits=self.num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=impl.platform,
                 masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache, zero_rope=self.zero_rope,
+                attn_sink=attn_sink if self.sink else None,
             )
         state = (capturing(q_nope), workspace_manager is not None)
         kernels = self._kernels.get(state)
@@ -376,9 +380,10 @@ class TritonDecodeLaunch(DecodeLaunch):
             kernels = self._kernels[state] = DecodeKernelPlan(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, self.num_kv_splits, attn_logits, out, lse,
                 platform=impl.platform, masked_entries=self.masked_entries, v4=self.v4, zero_rope=self.zero_rope,
+                sink=self.sink,
             )
         kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
-                       extra_cache=extra_cache)
+                       extra_cache=extra_cache, attn_sink=attn_sink)
         return out, lse
 
 
@@ -420,26 +425,31 @@ class _SparseThroughDense(MLASparseImpl):
 
         self._scratch = Scratch()  # the compacted table and lengths, reused by eager calls
 
-    def _decode_pages(self, way: str, q_nope, q_pe, pages, table, lens, scale: float, k_scale=None):
+    def _decode_pages(self, way: str, q_nope, q_pe, pages, table, lens, scale: float, k_scale=None, attn_sink=None):
         """Decode one-token `pages` [slots, 1, W] through `table` [T, n] and `lens` [T] with the dense kernels.
         way: "masked" (fp8_ds_mla pages read in place, `table` the index lists as they are: -1 masked by the
         kernels), "in place" (fp8_ds_mla pages read in place, a compacted table) or "pages" (16-bit or FP8
-        pages, a compacted table). Read in place, a list splits down to one 64-token tile."""
+        pages, a compacted table). Read in place, a list splits down to one 64-token tile. `attn_sink`: the
+        sink applied by the kernels (`mla_decode_fwd`'s)."""
         in_place = way != "pages"
+        attn_sink = _sink_rows(attn_sink)
         launch = self._dense_launch(way, q_nope, q_pe, pages, table, lens, k_scale, masked_entries=way == "masked",
-                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT if in_place else None)
-        return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale)
+                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT if in_place else None,
+                                    sink=attn_sink)
+        return launch(q_nope, q_pe, pages, table, lens, scale, k_scale=k_scale, attn_sink=attn_sink)
 
     def _dense_launch(self, way: str, q_nope, q_pe, pages, table, lens, k_scale, *, masked_entries=False,
-                      min_tokens_per_split=None, v4=None, zero_rope=False):
+                      min_tokens_per_split=None, v4=None, zero_rope=False, sink=None):
         """The dense decode launch of `way` for these tensors: the one bound before where their layout is the
         same, else a new one. V4 pages (`v4`) split to fill one wave (`heuristics.gathered_tile_splits`: a
-        gathered tile costs the memory's latency), decided when bound."""
+        gathered tile costs the memory's latency), decided when bound. `sink`: the attention sink each call
+        passes (its layout is part of the key), or None."""
         from mla_multi.kernels.launch import layout_key
         from mla_multi.kernels.mla_decode import capturing
 
         key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
-               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, zero_rope)
+               layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, zero_rope,
+               None if sink is None else layout_key(sink))
         found = self._launches.get(way)
         if found is not None and found[0] == key:
             return found[1]
@@ -455,7 +465,7 @@ class _SparseThroughDense(MLASparseImpl):
             num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, table.shape[1])
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
-                           zero_rope=zero_rope)
+                           zero_rope=zero_rope, sink=sink is not None)
         self._launches[way] = (key, launch)
         return launch
 
@@ -473,7 +483,7 @@ class _SparseThroughDense(MLASparseImpl):
             tokens, topk = indices.shape
             # every token's whole index list
             lens = self._scratch.constant("full lengths", (tokens,), topk, torch.int32, indices.device)
-            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale)
+            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale, attn_sink=attn_sink)
         else:
             tokens, topk = indices.shape
             out = (self._scratch.get("table", (tokens, max(topk, 1)), torch.int32, indices.device),
@@ -483,10 +493,7 @@ class _SparseThroughDense(MLASparseImpl):
             if not in_place and kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: rows dequantised first
                 pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
             out, lse = self._decode_pages("in place" if in_place else "pages", q_nope, q_pe, pages, table, lens,
-                                          scale, k_scale)
-        if attn_sink is not None:  # out *= exp(lse) / (exp(lse) + exp(sink)); a token with no mass keeps 0
-            factor = torch.sigmoid(lse - attn_sink)
-            out = out * torch.where(torch.isfinite(lse), factor, torch.ones_like(factor)).unsqueeze(-1).to(out.dtype)
+                                          scale, k_scale, attn_sink=attn_sink)
         return out, lse
 
     def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink, *, v4=None, extra_cache=None):
@@ -494,22 +501,20 @@ class _SparseThroughDense(MLASparseImpl):
         `lens` on the dense kernels: the query's rotary part is zero (a stride-0 view of 64 zeros kept by the
         scratch), so the scores and values are the 512-wide rows'. With `v4` (`mla_decode.V4Pages`) `pages` is
         the main fp8_ds_mla_v4 cache read in place (`extra_cache` the second), the table its slots, and the
-        kernel reads the 512 columns alone. The sink is applied in place from the LSE."""
-        from mla_multi.kernels.sparse_v4 import ROPE_DIM, apply_sink
+        kernel reads the 512 columns alone. The sink is applied by the kernels (the reduce, or the kernel
+        writing the output; elsewhere one more launch)."""
+        from mla_multi.kernels.sparse_v4 import ROPE_DIM
 
         tokens, heads, _ = q.shape
         q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
+        sink = attn_sink = _sink_rows(attn_sink)
         if v4 is None:
             # the zero rotary part's product skipped where the kernels can (sm_90's warp-specialised ones)
-            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True)
-            out, lse = launch(q, q_pe, pages, table, lens, scale)
-        else:
-            launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
-                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT)
-            out, lse = launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache)
-        if attn_sink is not None:
-            apply_sink(out, lse, attn_sink)
-        return out, lse
+            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=sink)
+            return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink)
+        launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
+                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=sink)
+        return launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache, attn_sink=attn_sink)
 
     def _v4_scratch(self, q, tokens: int, width: int, rows: int):
         """The compacted table [T, width], the lengths [T] and the 576-wide rows [rows, 576] in q's dtype."""
@@ -519,6 +524,11 @@ class _SparseThroughDense(MLASparseImpl):
         return (self._scratch.get("v4 table", (tokens, width), torch.int32, device),
                 self._scratch.get("v4 lens", (tokens,), torch.int32, device),
                 self._scratch.get("v4 rows", (max(rows, 1), PAGE_WIDTH), q.dtype, device))
+
+
+def _sink_rows(attn_sink):
+    """The sink [heads] as the kernels read it (one float32 a head, consecutive), or None."""
+    return attn_sink if attn_sink is None or attn_sink.stride(0) == 1 else attn_sink.contiguous()
 
 
 def _v4_empty(q):

@@ -424,6 +424,7 @@ def _mla_decode_reduce_kernel(
     Attn_logits,
     Out,
     Lse,
+    Sink,
     num_kv_splits,
     stride_al_row,
     stride_al_h,
@@ -438,8 +439,12 @@ def _mla_decode_reduce_kernel(
     KV_LORA_RANK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    HAS_SINK: tl.constexpr = False,
 ):
     """Merge the per-split partial outputs of one (query token, head) by LSE.
+
+    HAS_SINK: the output times exp(lse) / (exp(lse) + exp(Sink[head])) (an attention sink, Sink float32
+    [heads]: +inf gives 0, -inf 1; a row without mass keeps its 0); the LSE stored is the one without it.
 
     One program owns BLOCK_DV output columns and reads BLOCK_SPLITS splits per
     step (all of them in one step up to 64 splits) with a running maximum, so
@@ -484,6 +489,8 @@ def _mla_decode_reduce_kernel(
     no_mass = total == 0.0
     out = acc * tl.where(no_mass, 0.0, 1.0 / tl.where(no_mass, 1.0, total))
     lse = tl.where(no_mass, float("-inf"), top + tl.log(tl.where(no_mass, 1.0, total)))
+    if HAS_SINK:
+        out = out * tl.where(no_mass, 1.0, 1.0 / (1.0 + tl.exp(tl.load(Sink + head) - tl.where(no_mass, 0.0, lse))))
     out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
     tl.store(out_ptrs + offs_d, out.to(Out.dtype.element_ty))
     tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)
@@ -682,6 +689,7 @@ def mla_decode_fwd(
     v4: V4Pages | None = None,
     extra_cache: torch.Tensor | None = None,
     zero_rope: bool = False,
+    attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -717,6 +725,9 @@ def mla_decode_fwd(
             cache, ``extra_cache`` the second (default: none, the main cache stands in), q_nope [B, N, 512].
         zero_rope: q_pe is zero (V4 rows laid out as 576-wide ones with a zero tail): the sm_90
             warp-specialised kernels skip its product (the others compute it: the same result).
+        attn_sink: float32 [N] on q's device, an attention sink per head: out *= exp(lse) / (exp(lse) +
+            exp(sink)) (+inf gives 0, -inf nothing, a row without mass keeps 0); lse stays the one without it.
+            Applied by the reduce or the sm_90 warp-specialised kernel, else by one more launch.
 
     Returns:
         (out, lse), the buffers passed in.
@@ -724,10 +735,10 @@ def mla_decode_fwd(
     plan = DecodeKernelPlan(
         q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse,
         config=config, platform=platform, error_flag=error_flag, masked_entries=masked_entries, v4=v4,
-        zero_rope=zero_rope,
+        zero_rope=zero_rope, sink=attn_sink is not None,
     )
     plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
-                extra_cache=extra_cache)
+                extra_cache=extra_cache, attn_sink=attn_sink)
     return out, lse
 
 
@@ -763,7 +774,7 @@ class DecodeKernelPlan:
     def __init__(
         self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, *,
         config: DecodeLaunchConfig | None = None, platform: Any = None, error_flag: torch.Tensor | None = None,
-        masked_entries: bool = False, v4: V4Pages | None = None, zero_rope: bool = False,
+        masked_entries: bool = False, v4: V4Pages | None = None, zero_rope: bool = False, sink: bool = False,
     ) -> None:
         batch, q_len, num_heads, kv_lora_rank, rope_dim = _check_inputs(
             q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag,
@@ -824,10 +835,15 @@ class DecodeKernelPlan:
         )
         self.split = self.reduce = None
         self.tma = False
-        if batch == 0:
-            return
         rows = q_len * num_heads
         direct = num_kv_splits == 1
+        # an attention sink: applied by the reduce (splits) or the warp-specialised kernel (one split), else after
+        # the kernels (`apply_sink`, one more launch)
+        self.reduce_sink = sink and not direct
+        self.split_sink = sink and direct and config.warpgroup
+        self.sink_after = sink and not (self.reduce_sink or self.split_sink)
+        if batch == 0:
+            return
         grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
         if ds_mla:
             reason = ds_mla_decode_reason(platform, kv_cache)
@@ -887,6 +903,7 @@ class DecodeKernelPlan:
                 masked_entries=masked_entries,
                 v4_page=0 if v4 is None else v4.page_size,
                 qk_rope=not zero_rope,
+                sink=self.split_sink,
             )
         else:
             self.split = BoundLaunch(
@@ -921,6 +938,7 @@ class DecodeKernelPlan:
                     KV_LORA_RANK=kv_lora_rank,
                     BLOCK_DV=block_dv,
                     BLOCK_SPLITS=reduce_config.block_splits,
+                    HAS_SINK=self.reduce_sink,
                     **reduce_config.launch_options(),
                 ),
                 device,
@@ -931,12 +949,14 @@ class DecodeKernelPlan:
             )
 
     def launch(self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale, *,
-               extra_cache=None) -> None:
+               extra_cache=None, attn_sink=None) -> None:
         """Run the plan on tensors with the plan's key (writes `out` and `lse`); `extra_cache`: V4 pages' second
-        cache (`V4Pages`)."""
+        cache (`V4Pages`); `attn_sink`: float32 [heads] (a plan made with `sink`): out *= exp(lse) / (exp(lse) +
+        exp(sink)) per head, the LSE without it."""
         split = self.split
         if split is None:
             return
+        keywords = {"Sink": attn_sink} if self.split_sink else {}
         cache = kv_cache.view(torch.uint8) if self.fp8_bits else kv_cache
         args = (
             q_nope, q_pe, cache, block_table, seq_lens, k_scale if self.has_k_scale else seq_lens, attn_logits, out,
@@ -945,15 +965,19 @@ class DecodeKernelPlan:
         v4 = self.v4
         if v4 is not None:
             split(*args, Extra_cache=kv_cache if extra_cache is None else extra_cache,
-                  extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride)
+                  extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride, **keywords)
         elif self.tma:
             from mla_multi.kernels.mla_decode_wgmma import tma_keywords
 
-            split(*args, **tma_keywords(kv_cache, self.config.block_n, self.kv_lora_rank))
+            split(*args, **tma_keywords(kv_cache, self.config.block_n, self.kv_lora_rank), **keywords)
         else:
-            split(*args)
+            split(*args, **keywords)
         if self.reduce is not None:
-            self.reduce(attn_logits, out, lse, *self.reduce_int_args)
+            self.reduce(attn_logits, out, lse, attn_sink if self.reduce_sink else lse, *self.reduce_int_args)
+        if self.sink_after:
+            from mla_multi.kernels.sparse_v4 import apply_sink
+
+            apply_sink(out.view(-1, *out.shape[-2:]), lse.view(-1, lse.shape[-1]), attn_sink)
 
 
 # ---------------------------------------------------------------------------
@@ -1015,13 +1039,13 @@ _SPLIT_DIVISIBLE = tuple(
 
 
 def _reduce_kernel_signature(q_dtype: torch.dtype) -> dict[str, str]:
-    signature = {"Attn_logits": "*fp32", "Out": f"*{_TRITON_DTYPE[q_dtype]}", "Lse": "*fp32"}
+    signature = {"Attn_logits": "*fp32", "Out": f"*{_TRITON_DTYPE[q_dtype]}", "Lse": "*fp32", "Sink": "*fp32"}
     for name in (
         "num_kv_splits stride_al_row stride_al_h stride_al_split stride_o_b stride_o_t stride_o_h "
         "stride_lse_b stride_lse_t stride_lse_h"
     ).split():
         signature[name] = "i32"
-    for name in ("Q_LEN", "KV_LORA_RANK", "BLOCK_DV", "BLOCK_SPLITS"):
+    for name in ("Q_LEN", "KV_LORA_RANK", "BLOCK_DV", "BLOCK_SPLITS", "HAS_SINK"):
         signature[name] = "constexpr"
     return signature
 
@@ -1044,8 +1068,15 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs.setdefault("MASKED_ENTRIES", False)
     constexprs.setdefault("V4_PAGE", 0)
     constexprs.setdefault("QK_ROPE", True)
-    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE"):
+    constexprs.setdefault("HAS_SINK", False)
+    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE", "HAS_SINK"):
         signature[key] = "constexpr"
+    # the sink (`HAS_SINK`, one split) passed by name; absent elsewhere
+    if constexprs["HAS_SINK"]:
+        signature["Sink"] = "*fp32"
+    else:
+        constexprs["Sink"] = None
+        signature["Sink"] = "constexpr"
     # the V4 pages' second cache (`V4Pages`), passed by name; absent elsewhere
     divisible = _SPLIT_DIVISIBLE
     if constexprs["V4_PAGE"]:
@@ -1160,23 +1191,27 @@ def compile_specs(platform) -> list[CompileSpec]:
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
+                    "HAS_SINK": direct,  # V4's sink: applied by the kernel writing the output (else the reduce)
                 }
                 name = f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,{'direct' if direct else 'partial'}]"
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
-    for reduce_config in all_decode_reduce_configs(platform):
-        specs.append(
-            CompileSpec(
-                name=f"mla_decode_reduce[{reduce_config.name}]",
-                fn=_mla_decode_reduce_kernel,
-                signature=_reduce_kernel_signature(torch.bfloat16),
-                constexprs={
-                    "Q_LEN": 1,
-                    "KV_LORA_RANK": 512,
-                    "BLOCK_DV": reduce_config.block_dv,
-                    "BLOCK_SPLITS": reduce_config.block_splits,
-                },
-                options=reduce_config.launch_options(),
-                divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
+    for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):
+        # the sink's branch (sparse MLA's attention sink) compiled with the first configuration
+        for sink in (False, True) if i == 0 else (False,):
+            specs.append(
+                CompileSpec(
+                    name=f"mla_decode_reduce[{reduce_config.name}{',sink' if sink else ''}]",
+                    fn=_mla_decode_reduce_kernel,
+                    signature=_reduce_kernel_signature(torch.bfloat16),
+                    constexprs={
+                        "Q_LEN": 1,
+                        "KV_LORA_RANK": 512,
+                        "BLOCK_DV": reduce_config.block_dv,
+                        "BLOCK_SPLITS": reduce_config.block_splits,
+                        "HAS_SINK": sink,
+                    },
+                    options=reduce_config.launch_options(),
+                    divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),
+                )
             )
-        )
     return specs

@@ -482,6 +482,14 @@ if gluon is not None:
         return inv_l, lse
 
     @gluon.jit
+    def _sink_factor(Sink, lse, s_rows, num_heads, Q_LEN: gl.constexpr):
+        """exp(lse) / (exp(lse) + exp(sink)) of rows `s_rows` (Sink [num_heads] float32: +inf gives 0, -inf 1);
+        1 for a row without mass (LSE -inf: its output stays 0), NaN for a NaN LSE."""
+        sink = gl.load(Sink + s_rows % num_heads, mask=s_rows < Q_LEN * num_heads, other=0.0)
+        empty = lse == float("-inf")
+        return gl.where(empty, 1.0, 1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))
+
+    @gluon.jit
     def _store_rows(
         acc, inv_l, lse, s_rows, batch, split, num_heads, Out, Lse, Attn_logits,
         stride_o_b, stride_o_t, stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
@@ -774,10 +782,13 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, QK_ROPE: gl.constexpr = True,
+        Sink=None, HAS_SINK: gl.constexpr = False,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
         V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused; so too
         without QK_ROPE (a zero rotary query: the rotary stage's product skipped).
+        HAS_SINK (one split writing the output): each row's 1 / sum times its head's sink factor
+        (`_sink_factor`), which both warpgroups' outputs take; the LSE stored is the one without it.
         RAW_STAGES > 0: QK on the FP8 tensor cores from the raw stages, the query quantised per row.
         `_pv_whole`: no P V here; the second warpgroup computes all of it."""
         (q_smem, qpe_smem, p_smem, row_smem, kv_smem, kpe_smem, ready_bars, empty_bars, p_ready, p_empty,
@@ -905,6 +916,9 @@ if gluon is not None:
         if not ROWS_AS_M:
             l_i = gl.sum(l_i, 0)
         inv_l, lse = _finish_rows(m_i, l_i, bad_block | bad_seq_len, K_scale, HAS_K_SCALE)
+        if HAS_SINK:
+            gl.static_assert(DIRECT_OUTPUT, "the sink of split partials is applied when they are merged")
+            inv_l = inv_l * _sink_factor(Sink, lse, s_rows, num_heads, Q_LEN)
         # the second warpgroup's last rescale: 1 / sum per row (of the scaled P of an FP8 P V)
         mbarrier.wait(p_empty, (num_tiles & 1) ^ 1)
         if FP8_PV:
@@ -1786,7 +1800,7 @@ if gluon is not None:
         FP8_CACHE: gl.constexpr, DIRECT_OUTPUT: gl.constexpr, num_warps: gl.constexpr, ROWS_AS_M: gl.constexpr,
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
-        stride_extra_block=0, QK_ROPE: gl.constexpr = True,
+        stride_extra_block=0, QK_ROPE: gl.constexpr = True, Sink=None, HAS_SINK: gl.constexpr = False,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
@@ -1796,7 +1810,8 @@ if gluon is not None:
         in place (`_ws_load_v4`), the block table's entries slots of both (those >= extra_first_slot the second
         cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide.
         QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
-        product is skipped."""
+        product is skipped. HAS_SINK (DIRECT_OUTPUT): the output times exp(lse) / (exp(lse) + exp(Sink[head]))
+        (Sink float32 [num_heads]), the LSE without it."""
         if V4_PAGE > 0:
             gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot, compacted")
         if MASKED_ENTRIES:
@@ -1889,7 +1904,7 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
@@ -1994,13 +2009,16 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
-                             tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True) -> dict:
+                             tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True,
+                             sink: bool = False) -> dict:
     extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
              "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
     if not qk_rope:
         extra["QK_ROPE"] = False
+    if sink:
+        extra["HAS_SINK"] = True
     if tma:
         extra["TMA"] = True
     return dict(
@@ -2031,20 +2049,23 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
-                      qk_rope: bool = True):
+                      qk_rope: bool = True, sink: bool = False):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
     that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
-    rotary part is zero and its product is skipped."""
+    rotary part is zero and its product is skipped. sink (direct only): the sink applied to the output (`Sink`
+    passed by name at every call)."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page, qk_rope=qk_rope,
+        v4_page=v4_page, qk_rope=qk_rope, sink=sink,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
+    if sink:
+        names += ("Sink",)
     return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok

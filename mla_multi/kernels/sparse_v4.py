@@ -390,13 +390,14 @@ def pad_rows(kv: torch.Tensor, extra_kv: torch.Tensor | None, rows: torch.Tensor
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> None:
-    """out [T, N, 512] *= exp(lse) / (exp(lse) + exp(sink)) in place (lse [T, N] float32, attn_sink [N])."""
-    tokens, heads, _ = out.shape
+    """out [T, N, W] *= exp(lse) / (exp(lse) + exp(sink)) in place (lse [T, N] float32, attn_sink [N]; W a power
+    of two, DeepSeek's 512; heads of unit stride)."""
+    tokens, heads, width = out.shape
     if tokens == 0:
         return
     block_h = min(_SINK_HEADS, triton.next_power_of_2(heads))
     grid = (tokens, triton.cdiv(heads, block_h))
-    launch = bound_by_layout(_apply_sink_kernel, grid, dict(BLOCK_H=block_h, WIDTH=WIDTH, num_warps=4), out.device,
+    launch = bound_by_layout(_apply_sink_kernel, grid, dict(BLOCK_H=block_h, WIDTH=width, num_warps=4), out.device,
                     ("sink", layout_key(out), layout_key(lse), layout_key(attn_sink)))
     launch(out, lse, attn_sink, heads, out.stride(0), out.stride(1), lse.stride(0))
 
