@@ -550,16 +550,16 @@ class FlashInferDecodeImpl(MLADecodeImpl):
                 f"cache takes {dtype_name(self._query_dtype)} queries"
             )
         if plan is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "FLASHINFER decode needs a plan made before CUDA-graph capture "
-                    "(MLAAttention.plan(metadata, cuda_graph=True))"
-                )
             # a functional call: the last plan while the same length tensors come back unchanged
             last = getattr(self, "_planned_for", None)
             if last is not None and last[1] == query_len and _unchanged(last[0], (seq_lens, block_table, k_scale)):
                 plan = last[2]
             else:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "FLASHINFER decode needs a plan made before CUDA-graph capture "
+                        "(MLAAttention.plan(metadata, cuda_graph=True))"
+                    )
                 plan = self.plan(seq_lens.cpu(), block_table, query_len, k_scale=k_scale)
                 self._planned_for = (_seen((seq_lens, block_table, k_scale)), query_len, plan)
         if (plan.batch, plan.query_len) != (batch, query_len):
@@ -567,8 +567,13 @@ class FlashInferDecodeImpl(MLADecodeImpl):
                 f"the FLASHINFER plan is for {plan.batch} requests of {plan.query_len} tokens; "
                 f"q_nope has {batch} of {query_len}"
             )
-        tokens = batch * query_len
-        query = (q_nope.reshape(tokens, self.num_heads, -1), q_pe.reshape(tokens, self.num_heads, -1))
+        # [B, N, D] queries are FlashInfer's [tokens, N, D] as they are (its outputs too)
+        single = q_nope.dim() == 3
+        if single:
+            query = (q_nope, q_pe)
+        else:
+            tokens = batch * query_len
+            query = (q_nope.reshape(tokens, self.num_heads, -1), q_pe.reshape(tokens, self.num_heads, -1))
         scales = {}
         if self.kv_cache_dtype == MLA_FP8_KV_DTYPE:
             scale = plan.k_scale if plan.k_scale is not None else float(k_scale)
@@ -576,8 +581,9 @@ class FlashInferDecodeImpl(MLADecodeImpl):
         out, lse = plan.wrapper.run(
             query=query, kv_cache=kv_cache, return_lse=True, return_lse_base_on_e=True, **scales
         )
-        out = out.view(q_nope.shape)
-        lse = lse.view(q_nope.shape[:-1])
+        if not single:
+            out = out.view(q_nope.shape)
+            lse = lse.view(q_nope.shape[:-1])
         if plan.empty_rows is not None:
             empty = plan.empty_rows.view(batch, *([1] * (lse.dim() - 1)))
             out = out.masked_fill(empty.unsqueeze(-1), 0)
