@@ -290,15 +290,30 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
     ),
     SelectionRule(
-        # 64 heads, top-k 512 / 2048 + a 128 window: B = 64 TRITON 46.7 / 88.1 µs, FLASHMLA 56.3 / 97.8; B = 128
-        # 62.6 / 141.1 against 61.3 / 147.5. 128 heads: FLASHMLA ahead from B = 64 (45.2 against 60.1 µs) and
-        # at one token (17.7 against 20.2), even at B = 32 (43.9 against 44.1)
+        # 64 heads, top-k 512 + a 128 window, the sink applied by the kernels, captured µs TRITON / FLASHMLA:
+        # B = 1 16.5 / 18.7, 8 20.3 / 21.9, 16 24.7 / 26.7, 32 33.0 / 36.7, 48 40.0 / 45.5, 64 43.8 / 57.0,
+        # 128 57.8 / 61.3; top-k 2048: B = 64 85.0 / 98.6, 128 137.0 / 148.9. Every batch, so a layer built
+        # without one too
         name="nvidia-sm90-v4-sparse-decode-64-heads",
         phase="sparse_decode",
         vendor="cuda",
         arch="sm_90",
         num_heads=(1, 64),
-        num_tokens=(64, None),
+        prefer=("TRITON",),
+        over=("FLASHMLA",),
+        when=v4_read_in_place,
+        measured="bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)",
+    ),
+    SelectionRule(
+        # 128 heads: two splits a token from 25 to 32 tokens (`heuristics.gathered_tile_splits`: one wave of
+        # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level:
+        # B = 1 17.6 / 17.8, 8 22.4 / 22.4, 16 29.3 / 28.5, 48 52.5 / 43.0, 64 55.1 / 45.5, 128 98.0 / 77.3
+        name="nvidia-sm90-v4-sparse-decode-128-heads-two-splits",
+        phase="sparse_decode",
+        vendor="cuda",
+        arch="sm_90",
+        num_heads=(65, 128),
+        num_tokens=(25, 32),
         prefer=("TRITON",),
         over=("FLASHMLA",),
         when=v4_read_in_place,

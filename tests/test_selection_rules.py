@@ -145,7 +145,7 @@ def v4_rule_cases(phase: str):
     for the conditions the V4 rule looks at."""
     if phase not in ("sparse_decode", "sparse_prefill"):
         return
-    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (64,), (True, False),
+    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (32, 64), (True, False),
                                                       ("fp8_ds_mla_v4", None)):
         label = f"V4 N{heads} T{tokens}{' in-place' if ds else ''}{' window' if extra else ''}"
         yield label, SparseSelectorConfig(MLADims.deepseek_v3(num_heads=heads), torch.bfloat16, torch.uint8, 512, 1,
@@ -206,23 +206,27 @@ def test_the_flashmla_rule_is_the_only_change_from_64_tokens(kernels_flags):
                        ("H100", False, "FLASHINFER"), ("H200", False, "FLASHINFER")}
 
 
-def test_the_v4_rule_puts_triton_first_at_64_heads_from_64_tokens_where_it_reads_in_place(kernels_flags):
-    """V4 sparse decode over fp8_ds_mla_v4 caches: on sm_90, where TRITON reads them in place, at most 64 heads
-    and at least 64 planned tokens, TRITON ahead of FLASHMLA (measured faster there); everywhere else the
-    platform's order."""
+def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(kernels_flags):
+    """V4 sparse decode over fp8_ds_mla_v4 caches: on sm_90, where TRITON reads them in place, TRITON ahead of
+    FLASHMLA at most 64 heads (every batch, none planned included) and at 128 heads from 25 to 32 planned
+    tokens (measured faster there); everywhere else the platform's order."""
     moved = set()
     for label, config, flags in v4_rule_cases("sparse_decode"):
         kernels_flags(flags)
         for spec_name, spec in SPECS.items():
             order = registry.default_registry.priority("sparse_decode", spec, config)
             base = registry.default_registry.base_priority("sparse_decode", spec)
-            if (spec.arch == "sm_90" and flags["ds"] and config.dims.num_heads <= 64
-                    and config.num_tokens is not None and config.num_tokens >= 64):
+            heads, tokens = config.dims.num_heads, config.num_tokens
+            if spec.arch == "sm_90" and flags["ds"] and (
+                    heads <= 64 or (tokens is not None and 25 <= tokens <= 32)):
                 assert order.index("TRITON") < order.index("FLASHMLA"), (spec_name, label)
-                moved.add((spec_name, config.dims.num_heads, config.num_tokens))
+                moved.add((spec_name, heads, tokens))
             else:
                 assert order == base, (spec_name, label)
-    assert {(spec, heads) for spec, heads, _ in moved} == {("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64)}
+    assert {(spec, heads) for spec, heads, _ in moved} == {
+        ("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64), ("H100", 128), ("H200", 128)}
+    assert {tokens for spec, heads, tokens in moved if heads == 128} == {32}
+    assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (32, 64))
 
 
 # --------------------------------------------------------------------------- the rules as data
