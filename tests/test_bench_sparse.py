@@ -79,7 +79,8 @@ def test_v4_decode_columns_run_the_same_inputs(fake_flash_mla, monkeypatch):
     with override("H200"):
         row = sparse.bench_v4_decode_case(heads, batch, seq_len, topk, window, wanted=["FLASHMLA", "REFERENCE"],
                                           device="cpu")
-    assert row["chosen"] == "FLASHMLA" and row["kv"] == "fp8_ds_mla_v4 + window 128" and row["format"] == "v4"
+    # 64 heads on sm_90: TRITON ahead of FLASHMLA at every batch (`nvidia-sm90-v4-sparse-decode-64-heads`)
+    assert row["chosen"] == "TRITON" and row["kv"] == "fp8_ds_mla_v4 + window 128" and row["format"] == "v4"
     assert seen["flops"] == 2 * batch * heads * (512 + 512) * (topk + window)
     outs = seen["runs"]
     assert list(outs) == ["FlashMLA", "FLASHMLA", "REFERENCE"]

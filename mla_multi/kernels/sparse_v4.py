@@ -18,7 +18,9 @@ zero rotary part, so the dense kernels compute the V4 attention exactly once the
   copied once into one zero-tailed [S + S_extra, 576] scratch (the second segment after the first) and
   each token's entries that count (an index outside [0, S) of its segment is no token) are compacted into
   its table row, the second segment's offset by S: nothing is copied per query token.
-* `apply_sink`: out *= exp(lse) / (exp(lse) + exp(sink)) per head, a row without mass (LSE -inf) kept.
+* `apply_sink`: out *= exp(lse) / (exp(lse) + exp(sink)) per head, a row without mass (LSE -inf) kept: the
+  decode kernels' fallback (`mla_decode.DecodeKernelPlan`: the reduce and the sm_90 warp-specialised kernel
+  apply the sink themselves; one split on the portable kernel leaves it to this launch).
 
 Every program of the gathering launch (a token, ``ROWS`` entries of its list) counts the entries that count
 before its own in the index lists (a few KB read), so the compaction needs no second launch.
