@@ -406,16 +406,21 @@ def test_decode_gpu(kv, heads, block_size):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("kernel", ["default", "triton"])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("heads", [4, 64, 128])
-def test_decode_gpu_attention_sink(heads, splits):
-    """The sink applied by the kernel writing the output (one split: on sm_90 the warp-specialised kernel) or
-    by the reduce (splits), against the float64 reference; the LSE is the one without it."""
+def test_decode_gpu_attention_sink(heads, splits, kernel):
+    """The sink applied by the kernel writing the output (one split: on sm_90 the warp-specialised kernel by
+    default, the Triton kernel where it is forced) or by the reduce (splits), against the float64 reference;
+    the LSE is the one without it."""
+    from mla_multi.kernels.launch_config import DecodeLaunchConfig
+
     values = torch.tensor(SINK * (heads // len(SINK)))
     tensors = _make_case(4, heads, 1, 512, 64, 64, [0, 1, 300, 2100], torch.bfloat16, torch.bfloat16, "cuda", heads)
     scale = 576**-0.5
     sink = values.cuda()
-    out, lse = _run_decode(tensors, scale, splits, attn_sink=sink)
+    config = {"config": DecodeLaunchConfig(16, 32, 4, 2)} if kernel == "triton" else {}
+    out, lse = _run_decode(tensors, scale, splits, attn_sink=sink, **config)
     result = _sink_errors(tensors, out, lse, scale, sink)
     assert not result["nan"], result
     assert result["inf_pattern_ok"] and result["empty_rows_zero"] and result["inf_sink_zero"], result

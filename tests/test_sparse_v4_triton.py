@@ -432,7 +432,7 @@ def test_the_kernels_are_in_the_compile_check():
     assert "mla_multi.kernels.sparse_v4" in compile_check.KERNEL_MODULES
     names = {spec.name for spec in sparse_v4.compile_specs(SPECS["H100"])}
     assert {"v4_gather_rows[fp8_ds_mla_v4+fp8_ds_mla_v4,bf16]", "v4_gather_rows[fp8_ds_mla_v41+fp4_ds_mla_v41,bf16]",
-            "v4_compact_lists[prefill]", "v4_pad_rows[bf16]", "v4_apply_sink[bf16]"} <= names
+            "v4_compact_lists[prefill]", "v4_pad_rows[bf16]"} <= names
     a100 = {spec.name for spec in sparse_v4.compile_specs(SPECS["A100"])}
     assert "v4_gather_rows[rows+rows,bf16]" in a100 and not any("fp8" in name for name in a100)
 

@@ -296,6 +296,8 @@ def _mla_decode_split_kernel(
     DIRECT_OUTPUT: tl.constexpr,
     DISABLE_LICM: tl.constexpr,
     TOKENS_AS_M: tl.constexpr,
+    Sink=None,
+    HAS_SINK: tl.constexpr = False,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -404,6 +406,10 @@ def _mla_decode_split_kernel(
     token, head = _token_and_head(rows, num_heads, Q_LEN)
 
     if DIRECT_OUTPUT:
+        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)) folded into 1 / sum; a row without mass keeps its 0
+            empty = lse == float("-inf")
+            sink = tl.load(Sink + head, mask=row_valid, other=0.0)
+            inv_l = inv_l * tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
         out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
         out_dtype = Out.dtype.element_ty
         tl.store(out_ptrs[:, None] + offs_lo[None, :], (acc_lo * inv_l[:, None]).to(out_dtype), mask=row_valid[:, None])
@@ -727,7 +733,7 @@ def mla_decode_fwd(
             warp-specialised kernels skip its product (the others compute it: the same result).
         attn_sink: float32 [N] on q's device, an attention sink per head: out *= exp(lse) / (exp(lse) +
             exp(sink)) (+inf gives 0, -inf nothing, a row without mass keeps 0); lse stays the one without it.
-            Applied by the reduce or the sm_90 warp-specialised kernel, else by one more launch.
+            Applied by the reduce over split partials, or by the split kernel writing the output (one split).
 
     Returns:
         (out, lse), the buffers passed in.
@@ -837,11 +843,9 @@ class DecodeKernelPlan:
         self.tma = False
         rows = q_len * num_heads
         direct = num_kv_splits == 1
-        # an attention sink: applied by the reduce (splits) or the warp-specialised kernel (one split), else after
-        # the kernels (`apply_sink`, one more launch)
+        # an attention sink: applied by the reduce (splits) or by the split kernel writing the output (one split)
         self.reduce_sink = sink and not direct
-        self.split_sink = sink and direct and config.warpgroup
-        self.sink_after = sink and not (self.reduce_sink or self.split_sink)
+        self.split_sink = sink and direct
         if batch == 0:
             return
         grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
@@ -923,9 +927,11 @@ class DecodeKernelPlan:
                     DIRECT_OUTPUT=direct,
                     DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
                     TOKENS_AS_M=config.tokens_as_m,
+                    HAS_SINK=self.split_sink,
                     **config.launch_options(),
                 ),
                 device,
+                keyword_names=("Sink",) if self.split_sink else (),
             )
         if not direct:
             reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
@@ -974,10 +980,6 @@ class DecodeKernelPlan:
             split(*args, **keywords)
         if self.reduce is not None:
             self.reduce(attn_logits, out, lse, attn_sink if self.reduce_sink else lse, *self.reduce_int_args)
-        if self.sink_after:
-            from mla_multi.kernels.sparse_v4 import apply_sink
-
-            apply_sink(out.view(-1, *out.shape[-2:]), lse.view(-1, lse.shape[-1]), attn_sink)
 
 
 # ---------------------------------------------------------------------------
@@ -1021,9 +1023,10 @@ def _split_kernel_signature(q_dtype: torch.dtype, cache_dtype: torch.dtype, has_
         signature[name] = "i32"
     for name in (
         "Q_LEN KV_LORA_RANK ROPE_DIM PAGE_SIZE BLOCK_H BLOCK_N HAS_K_SCALE LOAD_K_TRANSPOSED FP8_COMPUTE_FP16 FP8_BITS_BIAS "
-        "DIRECT_OUTPUT DISABLE_LICM TOKENS_AS_M".split()
+        "DIRECT_OUTPUT DISABLE_LICM TOKENS_AS_M HAS_SINK".split()
     ):
         signature[name] = "constexpr"
+    signature["Sink"] = "constexpr"  # None without a sink; a specification with one names its type
     return signature
 
 
@@ -1145,9 +1148,10 @@ def compile_specs(platform) -> list[CompileSpec]:
                     if not wgmma_decode_reason(platform, cache_dtype):
                         specs.append(_wgmma_spec(name, config, cache_dtype, constexprs))
                         if cache_dtype == torch.bfloat16 and page_size == 1:
-                            # the V4 rows laid out as 576-wide pages (`sparse_v4`): the zero rotary product skipped
-                            specs.append(_wgmma_spec(name[:-1] + ",no-rope]", config, cache_dtype,
-                                                     dict(constexprs, QK_ROPE=False)))
+                            # the V4 rows laid out as 576-wide pages (`sparse_v4`): the zero rotary product skipped,
+                            # V4's sink applied by the kernel writing the output
+                            specs.append(_wgmma_spec(name[:-1] + (",no-rope,sink]" if direct else ",no-rope]"), config,
+                                                     cache_dtype, dict(constexprs, QK_ROPE=False, HAS_SINK=direct)))
                     continue
                 constexprs |= {
                     "LOAD_K_TRANSPOSED": load_k_transposed(platform, cache_dtype, config),
@@ -1156,16 +1160,21 @@ def compile_specs(platform) -> list[CompileSpec]:
                     "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
                     "TOKENS_AS_M": config.tokens_as_m,
                 }
-                specs.append(
-                    CompileSpec(
-                        name=name,
-                        fn=_mla_decode_split_kernel,
-                        signature=_split_kernel_signature(torch.bfloat16, launched_dtype, cache_dtype in FP8_DTYPES),
-                        constexprs=constexprs,
-                        options=config.launch_options(),
-                        divisible_by_16=_SPLIT_DIVISIBLE,
+                # with a sink: the V4 rows' one-split launch (bf16 one-token pages, the output written here)
+                for sink in (False, True) if (cache_dtype == torch.bfloat16 and direct) else (False,):
+                    signature = _split_kernel_signature(torch.bfloat16, launched_dtype, cache_dtype in FP8_DTYPES)
+                    if sink:
+                        signature["Sink"] = "*fp32"
+                    specs.append(
+                        CompileSpec(
+                            name=name[:-1] + ",sink]" if sink else name,
+                            fn=_mla_decode_split_kernel,
+                            signature=signature,
+                            constexprs={**constexprs, "HAS_SINK": sink, **({} if sink else {"Sink": None})},
+                            options=config.launch_options(),
+                            divisible_by_16=_SPLIT_DIVISIBLE,
+                        )
                     )
-                )
     if not ds_mla_decode_reason(platform):
         # fp8_ds_mla rows (sparse decode: one-token pages; any page size reads the same way)
         ds_configs = []

@@ -18,12 +18,10 @@ zero rotary part, so the dense kernels compute the V4 attention exactly once the
   copied once into one zero-tailed [S + S_extra, 576] scratch (the second segment after the first) and
   each token's entries that count (an index outside [0, S) of its segment is no token) are compacted into
   its table row, the second segment's offset by S: nothing is copied per query token.
-* `apply_sink`: out *= exp(lse) / (exp(lse) + exp(sink)) per head, a row without mass (LSE -inf) kept: the
-  decode kernels' fallback (`mla_decode.DecodeKernelPlan`: the reduce and the sm_90 warp-specialised kernel
-  apply the sink themselves; one split on the portable kernel leaves it to this launch).
 
 Every program of the gathering launch (a token, ``ROWS`` entries of its list) counts the entries that count
-before its own in the index lists (a few KB read), so the compaction needs no second launch.
+before its own in the index lists (a few KB read), so the compaction needs no second launch. The sink is the
+decode kernels' (`mla_decode.mla_decode_fwd`'s `attn_sink`: applied where the output is written).
 """
 
 from __future__ import annotations
@@ -268,24 +266,6 @@ def _pad_rows_kernel(Kv, Extra_kv, Rows, count, extra_count, stride_kv, stride_e
              mask=written[:, None])
 
 
-@triton.jit
-def _apply_sink_kernel(Out, Lse, Sink, num_heads, stride_o_t, stride_o_h, stride_lse_t,
-                       BLOCK_H: tl.constexpr, WIDTH: tl.constexpr):
-    """out *= 1 / (1 + exp(sink - lse)) for the heads of one token (a head with LSE -inf keeps its 0)."""
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = heads < num_heads
-    lse = tl.load(Lse + token * stride_lse_t + heads, mask=live, other=0.0)
-    sink = tl.load(Sink + heads, mask=live, other=0.0)
-    empty = lse == float("-inf")
-    factor = 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
-    factor = tl.where(empty, 1.0, factor)
-    offs_d = tl.arange(0, WIDTH)
-    ptrs = Out + token * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :]
-    out = tl.load(ptrs, mask=live[:, None], other=0.0).to(tl.float32)
-    tl.store(ptrs, (out * factor[:, None]).to(Out.dtype.element_ty), mask=live[:, None])
-
-
 # --------------------------------------------------------------------------- launches
 
 # entries of a list per gathering program, and the block its count of the entries before them reads
@@ -294,8 +274,6 @@ _GATHER_COLS = 128  # columns of a row dequantised at a time
 _COMPACT_ROWS = 128
 _SCAN = 512
 _PAD_ROWS = 16
-_SINK_HEADS = 16
-
 
 
 def _segment_args(cache, fmt: str):
@@ -391,26 +369,13 @@ def pad_rows(kv: torch.Tensor, extra_kv: torch.Tensor | None, rows: torch.Tensor
            0 if extra_kv is None else extra_kv.stride(0), rows.stride(0))
 
 
-def apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> None:
-    """out [T, N, W] *= exp(lse) / (exp(lse) + exp(sink)) in place (lse [T, N] float32, attn_sink [N]; W a power
-    of two, DeepSeek's 512; heads of unit stride)."""
-    tokens, heads, width = out.shape
-    if tokens == 0:
-        return
-    block_h = min(_SINK_HEADS, triton.next_power_of_2(heads))
-    grid = (tokens, triton.cdiv(heads, block_h))
-    launch = bound_by_layout(_apply_sink_kernel, grid, dict(BLOCK_H=block_h, WIDTH=width, num_warps=4), out.device,
-                    ("sink", layout_key(out), layout_key(lse), layout_key(attn_sink)))
-    launch(out, lse, attn_sink, heads, out.stride(0), out.stride(1), lse.stride(0))
-
-
 # --------------------------------------------------------------------------- ahead-of-time compilation
 
 
 def compile_specs(platform) -> list:
     """The gathering kernel for each decode format pair (the FP8 ones where Triton converts float8_e4m3fn:
-    not NVIDIA before sm_89), the prefill's compaction and padding, and the sink, as the TRITON backend
-    launches them (bf16 rows, 128 heads)."""
+    not NVIDIA before sm_89), the prefill's compaction and padding, as the TRITON backend launches them (bf16
+    rows, 128 heads)."""
     from mla_multi.kernels.launch_config import CompileSpec
 
     fp8 = not (platform.is_cuda() and not platform.has_device_capability(8, 9))
@@ -460,12 +425,5 @@ def compile_specs(platform) -> list:
                    "HAS_EXTRA": "constexpr", "WIDTH": "constexpr", "ROPE_DIM": "constexpr"},
         constexprs={"ROWS": _PAD_ROWS, "HAS_EXTRA": True, "WIDTH": WIDTH, "ROPE_DIM": ROPE_DIM},
         options={"num_warps": 4}, divisible_by_16=("Kv", "Extra_kv", "Rows", "stride_kv", "stride_extra", "stride_rows"),
-    ))
-    specs.append(CompileSpec(
-        name="v4_apply_sink[bf16]", fn=_apply_sink_kernel,
-        signature={"Out": "*bf16", "Lse": "*fp32", "Sink": "*fp32", "num_heads": "i32", "stride_o_t": "i32",
-                   "stride_o_h": "i32", "stride_lse_t": "i32", "BLOCK_H": "constexpr", "WIDTH": "constexpr"},
-        constexprs={"BLOCK_H": _SINK_HEADS, "WIDTH": WIDTH},
-        options={"num_warps": 4}, divisible_by_16=("Out", "Lse", "Sink", "stride_o_t", "stride_o_h", "stride_lse_t"),
     ))
     return specs
