@@ -145,7 +145,7 @@ def v4_rule_cases(phase: str):
     for the conditions the V4 rule looks at."""
     if phase not in ("sparse_decode", "sparse_prefill"):
         return
-    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (32, 64), (True, False),
+    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (24, 25, 32, 33, 64), (True, False),
                                                       ("fp8_ds_mla_v4", None)):
         label = f"V4 N{heads} T{tokens}{' in-place' if ds else ''}{' window' if extra else ''}"
         yield label, SparseSelectorConfig(MLADims.deepseek_v3(num_heads=heads), torch.bfloat16, torch.uint8, 512, 1,
@@ -225,8 +225,8 @@ def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(ker
                 assert order == base, (spec_name, label)
     assert {(spec, heads) for spec, heads, _ in moved} == {
         ("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64), ("H100", 128), ("H200", 128)}
-    assert {tokens for spec, heads, tokens in moved if heads == 128} == {32}
-    assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (32, 64))
+    assert {tokens for spec, heads, tokens in moved if heads == 128} == {25, 32}
+    assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (24, 25, 32, 33, 64))
 
 
 # --------------------------------------------------------------------------- the rules as data
