@@ -58,6 +58,14 @@ class _InferenceOnly(torch.autograd.Function):
         raise RuntimeError(NO_BACKWARD)
 
 
+def _step_output(output, tokens: int, width: int, dtype, device) -> torch.Tensor:
+    """A layer step's output [tokens, width]: the caller's, checked, or a new one."""
+    if output is None:
+        return torch.empty(tokens, width, dtype=dtype, device=device)
+    checks.expect_tensor("output", output, (tokens, width), dtype, device)
+    return output
+
+
 class MLAAttention(torch.nn.Module):
     """One MLA attention layer's attention (projections outside q/kv_c/k_pe are the caller's), a `torch.nn.Module`.
 
@@ -617,10 +625,7 @@ class MLAAttention(torch.nn.Module):
         checks.expect_tensor("kv_cache", kv_cache, (None, self.block_size, width), self.kv_cache_dtype, device)
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size is {self.block_size}")
-        if output is None:
-            return torch.empty(tokens, n * v, dtype=dtype, device=device)
-        checks.expect_tensor("output", output, (tokens, n * v), dtype, device)
-        return output
+        return _step_output(output, tokens, n * v, dtype, device)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -1326,10 +1331,7 @@ class MLAAttentionV4(torch.nn.Module):
                 if value is not None:
                     raise ValueError(f"{name} given to an MLAAttentionV4 without a top-k segment (topk=None); "
                                      "accepted: None")
-        if output is None:
-            return torch.empty(tokens, n * V4_WIDTH, dtype=dtype, device=device)
-        checks.expect_tensor("output", output, (tokens, n * V4_WIDTH), dtype, device)
-        return output
+        return _step_output(output, tokens, n * V4_WIDTH, dtype, device)
 
     def forward(
         self,

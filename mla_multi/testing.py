@@ -176,6 +176,23 @@ class PagedScenario:
         return out.to(q.device)
 
 
+def v4_prefill_inputs(heads: int, topk: int, s_kv: int, tokens: int = 5, seed: int = 0) -> dict:
+    """DeepSeek-V4 sparse prefill inputs on the CPU (bfloat16 q [tokens, heads, 512] and kv [s_kv, 512], int32
+    indices [tokens, topk] some outside [0, s_kv) (no token), token 1's all -1) and the optional arguments'
+    values: topk_length (full, full, a third, 0, 1) and a sink per head in [-1, 1] with head 0's +inf."""
+    if tokens < 5:
+        raise ValueError(f"tokens={tokens}; accepted: at least 5 (the lengths name five tokens)")
+    generator = torch.Generator().manual_seed(seed)
+    kv = torch.randn(s_kv, 512, generator=generator).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, 512, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-4, s_kv + 40, (tokens, topk), generator=generator, dtype=torch.int32)
+    indices[1] = -1
+    lengths = torch.tensor([topk, topk, topk // 3, 0, 1] + [topk] * (tokens - 5), dtype=torch.int32)
+    sink = torch.linspace(-1, 1, heads)
+    sink[0] = float("inf")
+    return {"q": q, "kv": kv, "indices": indices, "topk_length": lengths, "attn_sink": sink}
+
+
 def capture_graph(fn, repeats: int = 1, **graph_kwargs) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of `repeats` calls of `fn`, captured after one warm-up call on a side stream (as
     PyTorch's capture recipe asks); `graph_kwargs` go to `torch.cuda.graph` (e.g. capture_error_mode)."""

@@ -43,3 +43,21 @@ def fake_flash_mla(monkeypatch):
     sys.modules.update(saved)
     flashmla.clear_caches()
     registry.default_registry.clear_cache()
+
+
+@pytest.fixture
+def fresh_compile_state():
+    """torch.compile's caches and counters empty, and no current step on the CPU, before and after a test
+    (the layer's compile tests count the graphs they make)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from mla_multi import library
+
+    cpu = torch.device("cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    library.set_current_metadata(cpu, None)
+    yield
+    torch._dynamo.reset()
+    library.set_current_metadata(cpu, None)

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import mla_multi as mm
 from mla_multi import cache_formats, library
-from mla_multi.testing import relative_error
+from mla_multi.testing import capture_graph, relative_error
 
 CPU = torch.device("cpu")
 HEADS = 4
@@ -30,14 +30,7 @@ SCALE = 512**-0.5
 BOUND = {"fp8_ds_mla_v4": 6e-2, "fp8_ds_mla_v41": 6e-2, "fp4_ds_mla_v41": 0.2}  # a row's quantisation error
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    torch._dynamo.reset()
-    counters.clear()
-    library.set_current_metadata(CPU, None)
-    yield
-    torch._dynamo.reset()
-    library.set_current_metadata(CPU, None)
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def clone_cache(cache: torch.Tensor, device=None) -> torch.Tensor:
@@ -593,15 +586,21 @@ def test_demo_v4_on_the_cpu_checks_against_float64(capsys):
 # --------------------------------------------------------------------------- on a GPU
 
 
+def _gpu_scene(formats) -> "Scene":
+    """A bfloat16 scene on the GPU with DeepSeek-V4 Flash's 64 heads, top-64 and a 16-token window, in the
+    (main, window) cache formats given."""
+    kv_format, window_kv_format = formats
+    return Scene(kv_format=kv_format, window_kv_format=window_kv_format, dtype=torch.bfloat16,
+                 device=torch.device("cuda"), heads=64, topk=64, window=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("formats", [("fp8_ds_mla_v4", None), ("fp8_ds_mla_v41", "fp4_ds_mla_v41")],
                          ids=["584", "528+288"])
 def test_layer_on_the_gpu_against_float64(formats):
     """bfloat16, DeepSeek-V4 Flash's 64 heads, through whichever V4 backends the registry picks on the device;
     decodes, MTP decodes, prefills and a mixed step against float64 over the dequantised caches."""
-    kv_format, window_kv_format = formats
-    scene = Scene(kv_format=kv_format, window_kv_format=window_kv_format, dtype=torch.bfloat16,
-                  device=torch.device("cuda"), heads=64, topk=64, window=16)
+    scene = _gpu_scene(formats)
     with torch.inference_mode():
         inputs = scene.step(HISTORY, compressed=8)
         scene.layer.plan(inputs["metadata"])
@@ -619,9 +618,7 @@ def test_decode_step_replays_from_a_cuda_graph(formats):
     """A planned decode step (MTP included) captured once: replayed with new queries and rows (the window
     rows written by the replay), its output is the float64 V4 attention of the new values; an eager call of
     the same step after it agrees."""
-    kv_format, window_kv_format = formats
-    scene = Scene(kv_format=kv_format, window_kv_format=window_kv_format, dtype=torch.bfloat16,
-                  device=torch.device("cuda"), heads=64, topk=64, window=16)
+    scene = _gpu_scene(formats)
     with torch.inference_mode():
         inputs = scene.step(HISTORY, compressed=8)
         scene.layer.plan(inputs["metadata"])
@@ -633,14 +630,7 @@ def test_decode_step_replays_from_a_cuda_graph(formats):
         call = lambda: scene.layer(inputs["q"], inputs["kv"], scene.kv_cache, scene.window_cache,  # noqa: E731
                                    inputs["metadata"], output, topk_indices=inputs["topk_indices"],
                                    topk_length=inputs["topk_length"])
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()  # warm: every plan and launch bound before the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
+        graph = capture_graph(call)  # its warm call binds every plan and launch before the capture
         for _ in range(2):
             inputs["q"].copy_(scene.randn(*inputs["q"].shape))
             inputs["kv"].copy_(scene.randn(*inputs["kv"].shape))

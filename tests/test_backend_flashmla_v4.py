@@ -19,6 +19,7 @@ from mla_multi import errors, registry
 from mla_multi.backends import flashmla
 from mla_multi.dims import MLADims
 from mla_multi.platforms import override
+from mla_multi.testing import v4_prefill_inputs
 
 WIDTH = 512
 SCALE = WIDTH ** -0.5
@@ -260,15 +261,8 @@ def test_v4_selection_and_reasons(fake_flash_mla):
 
 @pytest.mark.parametrize("heads,topk", [(64, 256), (128, 200)])
 def test_v4_prefill_matches_reference_with_sink_and_lengths(fake_flash_mla, heads, topk):
-    generator = torch.Generator().manual_seed(heads + topk)
-    tokens, s_kv = 5, 300
-    kv = torch.randn(s_kv, WIDTH, generator=generator).to(torch.bfloat16)
-    q = torch.randn(tokens, heads, WIDTH, generator=generator).to(torch.bfloat16)
-    indices = torch.randint(-4, s_kv + 30, (tokens, topk), generator=generator, dtype=torch.int32)  # outside: none
-    indices[1] = -1
-    lengths = torch.tensor([topk, topk, topk // 3, 0, 1], dtype=torch.int32)
-    sink = torch.linspace(-1, 1, heads)
-    sink[0] = math.inf
+    case = v4_prefill_inputs(heads, topk, 300, seed=heads + topk)  # indices outside [0, 300): no token
+    q, kv, indices, lengths, sink = (case[k] for k in ("q", "kv", "indices", "topk_length", "attn_sink"))
     for topk_length, attn_sink in ((None, None), (lengths, sink)):
         keywords = dict(topk_length=topk_length, attn_sink=attn_sink, return_lse=True)
         want, want_lse = mm.ops.mla_sparse_prefill_v4(q.double(), kv.double(), indices, SCALE, backend="REFERENCE",

@@ -42,14 +42,7 @@ STEPS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    torch._dynamo.reset()
-    counters.clear()
-    library.set_current_metadata(CPU, None)
-    yield
-    torch._dynamo.reset()
-    library.set_current_metadata(CPU, None)
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def assert_same(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5) -> None:

@@ -18,7 +18,7 @@ from mla_multi import cache_formats as cf
 from mla_multi import registry
 from mla_multi.dims import MLADims
 from mla_multi.platforms import current_platform
-from mla_multi.testing import capture_graph
+from mla_multi.testing import capture_graph, v4_prefill_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -255,15 +255,8 @@ def test_flashmla_backend_v4_decode_replays_from_a_cuda_graph_with_new_data(monk
 @pytest.mark.parametrize("topk,s_kv", [(2048, 4096), (200, 700)])
 def test_flashmla_backend_v4_prefill_matches_reference(heads, topk, s_kv):
     _need_flashmla("sparse_prefill", heads, "rows", kv_dtype=torch.bfloat16, topk=topk)
-    generator = torch.Generator().manual_seed(heads + topk)
-    tokens = 5
-    kv = torch.randn(s_kv, WIDTH, generator=generator).to(torch.bfloat16)
-    q = torch.randn(tokens, heads, WIDTH, generator=generator).to(torch.bfloat16)
-    indices = torch.randint(-3, s_kv + 40, (tokens, topk), generator=generator, dtype=torch.int32)  # outside: none
-    indices[1] = -1
-    lengths = torch.tensor([topk, topk, topk // 3, 0, 1], dtype=torch.int32)
-    sink = torch.linspace(-1, 1, heads)
-    sink[0] = math.inf
+    case = v4_prefill_inputs(heads, topk, s_kv, seed=heads + topk)  # indices outside [0, s_kv): no token
+    q, kv, indices, lengths, sink = (case[k] for k in ("q", "kv", "indices", "topk_length", "attn_sink"))
     for topk_length, attn_sink in ((None, None), (lengths, sink)):
         out, lse = mm.ops.mla_sparse_prefill_v4(
             q.cuda(), kv.cuda(), indices.cuda(), WIDTH ** -0.5,

@@ -11,6 +11,7 @@ import torch
 
 import mla_multi as mm
 from mla_multi import cache_formats as cf
+from mla_multi.testing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -148,14 +149,9 @@ def test_decode_replays_in_a_cuda_graph_on_new_values(monkeypatch):
     call = lambda: mm.ops.mla_sparse_decode_v4(q_gpu, cache, idx_gpu, SCALE, backend="TRITON", return_lse=True,
                                                **kwargs)
     call()  # planned and bound outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
+    captured = {}
+    graph = capture_graph(lambda: captured.update(result=call()))
+    out, lse = captured["result"]
     gen = torch.Generator().manual_seed(10)
     for _ in range(2):
         q_new = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
