@@ -830,11 +830,12 @@ class MLAAttention(torch.nn.Module):
         written by the product itself where the output's rows are contiguous (no copy, no temporary)."""
         n, v = self.dims.num_heads, self.dims.v_head_dim
         w_uv_t = self._absorbed()[4]
-        rows = output.narrow(0, 0, tokens)
-        if rows.stride(1) == 1:
-            torch.bmm(latent.transpose(0, 1), w_uv_t, out=rows.view(tokens, n, v).transpose(0, 1))
+        if output.stride(1) == 1:  # the product's [N, tokens, V] view of the rows: one view, no copy
+            heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
+            torch.bmm(latent.transpose(0, 1), w_uv_t, out=heads_first)
         else:
-            rows.copy_(torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(tokens, n * v))
+            output.narrow(0, 0, tokens).copy_(
+                torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(tokens, n * v))
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims
@@ -848,10 +849,13 @@ class MLAAttention(torch.nn.Module):
             forward_mqa = functools.partial(self.dcp.forward_mqa, impl)
         # the TRITON kernels take the query's strides as they are (under DCP the query is gathered anew)
         contiguous_pe = self.dcp is not None or "num_kv_splits" not in keywords
-        q_decode = q if num_decode_tokens == q.shape[0] else q.narrow(0, 0, num_decode_tokens)
-        q_nope, q_pe = q_decode.narrow(2, 0, p), q_decode.narrow(2, p, d.qk_rope_head_dim)
-        # Absorb W_UK into the query: [N, B, P] x [N, P, Lkv] -> [N, B, Lkv], read by the kernels as [B, N, Lkv].
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), self._absorbed()[2]).transpose(0, 1)
+        # Absorb W_UK into the query: [N, B, P] x [N, P, Lkv] -> [N, B, Lkv], read by the kernels as [B, N, Lkv];
+        # the decode tokens' nope part as [N, B, P] and their rotary part: one view each
+        s0, s1, s2 = q.stride()
+        offset = q.storage_offset()
+        q_nope_t = q.as_strided((d.num_heads, num_decode_tokens, p), (s1, s0, s2), offset)
+        q_pe = q.as_strided((num_decode_tokens, d.num_heads, d.qk_rope_head_dim), (s0, s1, s2), offset + p * s2)
+        ql_nope = torch.bmm(q_nope_t, self._absorbed()[2]).transpose(0, 1)
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous() if contiguous_pe else q_pe, kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **keywords,

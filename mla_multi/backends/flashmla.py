@@ -203,6 +203,7 @@ class FlashMLADecodePlan:
     num_splits: torch.Tensor
     empty_rows: torch.Tensor | None
     cuda_graph: bool
+    sched: Any = None  # the FlashMLASchedMeta every call of the plan passes (made by its first call)
 
 
 _graph_buffers: dict = {}
@@ -272,9 +273,16 @@ class FlashMLADecodeImpl(MLADecodeImpl):
                 raise ValueError(f"the FLASHMLA plan is for {plan.batch} requests of {plan.query_len} tokens; "
                                  f"q_nope has {batch} of {query_len}")
             metadata, splits, empty_rows = plan.tile_scheduler_metadata, plan.num_splits, plan.empty_rows
+        sched = None if plan is None else plan.sched
+        if sched is None:
+            sched = _sched(module)
+            if plan is not None:
+                plan.sched = sched
+        # the dense call reads these two and writes back what it returns: set them anew on every call
+        sched.tile_scheduler_metadata, sched.num_splits = metadata, splits
         out, lse = module.flash_mla_with_kvcache(
             q=q, k_cache=kv_cache.unsqueeze(2), block_table=block_table, cache_seqlens=seq_lens,
-            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=_sched(module, metadata, splits),
+            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=sched,
             softmax_scale=self.scale, causal=query_len > 1, is_fp8_kvcache=False, use_legacy=True,
         )
         out = out.view(q_nope.shape)
@@ -336,12 +344,14 @@ class _SparseCall:
 
         self.index_plan = SparseIndexPlan(tokens, topk, heads, width, device, bad_is_error=decode,
                                           has_length=has_length)
-        self.tile_scheduler_metadata = self.num_splits = None
+        self.sched = None
         if decode and tokens:
-            self.tile_scheduler_metadata, self.num_splits = module.get_mla_decoding_metadata(
+            # one FlashMLASchedMeta for every call of the layout: FlashMLA fills its config on the first call and
+            # only compares it after (the schedule is computed here, outside any graph capture)
+            self.sched = _sched(module, *module.get_mla_decoding_metadata(
                 seqlens_k=torch.full((tokens,), topk, dtype=torch.int32, device=device),
                 num_q_tokens_per_head_k=heads, h_k=1, h_q=heads, is_fp8_kvcache=True, topk=topk, use_legacy=True,
-            )
+            ))
 
 
 class _SparseImpl(MLASparseImpl):
@@ -476,10 +486,9 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
         num_slots = kv.shape[0] * kv.shape[1]
         call = self._call(module, q_nope, indices, topk_length, num_slots)
         clean, bad_rows = call.index_plan.sanitize(indices, num_slots, topk_length)
-        sched = _sched(module, call.tile_scheduler_metadata, call.num_splits)
         out, lse = module.flash_mla_with_kvcache(
             q=joined_query(q_nope, q_pe).unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
-            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=sched, softmax_scale=float(scale), causal=False,
+            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False,
             is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None, use_legacy=True,
         )
         out = out.view(tokens, heads, -1)

@@ -121,9 +121,9 @@ class BoundLaunch:
                 values[position] = keywords[name]
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             g0, g1, g2 = self.grid
-            # the (empty) hooks passed on as Triton passes them
-            run(g0, g1, g2, stream, self._function, self._metadata, None, runtime.launch_enter_hook,
-                runtime.launch_exit_hook, *values)
+            # no hook installed: None for both, which the launcher skips (an empty HookChain is still called,
+            # twice a launch)
+            run(g0, g1, g2, stream, self._function, self._metadata, None, None, None, *values)
             return
         compiled = self.kernel[self.grid](*args, **keywords, **self.constexprs)
         if run is None and self.device_index is not None and not direct_launch_reason():
