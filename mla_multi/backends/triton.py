@@ -299,19 +299,18 @@ class TritonDecodeImpl(MLADecodeImpl):
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
-        bind = functools.partial(
-            self.bind, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale, num_kv_splits=num_kv_splits,
-            max_seq_len=max_seq_len, masked_entries=masked_entries, min_tokens_per_split=min_tokens_per_split,
-        )
-        if step_plans is None:
-            launch = bind()
-        else:
+        launch = key = None
+        if step_plans is not None:
             key = ("TRITON decode launch", self.num_heads, layout_key(q_nope), layout_key(q_pe), layout_key(kv_cache),
                    id(block_table), id(seq_lens), None if k_scale is None else layout_key(k_scale), num_kv_splits,
                    max_seq_len, min_tokens_per_split, id(workspace_manager), capturing(q_nope), masked_entries)
             launch = step_plans.get(key)
-            if launch is None:
-                launch = step_plans[key] = bind()
+        if launch is None:
+            launch = self.bind(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale=k_scale,
+                               num_kv_splits=num_kv_splits, max_seq_len=max_seq_len, masked_entries=masked_entries,
+                               min_tokens_per_split=min_tokens_per_split)
+            if key is not None:
+                step_plans[key] = launch
         return launch(q_nope, q_pe, kv_cache, block_table, seq_lens, self.scale, k_scale=k_scale,
                       workspace_manager=workspace_manager)
 
