@@ -827,15 +827,11 @@ class MLAAttention(torch.nn.Module):
 
     def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
-        written by the product itself where the output's rows are contiguous (no copy, no temporary)."""
+        written by the product itself (no copy, no temporary)."""
         n, v = self.dims.num_heads, self.dims.v_head_dim
-        w_uv_t = self._absorbed()[4]
-        if output.stride(1) == 1:  # the product's [N, tokens, V] view of the rows: one view, no copy
-            heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
-            torch.bmm(latent.transpose(0, 1), w_uv_t, out=heads_first)
-        else:
-            output.narrow(0, 0, tokens).copy_(
-                torch.bmm(latent.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(tokens, n * v))
+        # the product's [N, tokens, V] view of the rows (their columns contiguous: `_check_step`): one view
+        heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
+        torch.bmm(latent.transpose(0, 1), self._absorbed()[4], out=heads_first)
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
         d = self.dims

@@ -152,3 +152,66 @@ def test_gpu_transformers_query_runs_the_sm90_prefill_kernel(monkeypatch, heads)
     reference = mm.ops.mla_prefill(q, torch.cat([k, k_pe.unsqueeze(1).expand(-1, heads, -1)], -1), v, cu, cu, 512,
                                    512, 0.07, backend="TRITON")
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+
+def _decode_step_case(seed: int = 3):
+    """A layer, its cache holding three prompts, and the next step's three decodes (metadata, q, kv_c, k_pe, the
+    float64 reference output)."""
+    dims = mm.MLADims(4, **SMALL)
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(4 * 64, 64, generator=generator, dtype=torch.float64) / 8
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=16, max_model_len=256, max_num_seqs=8)
+    scenario = PagedScenario(dims, 16, 64, torch.device("cpu"), torch.float64, seed=seed + 1)
+    cache = torch.full((64, 16, dims.kv_cache_width), float("nan"), dtype=torch.float64)
+    metadata, q, kv_c, k_pe = scenario.step([(0, 40), (1, 17), (2, 3)])
+    layer(q, kv_c, k_pe, cache, metadata)
+    requests = [(0, 1), (1, 1), (2, 1)]
+    metadata, q, kv_c, k_pe = scenario.step(requests)
+    return layer, cache, metadata, q, kv_c, k_pe, scenario.reference(requests, q, layer.scale, weight)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transformers", "offset"])
+@pytest.mark.parametrize("out_layout", ["fresh", "wider rows", "offset rows"])
+def test_the_layers_decode_reads_any_query_layout_and_writes_any_output_rows(layout, out_layout):
+    """Decodes of three requests: the layer takes the query's nope and rotary parts, and writes the up-projected
+    rows, as strided views of the tensors given (no copy), whatever their row strides and offsets. Against naive
+    float64 MLA; what lies around the output's rows in its buffer stays as it was."""
+    layer, cache, metadata, q, kv_c, k_pe, expected = _decode_step_case()
+    if layout == "transformers":
+        q_in = transformers_layout(q)
+    elif layout == "offset":  # a view that starts inside its storage
+        q_in = torch.cat([torch.randn(2, *q.shape[1:], dtype=q.dtype), q])[2:]
+    else:
+        q_in = q
+    assert torch.equal(q_in, q)
+    rows = layer.dims.num_heads * layer.dims.v_head_dim
+    buffer = output = None
+    if out_layout == "wider rows":  # rows of a wider buffer, columns 4 .. 4 + rows
+        buffer = torch.full((3, rows + 8), -7.0, dtype=torch.float64)
+        output = buffer[:, 4:4 + rows]
+    elif out_layout == "offset rows":  # rows 1 .. 3 of a buffer of 5
+        buffer = torch.full((5, rows), -7.0, dtype=torch.float64)
+        output = buffer[1:4]
+    out = layer(q_in, kv_c, k_pe, cache, metadata, output=output)
+    assert relative_error(out, expected) < 1e-12
+    if output is not None:
+        assert out.data_ptr() == output.data_ptr()
+        around = torch.ones_like(buffer, dtype=torch.bool)
+        if out_layout == "wider rows":
+            around[:, 4:4 + rows] = False
+        else:
+            around[1:4] = False
+        assert bool((buffer[around] == -7.0).all())
+
+
+def test_the_layer_names_a_query_or_output_whose_columns_are_strided():
+    layer, cache, metadata, q, kv_c, k_pe, _ = _decode_step_case()
+    wide = torch.zeros(*q.shape[:-1], 2 * q.shape[-1], dtype=q.dtype)
+    wide[..., ::2] = q
+    with pytest.raises(ValueError, match="q has last-dimension stride 2; accepted: a contiguous last dimension"):
+        layer(wide[..., ::2], kv_c, k_pe, cache, metadata)
+    rows = layer.dims.num_heads * layer.dims.v_head_dim
+    output = torch.zeros(3, 2 * rows, dtype=q.dtype)[:, ::2]
+    with pytest.raises(ValueError, match="output has last-dimension stride 2; accepted: a contiguous last dimension"):
+        layer(q, kv_c, k_pe, cache, metadata, output=output)
