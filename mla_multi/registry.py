@@ -274,50 +274,41 @@ def v4_read_in_place(platform: Platform, config) -> bool:
             and config.dtype == torch.bfloat16 and not ds_mla_decode_reason(platform))
 
 
+# the sm_90 sparse decode's rules: TRITON moved ahead of FLASHMLA, each under its own condition
+_sm90_sparse_triton = functools.partial(SelectionRule, phase="sparse_decode", vendor="cuda", arch="sm_90",
+                                        prefer=("TRITON",), over=("FLASHMLA",))
+_V4_MEASURED = "bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)"
+
+
 # Measured exceptions to the lists above, as deltas: each that matches a configuration moves the backends it
 # prefers ahead of the ones it names, in this order. Each names its measurement.
 SELECTION_RULES: tuple[SelectionRule, ...] = (
-    SelectionRule(
+    _sm90_sparse_triton(
         # 128 heads: B = 1 TRITON 17.0 µs, FLASHMLA 21.7; B = 2-16 within 4 % either way, TRITON behind from
         # B = 24. 64 heads: TRITON ahead 3-28 % up to B = 64 (80.1 against 85.0 µs), 3.5 % behind at B = 128
         name="nvidia-sm90-sparse-decode-few-tokens",
-        phase="sparse_decode",
-        vendor="cuda",
-        arch="sm_90",
-        prefer=("TRITON",),
-        over=("FLASHMLA",),
         when=few_sparse_tokens,
         measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
     ),
-    SelectionRule(
+    _sm90_sparse_triton(
         # 64 heads, top-k 512 + a 128 window, the sink applied by the kernels, captured µs TRITON / FLASHMLA:
         # B = 1 16.5 / 18.7, 8 20.3 / 21.9, 16 24.7 / 26.7, 32 33.0 / 36.7, 48 40.0 / 45.5, 64 43.8 / 57.0,
         # 128 57.8 / 61.3; top-k 2048: B = 64 85.0 / 98.6, 128 137.0 / 148.9. Every batch, so a layer built
         # without one too
         name="nvidia-sm90-v4-sparse-decode-64-heads",
-        phase="sparse_decode",
-        vendor="cuda",
-        arch="sm_90",
         num_heads=(1, 64),
-        prefer=("TRITON",),
-        over=("FLASHMLA",),
         when=v4_read_in_place,
-        measured="bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)",
+        measured=_V4_MEASURED,
     ),
-    SelectionRule(
+    _sm90_sparse_triton(
         # 128 heads: two splits a token from 25 to 32 tokens (`heuristics.gathered_tile_splits`: one wave of
         # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level:
         # B = 1 17.6 / 17.8, 8 22.4 / 22.4, 16 29.3 / 28.5, 48 52.5 / 43.0, 64 55.1 / 45.5, 128 98.0 / 77.3
         name="nvidia-sm90-v4-sparse-decode-128-heads-two-splits",
-        phase="sparse_decode",
-        vendor="cuda",
-        arch="sm_90",
         num_heads=(65, 128),
         num_tokens=(25, 32),
-        prefer=("TRITON",),
-        over=("FLASHMLA",),
         when=v4_read_in_place,
-        measured="bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)",
+        measured=_V4_MEASURED,
     ),
     SelectionRule(
         # every head count: at 128 heads TRITON is 0.90-1.41x FlashInfer's speed (0.90-0.93 at B = 128,

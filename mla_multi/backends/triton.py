@@ -501,18 +501,18 @@ class _SparseThroughDense(MLASparseImpl):
         scratch), so the scores and values are the 512-wide rows'. With `v4` (`mla_decode.V4Pages`) `pages` is
         the main fp8_ds_mla_v4 cache read in place (`extra_cache` the second), the table its slots, and the
         kernel reads the 512 columns alone. The sink is applied by the kernels (the reduce, or the kernel
-        writing the output; elsewhere one more launch)."""
+        writing the output)."""
         from mla_multi.kernels.sparse_v4 import ROPE_DIM
 
         tokens, heads, _ = q.shape
         q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
-        sink = attn_sink = _sink_rows(attn_sink)
+        attn_sink = _sink_rows(attn_sink)
         if v4 is None:
             # the zero rotary part's product skipped where the kernels can (sm_90's warp-specialised ones)
-            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=sink)
+            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=attn_sink)
             return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink)
         launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
-                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=sink)
+                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=attn_sink)
         return launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache, attn_sink=attn_sink)
 
     def _v4_scratch(self, q, tokens: int, width: int, rows: int):

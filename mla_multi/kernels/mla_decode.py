@@ -129,6 +129,13 @@ def _fp8_bits_to_float(bits, EXPONENT_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _sink_factor(sink, lse, empty):
+    """exp(lse) / (exp(lse) + exp(sink)), an attention sink's factor on a row's output (+inf gives 0, -inf 1);
+    1 for a row without mass (`empty`: where lse is -inf; its output stays 0), NaN for a NaN LSE."""
+    return tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
+
+
+@triton.jit
 def _token_and_head(rows, num_heads, Q_LEN: tl.constexpr):
     """(query token, head) of each folded row (row = token * num_heads + head)."""
     if Q_LEN == 1:
@@ -406,10 +413,9 @@ def _mla_decode_split_kernel(
     token, head = _token_and_head(rows, num_heads, Q_LEN)
 
     if DIRECT_OUTPUT:
-        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)) folded into 1 / sum; a row without mass keeps its 0
+        if HAS_SINK:  # the sink's factor folded into 1 / sum
             empty = lse == float("-inf")
-            sink = tl.load(Sink + head, mask=row_valid, other=0.0)
-            inv_l = inv_l * tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
+            inv_l = inv_l * _sink_factor(tl.load(Sink + head, mask=row_valid, other=0.0), lse, empty)
         out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
         out_dtype = Out.dtype.element_ty
         tl.store(out_ptrs[:, None] + offs_lo[None, :], (acc_lo * inv_l[:, None]).to(out_dtype), mask=row_valid[:, None])
@@ -496,7 +502,7 @@ def _mla_decode_reduce_kernel(
     out = acc * tl.where(no_mass, 0.0, 1.0 / tl.where(no_mass, 1.0, total))
     lse = tl.where(no_mass, float("-inf"), top + tl.log(tl.where(no_mass, 1.0, total)))
     if HAS_SINK:
-        out = out * tl.where(no_mass, 1.0, 1.0 / (1.0 + tl.exp(tl.load(Sink + head) - tl.where(no_mass, 0.0, lse))))
+        out = out * _sink_factor(tl.load(Sink + head), lse, no_mass)
     out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
     tl.store(out_ptrs + offs_d, out.to(Out.dtype.element_ty))
     tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)

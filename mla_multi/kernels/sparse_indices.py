@@ -150,7 +150,6 @@ class Scratch:
             found = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
         return found
 
-
     def full(self, name: str, shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `value` everywhere, made once, that a call may write after the fill (a capture gets its
         own)."""
@@ -170,8 +169,6 @@ class Scratch:
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._buffers[name] = found
         return found
-
-
 
 
 @triton.jit
