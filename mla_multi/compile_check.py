@@ -257,6 +257,21 @@ def _options(spec: CompileSpec) -> dict:
     return options
 
 
+def _with_defaults(spec: CompileSpec) -> tuple[dict, dict]:
+    """The spec's signature and constexprs, with every kernel parameter the spec leaves out at its default (a
+    constexpr, as a launch that does not pass it compiles it: a switch off, a pointer None), in the kernel's
+    order."""
+    signature, constexprs = {}, dict(spec.constexprs)
+    for param in spec.fn.params:
+        name = param.name
+        if name in spec.signature:
+            signature[name] = spec.signature[name]
+        elif param.has_default:
+            signature[name] = "constexpr"
+            constexprs.setdefault(name, param.default)
+    return signature, constexprs
+
+
 def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> CompileResult:
     """Compile one spec for `target_name` and judge it (compile error, spills, shared memory)."""
     import triton
@@ -278,7 +293,8 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
         if getattr(spec.fn, "is_gluon", lambda: False)():
             # Gluon kernels need their layouts' module attributes set before the body is built
             from triton.experimental.gluon._runtime import GluonASTSource as source_cls
-        source = source_cls(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=_attrs(spec))
+        signature, constexprs = _with_defaults(spec)
+        source = source_cls(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=_attrs(spec))
         compiled = triton.compile(source, target=target.gpu_target(), options=_options(spec))
         result.shared_bytes = int(compiled.metadata.shared)
         result.mma_repeat = mma_repeat(compiled.asm.get("ttgir", ""))

@@ -165,6 +165,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "converted once per element (the bf16 path's accuracy, 1.7e-3).",
         ),
         EnvVar(
+            "MLA_MULTI_PDL",
+            True,
+            _flag,
+            "NVIDIA sm_90 and later: launch the decode kernels (the split-KV and reduce kernels, the sparse index "
+            "lists' compaction) by programmatic dependent launch, each let onto the device while the kernel before "
+            "it finishes and waiting on it before it touches a tensor (the gap between launches overlapped; also "
+            "inside CUDA graphs). 0: each kernel starts after the previous one ends.",
+        ),
+        EnvVar(
             "MLA_MULTI_LOG_LEVEL",
             "WARNING",
             _log_level,

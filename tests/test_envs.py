@@ -23,6 +23,7 @@ ALL_NAMES = (
     "MLA_MULTI_LOG_LEVEL",
     "MLA_MULTI_CHECK_INPUTS",
     "MLA_MULTI_FP8_QK",
+    "MLA_MULTI_PDL",
 )
 DEFAULTS = {
     "MLA_MULTI_PREFILL_BACKEND": None,
@@ -33,6 +34,7 @@ DEFAULTS = {
     "MLA_MULTI_LOG_LEVEL": "WARNING",
     "MLA_MULTI_CHECK_INPUTS": False,
     "MLA_MULTI_FP8_QK": True,
+    "MLA_MULTI_PDL": True,
 }
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,8 +29,10 @@ import inspect
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["BoundLaunch", "alignment_key", "direct_launch_reason", "layout_key"]
+__all__ = ["BoundLaunch", "alignment_key", "direct_launch_reason", "layout_key", "pdl_constexprs", "pdl_enter"]
 
 _LAUNCH_CALL = (
     "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
@@ -49,6 +51,46 @@ def direct_launch_reason() -> str:
     if " ".join(_LAUNCH_CALL.split()) not in " ".join(source.split()):
         return "the installed Triton's JITFunction.run launches differently from Triton 3.3-3.9"
     return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.language.extra import cuda
+
+        return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    except Exception:  # noqa: BLE001 - no grid dependency control in this Triton
+        return False
+
+
+def pdl_constexprs(device: torch.device) -> dict[str, Any]:
+    """The constexprs that launch a kernel taking `PDL` by programmatic dependent launch on `device`: NVIDIA
+    sm_90 and later (not the interpreter), a Triton with grid dependency control, `MLA_MULTI_PDL` on. Such a
+    kernel is let onto the device while the kernel before it on the stream finishes (its launch and prologue
+    overlap that kernel's tail) and waits (`griddepcontrol.wait`, before it reads or writes any tensor) until
+    that kernel has completed and its writes are visible; `{}` elsewhere (launched after the previous kernel
+    ends, as any kernel)."""
+    if device.type != "cuda" or not _triton_has_gdc():
+        return {}
+    from mla_multi import envs
+    from mla_multi.kernels import interpreter_active
+    from mla_multi.platforms import current_platform
+
+    if interpreter_active() or not envs.MLA_MULTI_PDL:
+        return {}
+    platform = current_platform()
+    if not (platform.is_cuda() and platform.has_device_capability(9, 0)):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_enter():
+    """A kernel launched by programmatic dependent launch (`pdl_constexprs`), first thing (``if PDL:
+    pdl_enter()``): wait until the kernel before it has completed (its writes visible), then let the kernel
+    after it onto the device."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,11 +205,13 @@ _BY_LAYOUT_MAX = 256
 def bound_by_layout(kernel, grid: tuple[int, ...], constexprs: dict[str, Any], device: torch.device,
                     key: tuple) -> BoundLaunch:
     """The `BoundLaunch` of `kernel` for `key` (every layout and integer its specialisation depends on), made
-    once and kept in the bounded cache `_BY_LAYOUT`."""
+    once and kept in the bounded cache `_BY_LAYOUT`. Every kernel launched so takes `PDL` (`pdl_enter`): made
+    on a device that launches by programmatic dependent launch, it is launched so."""
     key = (kernel, grid) + key
     launch = _BY_LAYOUT.get(key)
     if launch is None:
         if len(_BY_LAYOUT) >= _BY_LAYOUT_MAX:
             _BY_LAYOUT.clear()
+        constexprs = {**constexprs, **pdl_constexprs(device)}
         launch = _BY_LAYOUT[key] = BoundLaunch(kernel, grid, constexprs, device)
     return launch

@@ -68,7 +68,7 @@ from mla_multi.cache_formats import FP8_DS_MLA_V4
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
 from mla_multi.ds_mla_cache import KV_LORA_RANK as DS_KV_LORA_RANK
 from mla_multi.ds_mla_cache import ROPE_DIM as DS_ROPE_DIM
-from mla_multi.kernels.launch import BoundLaunch
+from mla_multi.kernels.launch import BoundLaunch, pdl_constexprs, pdl_enter
 from mla_multi.kernels.launch_config import (
     CompileSpec,
     DecodeLaunchConfig,
@@ -305,7 +305,10 @@ def _mla_decode_split_kernel(
     TOKENS_AS_M: tl.constexpr,
     Sink=None,
     HAS_SINK: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        pdl_enter()
     head_block = tl.program_id(0)
     split = tl.program_id(1)
     batch = tl.program_id(2)
@@ -452,6 +455,7 @@ def _mla_decode_reduce_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     HAS_SINK: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Merge the per-split partial outputs of one (query token, head) by LSE.
 
@@ -461,8 +465,11 @@ def _mla_decode_reduce_kernel(
     One program owns BLOCK_DV output columns and reads BLOCK_SPLITS splits per
     step (all of them in one step up to 64 splits) with a running maximum, so
     the merge is a few wide independent loads rather than a chain of small ones
-    (`launch_config.decode_reduce_config` sizes the tile).
+    (`launch_config.decode_reduce_config` sizes the tile). PDL: launched by programmatic dependent launch
+    (`launch.pdl_enter`).
     """
+    if PDL:
+        pdl_enter()
     row = tl.program_id(0)
     head = tl.program_id(1)
     column_block = tl.program_id(2)
@@ -855,6 +862,10 @@ class DecodeKernelPlan:
         if batch == 0:
             return
         grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
+        # programmatic dependent launch where the split kernel is one wave at most: there the launches' gaps
+        # are a part of the step (H200: 1 to 2 µs a launch); past it the kernels decide, and it measured slower
+        # (bf16, 128 heads, 64 x 8192: 1.03x; bench/RESULTS.md)
+        pdl = pdl_constexprs(device) if grid[0] * grid[1] * grid[2] <= platform.num_compute_units else {}
         if ds_mla:
             reason = ds_mla_decode_reason(platform, kv_cache)
             if not reason and not (config.warp_specialised and config.raw_stages == 0 and config.num_stages > 0
@@ -914,6 +925,7 @@ class DecodeKernelPlan:
                 v4_page=0 if v4 is None else v4.page_size,
                 qk_rope=not zero_rope,
                 sink=self.split_sink,
+                pdl=pdl,
             )
         else:
             self.split = BoundLaunch(
@@ -934,6 +946,7 @@ class DecodeKernelPlan:
                     DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
                     TOKENS_AS_M=config.tokens_as_m,
                     HAS_SINK=self.split_sink,
+                    **pdl,
                     **config.launch_options(),
                 ),
                 device,
@@ -951,6 +964,7 @@ class DecodeKernelPlan:
                     BLOCK_DV=block_dv,
                     BLOCK_SPLITS=reduce_config.block_splits,
                     HAS_SINK=self.reduce_sink,
+                    **pdl,
                     **reduce_config.launch_options(),
                 ),
                 device,
@@ -1201,21 +1215,27 @@ def compile_specs(platform) -> list[CompileSpec]:
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
                         f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
-            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots)
+            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots), launched by
+            # programmatic dependent launch as sm_90 launches them
             for direct in (False, True):
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
                     "HAS_SINK": direct,  # V4's sink: applied by the kernel writing the output (else the reduce)
+                    "PDL": True,
                 }
-                name = f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,{'direct' if direct else 'partial'}]"
+                name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
+                        f"{'direct' if direct else 'partial'},pdl]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
+    pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
     for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):
-        # the sink's branch (sparse MLA's attention sink) compiled with the first configuration
+        # the sink's branch (sparse MLA's attention sink) compiled with the first configuration, and there
+        # the programmatic dependent launch's wait where the device launches so (sm_90+)
         for sink in (False, True) if i == 0 else (False,):
+            tail = (",sink" if sink else "") + (",pdl" if sink and pdl else "")
             specs.append(
                 CompileSpec(
-                    name=f"mla_decode_reduce[{reduce_config.name}{',sink' if sink else ''}]",
+                    name=f"mla_decode_reduce[{reduce_config.name}{tail}]",
                     fn=_mla_decode_reduce_kernel,
                     signature=_reduce_kernel_signature(torch.bfloat16),
                     constexprs={
@@ -1224,6 +1244,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                         "BLOCK_DV": reduce_config.block_dv,
                         "BLOCK_SPLITS": reduce_config.block_splits,
                         "HAS_SINK": sink,
+                        **({"PDL": True} if sink and pdl else {}),
                     },
                     options=reduce_config.launch_options(),
                     divisible_by_16=("Attn_logits", "Out", "Lse", "stride_o_b", "stride_o_t", "stride_o_h"),

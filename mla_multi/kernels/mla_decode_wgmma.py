@@ -1801,6 +1801,7 @@ if gluon is not None:
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
         stride_extra_block=0, QK_ROPE: gl.constexpr = True, Sink=None, HAS_SINK: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
@@ -1811,7 +1812,8 @@ if gluon is not None:
         cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide.
         QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
         product is skipped. HAS_SINK (DIRECT_OUTPUT): the output times exp(lse) / (exp(lse) + exp(Sink[head]))
-        (Sink float32 [num_heads]), the LSE without it."""
+        (Sink float32 [num_heads]), the LSE without it. PDL: launched by programmatic dependent launch
+        (`launch.pdl_constexprs`): the shared memory and barriers set up, then the wait on the kernel before."""
         if V4_PAGE > 0:
             gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot, compacted")
         if MASKED_ENTRIES:
@@ -1899,6 +1901,10 @@ if gluon is not None:
             stride_kv_token, stride_bt_b, stride_al_row, stride_al_h, stride_al_split, stride_o_b, stride_o_t,
             stride_o_h, stride_lse_b, stride_lse_t, stride_lse_h,
         )
+        if PDL:
+            # (`launch.pdl_enter`, which Gluon code cannot call)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # (the argument tuples are written out: a constexpr kept in a tuple variable arrives as a tensor)
         gl.warp_specialize(
             [
@@ -2010,9 +2016,9 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
                              tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True,
-                             sink: bool = False) -> dict:
-    extra = {"maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm", "RAW_STAGES": config.raw_stages,
-             "MASKED_ENTRIES": masked_entries}
+                             sink: bool = False, pdl: dict | None = None) -> dict:
+    extra = {**(pdl or {}), "maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm",
+             "RAW_STAGES": config.raw_stages, "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
     if not qk_rope:
@@ -2049,7 +2055,7 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
-                      qk_rope: bool = True, sink: bool = False):
+                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
@@ -2057,13 +2063,13 @@ def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, 
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
     that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
     rotary part is zero and its product is skipped. sink (direct only): the sink applied to the output (`Sink`
-    passed by name at every call)."""
+    passed by name at every call). pdl: `launch.pdl_constexprs` of the device ({} or None: a plain launch)."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page, qk_rope=qk_rope, sink=sink,
+        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
     if sink:

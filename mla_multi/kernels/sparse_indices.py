@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
-from mla_multi.kernels.launch import bound_by_layout, layout_key
+from mla_multi.kernels.launch import bound_by_layout, layout_key, pdl_enter
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -33,7 +33,10 @@ _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 def _sanitize_indices_kernel(
     Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
     BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        pdl_enter()
     token = tl.program_id(0)
     count = topk
     if HAS_LENGTH:
@@ -59,7 +62,9 @@ def _sanitize_indices_kernel(
 
 @triton.jit
 def _finish_rows_kernel(Bad_rows, Out, Lse, row_width, lse_width, stride_o_t, stride_lse_t, BLOCK: tl.constexpr,
-                        LSE_BLOCK: tl.constexpr, HAS_BAD: tl.constexpr):
+                        LSE_BLOCK: tl.constexpr, HAS_BAD: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        pdl_enter()
     token = tl.program_id(0)
     lse_offs = tl.arange(0, LSE_BLOCK)
     lse_mask = lse_offs < lse_width
@@ -83,10 +88,13 @@ def _finish_rows_kernel(Bad_rows, Out, Lse, row_width, lse_width, stride_o_t, st
 def _compact_indices_kernel(
     Indices, Topk_length, Table, Lens, Error_flag, num_slots, topk, stride_in_t, stride_table_t,
     BLOCK: tl.constexpr, HAS_LENGTH: tl.constexpr, OUT_OF_RANGE_IS_NONE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Each token's valid indices, in order (duplicates kept), to the front of its Table row; Lens = their
     count, or topk + 1 (past the row: the dense decode's NaN rows) when an index is bad (decode; in prefill an
     index outside [0, num_slots) is no token)."""
+    if PDL:
+        pdl_enter()
     token = tl.program_id(0)
     count = topk
     if HAS_LENGTH:
@@ -173,10 +181,13 @@ class Scratch:
 
 @triton.jit
 def _dequant_rows_kernel(Table, Lens, Cache, Rows, topk, stride_table_t, stride_cache_slot, stride_rows,
-                         ROWS: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr):
+                         ROWS: tl.constexpr, KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """The fp8_ds_mla rows a token's compacted table names, dequantised into its own stretch of Rows
     (row token * topk + j), and the table pointed at them. A token marked bad (Lens > topk) is left alone:
     its table holds fewer entries than its length, and the decode makes its rows NaN from the length."""
+    if PDL:
+        pdl_enter()
     token = tl.program_id(0)
     offs = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     count = tl.load(Lens + token)
@@ -243,7 +254,7 @@ class SparseIndexPlan:
 
     def __init__(self, tokens: int, topk: int, heads: int, row_width: int, device: torch.device, *,
                  bad_is_error: bool, has_length: bool, accumulate: bool = False) -> None:
-        from mla_multi.kernels.launch import BoundLaunch
+        from mla_multi.kernels.launch import BoundLaunch, pdl_constexprs
 
         self.tokens, self.topk, self.heads, self.row_width = tokens, topk, heads, row_width
         self.device = device
@@ -254,14 +265,15 @@ class SparseIndexPlan:
         self.scratch = Scratch()  # the sanitised copy and the marks, reused by eager calls
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
+            pdl = pdl_constexprs(device)
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
                 dict(_list_launch(topk), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length,
-                     ACCUMULATE=bad_is_error and accumulate), device)
+                     ACCUMULATE=bad_is_error and accumulate, **pdl), device)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
                 dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
-                     num_warps=4), device)
+                     num_warps=4, **pdl), device)
 
     def sanitize(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
                  bad_rows: torch.Tensor | None = None, out: torch.Tensor | None = None):

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from mla_multi import errors
 from mla_multi.cache_formats import FP4_DS_MLA_V41, FP8_DS_MLA_V4, FP8_DS_MLA_V41
-from mla_multi.kernels.launch import bound_by_layout, layout_key
+from mla_multi.kernels.launch import bound_by_layout, layout_key, pdl_enter
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -155,12 +155,15 @@ def _gather_rows_kernel(
     ROWS: tl.constexpr, SCAN: tl.constexpr, FORMAT: tl.constexpr, EXTRA_FORMAT: tl.constexpr,
     HAS_LENGTH: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LENGTH: tl.constexpr, GATHER: tl.constexpr,
     BAD_IS_ERROR: tl.constexpr, WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, COLS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (token, chunk): the entries at list positions chunk * ROWS + [0, ROWS) of the token's two
     segments (positions past topk are the second segment's). GATHER (decode): each entry that counts is
     dequantised into Rows[token * stride_table_t + its rank] (576 wide, zero tail) and the table points at it;
     otherwise (prefill) the table takes its index (the second segment's offset by num_slots). The chunk-0
     program writes the count (stride_table_t + 1 for a token with a bad index, and the error flag)."""
+    if PDL:
+        pdl_enter()
     token = tl.program_id(0)
     start = tl.program_id(1) * ROWS
     # the entries that count before this chunk
@@ -245,8 +248,11 @@ def _gather_rows_kernel(
 
 @triton.jit
 def _pad_rows_kernel(Kv, Extra_kv, Rows, count, extra_count, stride_kv, stride_extra, stride_rows,
-                     ROWS: tl.constexpr, HAS_EXTRA: tl.constexpr, WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr):
+                     ROWS: tl.constexpr, HAS_EXTRA: tl.constexpr, WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Rows[r] = [Kv[r] | 0] for r < count, then [Extra_kv[r - count] | 0], in Rows' dtype."""
+    if PDL:
+        pdl_enter()
     offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs64 = offs.to(tl.int64)
     offs_d = tl.arange(0, WIDTH)
