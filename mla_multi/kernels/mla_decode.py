@@ -862,10 +862,13 @@ class DecodeKernelPlan:
         if batch == 0:
             return
         grid = (triton.cdiv(rows, config.block_h), num_kv_splits, batch)
-        # programmatic dependent launch where the split kernel is one wave at most: there the launches' gaps
-        # are a part of the step (H200: 1 to 2 µs a launch); past it the kernels decide, and it measured slower
-        # (bf16, 128 heads, 64 x 8192: 1.03x; bench/RESULTS.md)
-        pdl = pdl_constexprs(device) if grid[0] * grid[1] * grid[2] <= platform.num_compute_units else {}
+        # programmatic dependent launch where the split kernel fills half the device at most: there the gaps
+        # between launches are a part of the step (H200: V4 sparse decode at one token 17.5 -> 15.9 µs, dense
+        # at one request 0.97x); a full wave measured slower (bf16, 128 heads, 64 x 8192: 1.03-1.04x), and so
+        # did the fp8_ds_mla lists read as they are (`masked_entries`, one token: 16.3 -> 17.0 µs;
+        # bench/RESULTS.md)
+        small = grid[0] * grid[1] * grid[2] <= platform.num_compute_units // 2
+        pdl = pdl_constexprs(device) if small and not masked_entries else {}
         if ds_mla:
             reason = ds_mla_decode_reason(platform, kv_cache)
             if not reason and not (config.warp_specialised and config.raw_stages == 0 and config.num_stages > 0
