@@ -168,8 +168,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "MLA_MULTI_PDL",
             True,
             _flag,
-            "NVIDIA sm_90 and later: launch the decode kernels (the split-KV and reduce kernels, the sparse index "
-            "lists' compaction) by programmatic dependent launch, each let onto the device while the kernel before "
+            "NVIDIA sm_90 and later: launch the decode kernels (a split-KV kernel filling at most half the device "
+            "and its reduce, the sparse index lists' kernels) by programmatic dependent launch, each let onto the device while the kernel before "
             "it finishes and waiting on it before it touches a tensor (the gap between launches overlapped; also "
             "inside CUDA graphs). 0: each kernel starts after the previous one ends.",
         ),
