@@ -580,10 +580,15 @@ def mla_sparse_decode(q_nope, q_pe, kv_cache, indices, scale, *, k_scale=None, t
     if plan.q_len > 1 or q_nope.dim() == 4:  # [B, Q, ..] as tokens
         q_nope, q_pe, indices = (q_nope.reshape(tokens, heads, q_nope.shape[-1]),
                                  q_pe.reshape(tokens, heads, q_pe.shape[-1]), indices.reshape(tokens, topk))
-    out, lse = plan.impl.forward(
-        q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale if plan.k_scale is None else plan.k_scale,
-        topk_length=lengths, attn_sink=attn_sink,
-    )
+    if plan.k_scale is not None:
+        k_scale = plan.k_scale
+    launch = plan.launch
+    if launch is None:  # the layout's first call: the impl binds it (the plan's key holds every layout it reads)
+        launch = plan.impl.bind(q_nope, q_pe, kv_cache, indices, k_scale=k_scale, topk_length=lengths,
+                                attn_sink=attn_sink)
+        if key is not None:
+            plan.launch = launch
+    out, lse = launch(q_nope, q_pe, kv_cache, indices, scale, k_scale=k_scale, topk_length=lengths, attn_sink=attn_sink)
     return _sparse_result(plan, out, lse, heads, return_lse)
 
 
@@ -616,6 +621,7 @@ class _SparsePlan:
     num_slots: int
     k_scale: torch.Tensor | None  # the tensor of a float k_scale, made once
     data_checks: bool
+    launch: object = None  # the impl's launch bound to the plan's layout (`MLASparseImpl.bind`), at its first call
 
 
 def _check_sparse_index_data(indices, topk_length, num_slots: int, topk: int, out_of_range_is_bad: bool,
@@ -985,6 +991,7 @@ class _SparseV4Plan:
     num_slots: int
     extra_num_slots: int
     data_checks: bool
+    launch: object = None  # the impl's launch bound to the plan's layout (`MLASparseImpl.bind_v4`), at its first call
 
 
 def _plan_sparse_v4(phase, q, kv, indices, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
@@ -1091,11 +1098,15 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
         q = q.reshape(tokens, heads, V4_WIDTH)
         indices = indices.reshape(tokens, -1)
         extra_indices = None if extra_indices is None else extra_indices.reshape(tokens, -1)
-    out, lse = plan.impl.forward_v4(
-        q, kv, indices, scale, kv_format=plan.kv_format, topk_length=topk_length, attn_sink=attn_sink,
-        extra_kv=extra_kv, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        extra_kv_format=plan.extra_kv_format,
-    )
+    launch = plan.launch
+    if launch is None:  # the layout's first call: the impl binds it (the plan's key holds every layout it reads)
+        launch = plan.impl.bind_v4(q, kv, indices, kv_format=plan.kv_format, topk_length=topk_length,
+                                   attn_sink=attn_sink, extra_kv=extra_kv, extra_indices=extra_indices,
+                                   extra_topk_length=extra_topk_length, extra_kv_format=plan.extra_kv_format)
+        if key is not None:
+            plan.launch = launch
+    out, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                      extra_indices=extra_indices, extra_topk_length=extra_topk_length)
     return _sparse_result(plan, out, lse, heads, return_lse)
 
 

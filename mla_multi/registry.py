@@ -301,6 +301,16 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         measured=_V4_MEASURED,
     ),
     _sm90_sparse_triton(
+        # 128 heads, one token, with programmatic dependent launch (7c75284): TRITON 16.0 µs against FLASHMLA
+        # 16.6 (and 16.7-17.7 in the runs before); from 2 tokens FLASHMLA ahead: 2 18.7 / 17.5, 4 19.7 / 18.9,
+        # 8 22.7 / 21.2, 12 26.0 / 25.6, 16 29.5 / 27.7, 24 36.3 / 32.9
+        name="nvidia-sm90-v4-sparse-decode-128-heads-one-token",
+        num_heads=(65, 128),
+        num_tokens=(1, 1),
+        when=v4_read_in_place,
+        measured=_V4_MEASURED,
+    ),
+    _sm90_sparse_triton(
         # 128 heads: two splits a token from 25 to 32 tokens (`heuristics.gathered_tile_splits`: one wave of
         # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level:
         # B = 1 17.6 / 17.8, 8 22.4 / 22.4, 16 29.3 / 28.5, 48 52.5 / 43.0, 64 55.1 / 45.5, 128 98.0 / 77.3

@@ -92,6 +92,32 @@ def test_sparse_decode_through_flashmla_matches_float64(fake_flash_mla):
     assert calls[0]["topk_length"] is None and calls[0]["q_ptr"] == q.data_ptr() and calls[0]["has_schedule"]
 
 
+def test_sparse_decode_op_binds_a_layout_once_and_joins_the_query_only_where_adjacent(fake_flash_mla):
+    """The op's plan binds its layout once (`FlashMLASparseDecodeImpl.bind`); later calls of the layout on new
+    tensors: slices of one buffer pass FlashMLA that buffer, slices of the same strides from two buffers are
+    joined by a copy (the address decides, on every call)."""
+    generator = torch.Generator().manual_seed(5)
+    cache, rows = _ds_cache(generator, 256, 16)
+    tokens, heads, topk = 3, 64, 64
+    bufs = [torch.randn(tokens, heads, 576, generator=generator).to(torch.bfloat16) for _ in range(3)]
+    queries = [(bufs[0][..., :512], bufs[0][..., 512:]), (bufs[1][..., :512], bufs[1][..., 512:]),
+               (bufs[1][..., :512], bufs[2][..., 512:])]
+    launches = set()
+    with override("H100"):
+        for i, (q_nope, q_pe) in enumerate(queries):
+            indices = torch.randint(-1, 256, (tokens, topk), generator=generator, dtype=torch.int32)
+            fake_flash_mla.CALLS.clear()
+            out = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, indices, 0.05, backend="FLASHMLA")
+            ref = sparse_attention_reference(torch.cat([q_nope, q_pe], -1).double(), rows, indices, 0.05)[0]
+            assert _rel(out, ref) < 1e-2, i
+            call = next(c for c in fake_flash_mla.CALLS if c["function"] == "flash_mla_with_kvcache")
+            assert (call["q_ptr"] == q_nope.data_ptr()) == (i < 2), i
+            plan = next(p for k, p in reversed(mm.ops._PLANS.items()) if k[0] == "mla_sparse_decode"
+                        and p.backend_cls.name == "FLASHMLA")
+            launches.add(id(plan.launch))
+    assert len(launches) == 1 and isinstance(plan.launch, flashmla._SparseDecodeLaunch)
+
+
 def test_sparse_decode_schedule_is_made_once_per_shape(fake_flash_mla):
     generator = torch.Generator().manual_seed(1)
     cache, _ = _ds_cache(generator, 128, 64)

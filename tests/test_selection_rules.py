@@ -208,8 +208,8 @@ def test_the_flashmla_rule_is_the_only_change_from_64_tokens(kernels_flags):
 
 def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(kernels_flags):
     """V4 sparse decode over fp8_ds_mla_v4 caches: on sm_90, where TRITON reads them in place, TRITON ahead of
-    FLASHMLA at most 64 heads (every batch, none planned included) and at 128 heads from 25 to 32 planned
-    tokens (measured faster there); everywhere else the platform's order."""
+    FLASHMLA at most 64 heads (every batch, none planned included) and at 128 heads at one planned token and
+    from 25 to 32 (measured faster there); everywhere else the platform's order."""
     moved = set()
     for label, config, flags in v4_rule_cases("sparse_decode"):
         kernels_flags(flags)
@@ -218,14 +218,14 @@ def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(ker
             base = registry.default_registry.base_priority("sparse_decode", spec)
             heads, tokens = config.dims.num_heads, config.num_tokens
             if spec.arch == "sm_90" and flags["ds"] and (
-                    heads <= 64 or (tokens is not None and 25 <= tokens <= 32)):
+                    heads <= 64 or (tokens is not None and (tokens == 1 or 25 <= tokens <= 32))):
                 assert order.index("TRITON") < order.index("FLASHMLA"), (spec_name, label)
                 moved.add((spec_name, heads, tokens))
             else:
                 assert order == base, (spec_name, label)
     assert {(spec, heads) for spec, heads, _ in moved} == {
         ("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64), ("H100", 128), ("H200", 128)}
-    assert {tokens for spec, heads, tokens in moved if heads == 128} == {25, 32}
+    assert {tokens for spec, heads, tokens in moved if heads == 128} == {1, 25, 32}
     assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (24, 25, 32, 33, 64))
 
 

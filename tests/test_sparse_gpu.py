@@ -354,8 +354,12 @@ def test_triton_fp8_ds_mla_decode_reads_the_index_lists_as_they_are_on_sm90(monk
     q_nope = torch.randn(tokens, heads, LKV, generator=generator).to(torch.bfloat16)
     q_pe = torch.randn(tokens, heads, ROPE, generator=generator).to(torch.bfloat16)
     ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1).double(), rows, indices, 0.07)
+    from mla_multi import ops
+
+    monkeypatch.setattr(ops, "_PLANS", {})  # the op binds its launches afresh (no plan of an earlier test)
     with monkeypatch.context() as patch:
         patch.setattr(sparse_indices, "compact_indices", no_compaction)
+        patch.setattr(sparse_indices, "IndexCompaction", no_compaction)  # the op's bound launch compacts by it
         out, lse = mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices.cuda(), 0.07, backend="TRITON",
                                             return_lse=True)
     live = slice(0, tokens - 1) if tokens > 1 else slice(0, 1)
@@ -366,6 +370,7 @@ def test_triton_fp8_ds_mla_decode_reads_the_index_lists_as_they_are_on_sm90(monk
     # with topk_length the lists are still compacted (the kernel reads only each token's valid count)
     with monkeypatch.context() as patch:
         patch.setattr(sparse_indices, "compact_indices", no_compaction)
+        patch.setattr(sparse_indices, "IndexCompaction", no_compaction)  # the op's bound launch compacts by it
         with pytest.raises(AssertionError, match="compacted"):
             mm.ops.mla_sparse_decode(q_nope.cuda(), q_pe.cuda(), cache, indices.cuda(), 0.07, backend="TRITON",
                                      topk_length=torch.full((tokens,), topk, dtype=torch.int32, device="cuda"))
@@ -396,6 +401,8 @@ def test_triton_fp8_ds_mla_repeated_eager_calls_reuse_their_launch_on_sm90(maske
     plans = [plan for key, plan in ops._PLANS.items() if key[0] == "mla_sparse_decode" and plan.impl.__class__.__name__ == "TritonSparseDecodeImpl"
              and plan.tokens == tokens and plan.topk == topk and plan.heads == heads]
     assert len(plans[-1].impl._launches) == 1  # one dense launch bound, every later call only launches
+    launch = plans[-1].launch  # the op's launch bound to the layout (`TritonSparseDecodeImpl.bind`)
+    assert type(launch).__name__ == "_SparseInPlaceLaunch" and launch.masked == masked
 
 
 @pytest.mark.parametrize("heads,splits", [(16, 1), (16, 4), (128, 1), (128, 3)])

@@ -168,6 +168,30 @@ def test_decode_replays_in_a_cuda_graph_on_new_values(monkeypatch):
     torch.testing.assert_close(eager, out, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("main", ["fp8_ds_mla_v4", "fp8_ds_mla_v41"])
+def test_repeated_eager_calls_run_one_bound_launch_on_new_tensors(main):
+    """The op binds a layout once (`MLASparseImpl.bind_v4`) and its later calls only launch: three calls on new
+    tensors of the same layout (new addresses, new values, new lengths), each against REFERENCE in float64."""
+    _skip_without_fp8(main)
+    from mla_multi import ops
+
+    launches = set()
+    for call in range(3):
+        q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case(main, main, 64, 8, 1, seed=40 + call,
+                                                                        extra_block_size=64)
+        out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
+                                               return_lse=True, **kwargs)
+        want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
+                                                     return_lse=True, **cpu_kwargs)
+        _check(out, lse, want, want_lse)
+        plan = next(p for k, p in reversed(ops._PLANS.items()) if k[0] == "mla_sparse_decode_v4"
+                    and p.backend_cls.name == "TRITON" and p.kv_format == main)
+        launches.add(id(plan.launch))
+    assert len(launches) == 1 and plan.launch is not None
+    if main == "fp8_ds_mla_v4" and torch.cuda.get_device_capability() == (9, 0):
+        assert type(plan.launch).__name__ == "_V4InPlaceLaunch"  # read in place: compaction + the dense kernels
+
+
 @pytest.mark.parametrize("heads", [64, 128])
 def test_prefill_matches_reference(heads):
     gen = torch.Generator().manual_seed(20 + heads)

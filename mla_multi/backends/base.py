@@ -563,6 +563,25 @@ class MLASparseImpl(ABC):
         `supported_v4_formats` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not implement the V4 contract")
 
+    def bind(self, q_nope, q_pe, kv, indices, *, k_scale=None, topk_length=None, attn_sink=None):
+        """The sparse attention of tensors laid out as these (shapes, strides, dtypes, devices, 16-byte
+        alignment; None where None), planned once: the returned launch takes `forward`'s arguments, runs any
+        tensors of that layout (new values, new addresses) and returns (out, lse). The way the sparse ops call
+        an impl, one per op plan. Default: `forward` itself."""
+        return self.forward
+
+    def bind_v4(self, q, kv, indices, *, kv_format: str, topk_length=None, attn_sink=None, extra_kv=None,
+                extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """`bind` for the V4 contract: the launch takes `forward_v4`'s arguments but the two formats, which
+        are bound: (q, kv, indices, scale, *, topk_length, attn_sink, extra_kv, extra_indices,
+        extra_topk_length). Default: `forward_v4` with the formats given."""
+        forward_v4 = self.forward_v4
+
+        def launch(q, kv, indices, scale, **tensors):
+            return forward_v4(q, kv, indices, scale, kv_format=kv_format, extra_kv_format=extra_kv_format, **tensors)
+
+        return launch
+
 
 class MLASparseBackend(_BackendDeclarations, ABC):
     """A sparse MLA implementation (one phase) and the declaration of what it can run."""

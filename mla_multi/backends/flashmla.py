@@ -474,11 +474,122 @@ def _v4_decode_reasons(platform: Platform, config: SparseSelectorConfig) -> list
     return reasons
 
 
+class _JoinedQuery:
+    """`joined_query` decided once for a layout: where q_pe's rows continue q_nope's in one buffer (checked by
+    address on every call, the one thing a layout does not fix), a view of the given shape; else a copy."""
+
+    __slots__ = ("shape", "stride", "gap")
+
+    def __init__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lead: tuple = ()) -> None:
+        joined = joined_query(q_nope, q_pe)
+        self.gap = None
+        if joined.data_ptr() == q_nope.data_ptr() and q_pe.data_ptr() > q_nope.data_ptr():  # a view: the layout joins
+            self.gap = q_pe.data_ptr() - q_nope.data_ptr()
+            view = joined
+            for dim in lead:
+                view = view.unsqueeze(dim)
+            self.shape, self.stride = tuple(view.shape), view.stride()
+
+    def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lead: tuple = ()) -> torch.Tensor:
+        if self.gap is not None and q_pe.data_ptr() - q_nope.data_ptr() == self.gap:
+            return q_nope.as_strided(self.shape, self.stride)
+        joined = torch.cat([q_nope, q_pe], dim=-1)
+        for dim in lead:
+            joined = joined.unsqueeze(dim)
+        return joined
+
+
+class _SparseDecodeLaunch:
+    """The FLASHMLA sparse decode (fp8_ds_mla) bound to one layout (`FlashMLASparseDecodeImpl.bind`): the index
+    launches, FlashMLA's schedule and the query's join decided once; a call sanitises, calls FlashMLA, finishes."""
+
+    def __init__(self, impl: "FlashMLASparseDecodeImpl", q_nope, q_pe, kv, indices, topk_length) -> None:
+        self.module = _module()
+        tokens, heads, _ = q_nope.shape
+        self.num_slots = kv.shape[0] * kv.shape[1]
+        self.call = impl._call(self.module, q_nope, indices, topk_length, self.num_slots)
+        self.query = _JoinedQuery(q_nope, q_pe, lead=(1,))
+        self.head_dim_v = impl.kv_lora_rank
+        self.out_shape, self.lse_shape = (tokens, heads, -1), (tokens, heads)
+
+    def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        call = self.call
+        clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
+        out, lse = self.module.flash_mla_with_kvcache(
+            q=self.query(q_nope, q_pe, (1,)), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
+            head_dim_v=self.head_dim_v, tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False,
+            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None, use_legacy=True,
+        )
+        out = out.view(self.out_shape)
+        lse = lse.view(self.lse_shape)
+        call.index_plan.finish(bad_rows, out, lse)
+        return out, lse
+
+
+class _V4DecodeLaunch:
+    """The FLASHMLA V4 sparse decode bound to one layout (`FlashMLASparseDecodeImpl.bind_v4`): both segments'
+    index launches, FlashMLA's schedule, its format name and the call's fixed arguments decided once."""
+
+    def __init__(self, impl: "FlashMLASparseDecodeImpl", q, kv, indices, topk_length, attn_sink, extra_kv,
+                 extra_indices, extra_topk_length, kv_format: str) -> None:
+        from mla_multi.cache_formats import get_format
+
+        self.module = _module()
+        tokens, heads, width = q.shape
+        self.call = impl._call_v4(self.module, q, indices, topk_length, extra_indices, extra_topk_length, kv,
+                                  extra_kv, kv_format)
+        self.num_slots = kv.shape[0] * kv.shape[1]
+        self.extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
+        self.q_copy = q.stride(-1) != 1
+        self.sink_copy = attn_sink is not None and not attn_sink.is_contiguous()
+        self.width = width
+        self.out_shape, self.lse_shape = (tokens, heads, width), (tokens, heads)
+        self.kv_format = get_format(kv_format).flashmla_name if self.call.legacy else None
+
+    def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
+                 extra_topk_length=None):
+        call = self.call
+        clean, bad_rows = call.main.sanitize(indices, self.num_slots, topk_length)
+        extra = {}
+        if extra_kv is not None:
+            extra_clean, bad_rows = call.extra.sanitize(extra_indices, self.extra_slots, extra_topk_length, bad_rows)
+            extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
+        if self.q_copy:
+            q = q.contiguous()
+        if self.sink_copy:
+            attn_sink = attn_sink.contiguous()
+        module = self.module
+        out, lse = module.flash_mla_with_kvcache(
+            q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.width,
+            tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
+            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None,
+            extra_topk_length=None, use_legacy=call.legacy, kv_format=self.kv_format, **extra,
+        )
+        out = out.view(self.out_shape)
+        lse = lse.view(self.lse_shape)
+        call.main.index_plan.finish(bad_rows, out, lse)
+        return out, lse
+
+
 class FlashMLASparseDecodeImpl(_SparseImpl):
     """Sparse decode over the fp8_ds_mla cache, every query token its own request. FlashMLA's sm_90 kernel
     takes no per-token lengths: entries past topk_length become -1 in the sanitised copy of the indices."""
 
     decode = True
+
+    def bind(self, q_nope, q_pe, kv, indices, *, k_scale=None, topk_length=None, attn_sink=None):
+        """See `MLASparseImpl.bind` (`_SparseDecodeLaunch`)."""
+        if q_nope.shape[0] == 0:
+            return self.forward
+        return _SparseDecodeLaunch(self, q_nope, q_pe, kv, indices, topk_length)
+
+    def bind_v4(self, q, kv, indices, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
+                extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """See `MLASparseImpl.bind_v4` (`_V4DecodeLaunch`)."""
+        if q.shape[0] == 0:
+            return super().bind_v4(q, kv, indices, kv_format=kv_format, extra_kv_format=extra_kv_format)
+        return _V4DecodeLaunch(self, q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
+                               extra_topk_length, kv_format)
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         module = _module()

@@ -536,6 +536,98 @@ def _v4_empty(q):
                                                                              device=q.device)
 
 
+class _SparseInPlaceLaunch:
+    """TRITON's sparse decode of one layout over an fp8_ds_mla cache read in place (`TritonSparseDecodeImpl.bind`):
+    the way (the index lists as they are, or compacted by one launch), the compaction's and the dense kernels'
+    launches and the one-token pages' shape are decided once; a call launches and does nothing else."""
+
+    def __init__(self, impl: "TritonSparseDecodeImpl", q_nope, q_pe, kv, indices, topk_length, attn_sink) -> None:
+        from mla_multi.kernels.sparse_indices import IndexCompaction
+
+        self.impl = impl
+        self.tokens, self.topk = indices.shape
+        num_slots = kv.shape[0] * kv.shape[1]
+        self.pages_shape = (num_slots, 1, kv.shape[-1])
+        self.masked = topk_length is None and indices.stride(-1) == 1 and impl._lists_as_they_are(q_nope)
+        self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
+        self.compaction = None
+        table, lens = self._lists(indices)
+        if not self.masked:
+            self.compaction = IndexCompaction(indices, num_slots, topk_length, table)
+        self.dense = impl._dense_launch(
+            "masked" if self.masked else "in place", q_nope, q_pe, kv.reshape(self.pages_shape), table, lens, None,
+            masked_entries=self.masked, min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
+
+    def _lists(self, indices):
+        """(table, lens) of this call: the lists themselves and their full lengths, or the compaction's scratch."""
+        scratch, device = self.impl._scratch, indices.device
+        if self.masked:
+            return indices, scratch.constant("full lengths", (self.tokens,), self.topk, torch.int32, device)
+        return (scratch.get("table", (self.tokens, max(self.topk, 1)), torch.int32, device),
+                scratch.get("lens", (self.tokens,), torch.int32, device))
+
+    def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        table, lens = self._lists(indices)
+        if self.compaction is not None:
+            self.compaction(indices, topk_length, table, lens)
+        if self.sink_copy:
+            attn_sink = attn_sink.contiguous()
+        return self.dense(q_nope, q_pe, kv.reshape(self.pages_shape), table, lens, scale, k_scale=k_scale,
+                          attn_sink=attn_sink)
+
+
+class _V4InPlaceLaunch:
+    """TRITON's V4 sparse decode of one layout over fp8_ds_mla_v4 caches read in place
+    (`TritonSparseDecodeImpl.bind_v4`): the slots of both caches, the compaction's and the dense kernels'
+    launches decided once; a call compacts the lists (one launch) and runs the dense kernels."""
+
+    def __init__(self, impl: "TritonSparseDecodeImpl", q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
+                 extra_topk_length) -> None:
+        from mla_multi.kernels.mla_decode import V4Pages
+        from mla_multi.kernels.sparse_v4 import ListCompaction
+
+        self.impl = impl
+        tokens, heads, _ = q.shape
+        self.table_shape = (tokens, max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1))
+        self.lens_shape = (tokens,)
+        num_slots = kv.shape[0] * kv.shape[1]
+        extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
+        table, lens = self._lists(q.device)
+        self.compaction = ListCompaction(indices, topk_length, num_slots, extra_indices, extra_topk_length,
+                                         extra_slots, table, bad_is_error=True)
+        self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
+        self.q_pe = None
+        v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
+                     kv.stride(0) if extra_kv is None else extra_kv.stride(0))
+        self.dense = impl._dense_launch("v4 in place", q, self._zero_rope(q), kv, table, lens, None, v4=v4,
+                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
+
+    def _lists(self, device):
+        scratch = self.impl._scratch
+        return (scratch.get("v4 table", self.table_shape, torch.int32, device),
+                scratch.get("v4 lens", self.lens_shape, torch.int32, device))
+
+    def _zero_rope(self, q):
+        """The query's zero rotary part (`_v4_pages`'s), its view kept once made outside a capture."""
+        q_pe = self.q_pe
+        if q_pe is None:
+            from mla_multi.kernels.sparse_v4 import ROPE_DIM
+
+            q_pe = self.impl._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(
+                q.shape[0], q.shape[1], ROPE_DIM)
+            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.q_pe = q_pe
+        return q_pe
+
+    def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
+                 extra_topk_length=None):
+        table, lens = self._lists(q.device)
+        self.compaction(indices, topk_length, extra_indices, extra_topk_length, table, lens)
+        if self.sink_copy:
+            attn_sink = attn_sink.contiguous()
+        return self.dense(q, self._zero_rope(q), kv, table, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink)
+
+
 class TritonSparseDecodeImpl(_SparseThroughDense):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
@@ -551,6 +643,22 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
         in_place = kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype)
         return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
                                    in_place=in_place, lists_as_they_are=in_place and self._lists_as_they_are(q_nope))
+
+    def bind(self, q_nope, q_pe, kv, indices, *, k_scale=None, topk_length=None, attn_sink=None):
+        """See `MLASparseImpl.bind`: an fp8_ds_mla cache read in place (sm_90) is bound here
+        (`_SparseInPlaceLaunch`); every other way is `forward`."""
+        if q_nope.shape[0] == 0 or kv.dtype != torch.uint8 or self._in_place_reason(kv, q_nope.dtype):
+            return self.forward
+        return _SparseInPlaceLaunch(self, q_nope, q_pe, kv, indices, topk_length, attn_sink)
+
+    def bind_v4(self, q, kv, indices, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
+                extra_indices=None, extra_topk_length=None, extra_kv_format=None):
+        """See `MLASparseImpl.bind_v4`: fp8_ds_mla_v4 caches read in place (`_v4_in_place_reason`) are bound here
+        (`_V4InPlaceLaunch`); every other way is `forward_v4`."""
+        if q.shape[0] == 0 or self._v4_in_place_reason(q, kv, kv_format, extra_kv, extra_kv_format):
+            return super().bind_v4(q, kv, indices, kv_format=kv_format, extra_kv_format=extra_kv_format)
+        return _V4InPlaceLaunch(self, q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
+                                extra_topk_length)
 
     def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):

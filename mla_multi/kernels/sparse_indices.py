@@ -117,6 +117,31 @@ def _compact_indices_kernel(
         tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
 
 
+class IndexCompaction:
+    """`compact_indices` bound to one layout (the lists', their lengths', the table's), decided once: calling it
+    with lists of that layout launches the compaction and nothing else."""
+
+    __slots__ = ("launch", "flag", "ints", "has_length")
+
+    def __init__(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None, table: torch.Tensor, *,
+                 out_of_range_is_none: bool = False) -> None:
+        topk = indices.shape[1]
+        self.has_length = topk_length is not None
+        self.launch = bound_by_layout(
+            _compact_indices_kernel, (indices.shape[0],),
+            dict(_list_launch(topk), HAS_LENGTH=self.has_length, OUT_OF_RANGE_IS_NONE=out_of_range_is_none),
+            indices.device,
+            ("compact", layout_key(indices), None if topk_length is None else layout_key(topk_length), num_slots,
+             out_of_range_is_none),
+        )
+        self.flag = errors.error_flag(indices.device)
+        self.ints = (num_slots, topk, indices.stride(0), table.stride(0))
+
+    def __call__(self, indices: torch.Tensor, topk_length: torch.Tensor | None, table: torch.Tensor,
+                 lens: torch.Tensor) -> None:
+        self.launch(indices, topk_length if self.has_length else lens, table, lens, self.flag, *self.ints)
+
+
 def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
                     out_of_range_is_none: bool = False, out: tuple | None = None):
     """(table [T, topk] int32, lens [T] int32): each token's valid indices first, in order, as the block-table
@@ -130,15 +155,8 @@ def compact_indices(indices: torch.Tensor, num_slots: int, topk_length: torch.Te
     else:
         table, lens = out
     if tokens:
-        launch = bound_by_layout(
-            _compact_indices_kernel, (tokens,),
-            dict(_list_launch(topk), HAS_LENGTH=topk_length is not None, OUT_OF_RANGE_IS_NONE=out_of_range_is_none),
-            indices.device,
-            ("compact", layout_key(indices), None if topk_length is None else layout_key(topk_length), num_slots,
-             out_of_range_is_none),
-        )
-        launch(indices, topk_length if topk_length is not None else lens, table, lens, errors.error_flag(indices.device),
-               num_slots, topk, indices.stride(0), table.stride(0))
+        IndexCompaction(indices, num_slots, topk_length, table, out_of_range_is_none=out_of_range_is_none)(
+            indices, topk_length, table, lens)
     return table, lens
 
 
