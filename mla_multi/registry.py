@@ -277,7 +277,10 @@ def v4_read_in_place(platform: Platform, config) -> bool:
 # the sm_90 sparse decode's rules: TRITON moved ahead of FLASHMLA, each under its own condition
 _sm90_sparse_triton = functools.partial(SelectionRule, phase="sparse_decode", vendor="cuda", arch="sm_90",
                                         prefer=("TRITON",), over=("FLASHMLA",))
-_V4_MEASURED = "bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)"
+# the V4 ones: where TRITON reads the fp8_ds_mla_v4 caches in place, each with its head and token range
+_sm90_v4_triton = functools.partial(
+    _sm90_sparse_triton, when=v4_read_in_place,
+    measured="bench/RESULTS.md, 'DeepSeek-V4 sparse decode and prefill beside FlashMLA' (H200, fp8_ds_mla_v4)")
 
 
 # Measured exceptions to the lists above, as deltas: each that matches a configuration moves the backends it
@@ -290,35 +293,30 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
         when=few_sparse_tokens,
         measured="bench/RESULTS.md, 'Sparse decode: TRITON where the batch is small' (H200, fp8_ds_mla, topk 2048)",
     ),
-    _sm90_sparse_triton(
+    _sm90_v4_triton(
         # 64 heads, top-k 512 + a 128 window, the sink applied by the kernels, captured µs TRITON / FLASHMLA:
         # B = 1 16.5 / 18.7, 8 20.3 / 21.9, 16 24.7 / 26.7, 32 33.0 / 36.7, 48 40.0 / 45.5, 64 43.8 / 57.0,
         # 128 57.8 / 61.3; top-k 2048: B = 64 85.0 / 98.6, 128 137.0 / 148.9. Every batch, so a layer built
         # without one too
         name="nvidia-sm90-v4-sparse-decode-64-heads",
         num_heads=(1, 64),
-        when=v4_read_in_place,
-        measured=_V4_MEASURED,
     ),
-    _sm90_sparse_triton(
+    _sm90_v4_triton(
         # 128 heads, one token, with programmatic dependent launch (7c75284): TRITON 16.0 µs against FLASHMLA
         # 16.6 (and 16.7-17.7 in the runs before); from 2 tokens FLASHMLA ahead: 2 18.7 / 17.5, 4 19.7 / 18.9,
         # 8 22.7 / 21.2, 12 26.0 / 25.6, 16 29.5 / 27.7, 24 36.3 / 32.9
         name="nvidia-sm90-v4-sparse-decode-128-heads-one-token",
         num_heads=(65, 128),
         num_tokens=(1, 1),
-        when=v4_read_in_place,
-        measured=_V4_MEASURED,
     ),
-    _sm90_sparse_triton(
+    _sm90_v4_triton(
         # 128 heads: two splits a token from 25 to 32 tokens (`heuristics.gathered_tile_splits`: one wave of
-        # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level:
+        # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level
+        # (before programmatic dependent launch, which took TRITON ahead at one token: the rule above):
         # B = 1 17.6 / 17.8, 8 22.4 / 22.4, 16 29.3 / 28.5, 48 52.5 / 43.0, 64 55.1 / 45.5, 128 98.0 / 77.3
         name="nvidia-sm90-v4-sparse-decode-128-heads-two-splits",
         num_heads=(65, 128),
         num_tokens=(25, 32),
-        when=v4_read_in_place,
-        measured=_V4_MEASURED,
     ),
     SelectionRule(
         # every head count: at 128 heads TRITON is 0.90-1.41x FlashInfer's speed (0.90-0.93 at B = 128,

@@ -579,8 +579,6 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
 
     def bind(self, q_nope, q_pe, kv, indices, *, k_scale=None, topk_length=None, attn_sink=None):
         """See `MLASparseImpl.bind` (`_SparseDecodeLaunch`)."""
-        if q_nope.shape[0] == 0:
-            return self.forward
         return _SparseDecodeLaunch(self, q_nope, q_pe, kv, indices, topk_length)
 
     def bind_v4(self, q, kv, indices, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
@@ -592,20 +590,8 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
                                extra_topk_length, kv_format)
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        module = _module()
-        tokens, heads, _ = q_nope.shape
-        num_slots = kv.shape[0] * kv.shape[1]
-        call = self._call(module, q_nope, indices, topk_length, num_slots)
-        clean, bad_rows = call.index_plan.sanitize(indices, num_slots, topk_length)
-        out, lse = module.flash_mla_with_kvcache(
-            q=joined_query(q_nope, q_pe).unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
-            head_dim_v=self.kv_lora_rank, tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False,
-            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None, use_legacy=True,
-        )
-        out = out.view(tokens, heads, -1)
-        lse = lse.view(tokens, heads)
-        call.index_plan.finish(bad_rows, out, lse)
-        return out, lse
+        return _SparseDecodeLaunch(self, q_nope, q_pe, kv, indices, topk_length)(
+            q_nope, q_pe, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink)
 
     def _call_v4(self, module, q, indices, topk_length, extra_indices, extra_topk_length, kv, extra_kv,
                  kv_format: str) -> _V4DecodeCall:
@@ -630,34 +616,13 @@ class FlashMLASparseDecodeImpl(_SparseImpl):
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
         """q [T, N, 512] bf16 over a uint8 V4 cache (and its second segment), every token its own request
         (FlashMLA's q [T, 1, N, 512]). Returns out [T, N, 512] and lse [T, N] (natural log)."""
-        from mla_multi.cache_formats import get_format
-
-        module = _module()
         tokens, heads, width = q.shape
         if tokens == 0:  # FlashMLA takes no empty batch
             return q.new_empty(0, heads, width), torch.empty(0, heads, dtype=torch.float32, device=q.device)
-        call = self._call_v4(module, q, indices, topk_length, extra_indices, extra_topk_length, kv, extra_kv,
-                             kv_format)
-        clean, bad_rows = call.main.sanitize(indices, kv.shape[0] * kv.shape[1], topk_length)
-        extra = {}
-        if extra_kv is not None:
-            extra_clean, bad_rows = call.extra.sanitize(extra_indices, extra_kv.shape[0] * extra_kv.shape[1],
-                                                        extra_topk_length, bad_rows)
-            extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        out, lse = module.flash_mla_with_kvcache(
-            q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=width,
-            tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
-            is_fp8_kvcache=True, indices=clean.unsqueeze(1),
-            attn_sink=None if attn_sink is None else attn_sink.contiguous(), topk_length=None,
-            extra_topk_length=None, use_legacy=call.legacy,
-            kv_format=get_format(kv_format).flashmla_name if call.legacy else None, **extra,
-        )
-        out = out.view(tokens, heads, width)
-        lse = lse.view(tokens, heads)
-        call.main.index_plan.finish(bad_rows, out, lse)
-        return out, lse
+        launch = _V4DecodeLaunch(self, q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
+                                 extra_topk_length, kv_format)
+        return launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                      extra_indices=extra_indices, extra_topk_length=extra_topk_length)
 
 
 class FlashMLASparseDecodeBackend(_FlashMLARequirements, MLASparseBackend):

@@ -469,51 +469,32 @@ class _SparseThroughDense(MLASparseImpl):
         return launch
 
     def _through_dense(self, q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink, *,
-                       out_of_range_is_none: bool = False, in_place: bool = False, lists_as_they_are: bool = False):
-        """Compact the indices into one-token pages and decode them with the dense kernels. `in_place`: an
-        fp8_ds_mla cache the kernels read as it is (splits down to one tile); with `lists_as_they_are` and no
-        topk_length they take the index lists themselves (-1 masked), and nothing is compacted."""
+                       out_of_range_is_none: bool = False):
+        """Compact the indices into one-token pages and decode them with the dense kernels (an fp8_ds_mla
+        cache's named rows dequantised first; read in place, see `_SparseInPlaceLaunch`)."""
         from mla_multi.kernels.sparse_indices import compact_indices, dequantize_named_rows
 
         num_slots = kv.shape[0] * kv.shape[1]
         pages = kv.reshape(num_slots, 1, kv.shape[-1])
-        if (in_place and lists_as_they_are and topk_length is None and not out_of_range_is_none
-                and indices.stride(-1) == 1):
-            tokens, topk = indices.shape
-            # every token's whole index list
-            lens = self._scratch.constant("full lengths", (tokens,), topk, torch.int32, indices.device)
-            out, lse = self._decode_pages("masked", q_nope, q_pe, pages, indices, lens, scale, attn_sink=attn_sink)
-        else:
-            tokens, topk = indices.shape
-            out = (self._scratch.get("table", (tokens, max(topk, 1)), torch.int32, indices.device),
-                   self._scratch.get("lens", (tokens,), torch.int32, indices.device))
-            table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none,
-                                          out=out)
-            if not in_place and kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: rows dequantised first
-                pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
-            out, lse = self._decode_pages("in place" if in_place else "pages", q_nope, q_pe, pages, table, lens,
-                                          scale, k_scale, attn_sink=attn_sink)
-        return out, lse
+        tokens, topk = indices.shape
+        out = (self._scratch.get("table", (tokens, max(topk, 1)), torch.int32, indices.device),
+               self._scratch.get("lens", (tokens,), torch.int32, indices.device))
+        table, lens = compact_indices(indices, num_slots, topk_length, out_of_range_is_none=out_of_range_is_none,
+                                      out=out)
+        if kv.dtype == torch.uint8:  # fp8_ds_mla not read in place: rows dequantised first
+            pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
+        return self._decode_pages("pages", q_nope, q_pe, pages, table, lens, scale, k_scale, attn_sink=attn_sink)
 
-    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink, *, v4=None, extra_cache=None):
+    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink):
         """The V4 attention of q [T, N, 512] over one-token `pages` [P, 1, 576] (zero tails) through `table` /
         `lens` on the dense kernels: the query's rotary part is zero (a stride-0 view of 64 zeros kept by the
-        scratch), so the scores and values are the 512-wide rows'. With `v4` (`mla_decode.V4Pages`) `pages` is
-        the main fp8_ds_mla_v4 cache read in place (`extra_cache` the second), the table its slots, and the
-        kernel reads the 512 columns alone. The sink is applied by the kernels (the reduce, or the kernel
-        writing the output)."""
-        from mla_multi.kernels.sparse_v4 import ROPE_DIM
-
-        tokens, heads, _ = q.shape
-        q_pe = self._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(tokens, heads, ROPE_DIM)
+        scratch), so the scores and values are the 512-wide rows'; the zero rotary product is skipped where the
+        kernels can (sm_90's warp-specialised ones). The sink is applied by the kernels (the reduce, or the
+        kernel writing the output). The caches read in place: `_V4InPlaceLaunch`."""
+        q_pe = _zero_rope(self._scratch, q)
         attn_sink = _sink_rows(attn_sink)
-        if v4 is None:
-            # the zero rotary part's product skipped where the kernels can (sm_90's warp-specialised ones)
-            launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=attn_sink)
-            return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink)
-        launch = self._dense_launch("v4 in place", q, q_pe, pages, table, lens, None, v4=v4,
-                                    min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=attn_sink)
-        return launch(q, q_pe, pages, table, lens, scale, extra_cache=extra_cache, attn_sink=attn_sink)
+        launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=attn_sink)
+        return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink)
 
     def _v4_scratch(self, q, tokens: int, width: int, rows: int):
         """The compacted table [T, width], the lengths [T] and the 576-wide rows [rows, 576] in q's dtype."""
@@ -528,6 +509,15 @@ class _SparseThroughDense(MLASparseImpl):
 def _sink_rows(attn_sink):
     """The sink [heads] as the kernels read it (one float32 a head, consecutive), or None."""
     return attn_sink if attn_sink is None or attn_sink.stride(0) == 1 else attn_sink.contiguous()
+
+
+def _zero_rope(scratch, q):
+    """V4's zero rotary query part [T, N, 64]: a stride-0 view of 64 zeros that `scratch` keeps (made during a
+    capture, the capture's own)."""
+    from mla_multi.kernels.sparse_v4 import ROPE_DIM
+
+    zeros = scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device)
+    return zeros.expand(q.shape[0], q.shape[1], ROPE_DIM)
 
 
 def _v4_empty(q):
@@ -552,7 +542,7 @@ class _SparseInPlaceLaunch:
         self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
         self.compaction = None
         table, lens = self._lists(indices)
-        if not self.masked:
+        if not self.masked and self.tokens:  # zero tokens: nothing to compact (the dense launch launches nothing)
             self.compaction = IndexCompaction(indices, num_slots, topk_length, table)
         self.dense = impl._dense_launch(
             "masked" if self.masked else "in place", q_nope, q_pe, kv.reshape(self.pages_shape), table, lens, None,
@@ -608,13 +598,10 @@ class _V4InPlaceLaunch:
                 scratch.get("v4 lens", self.lens_shape, torch.int32, device))
 
     def _zero_rope(self, q):
-        """The query's zero rotary part (`_v4_pages`'s), its view kept once made outside a capture."""
+        """The query's zero rotary part (`_zero_rope`), its view kept once made outside a capture."""
         q_pe = self.q_pe
         if q_pe is None:
-            from mla_multi.kernels.sparse_v4 import ROPE_DIM
-
-            q_pe = self.impl._scratch.constant("v4 zero rope", (ROPE_DIM,), 0, q.dtype, q.device).expand(
-                q.shape[0], q.shape[1], ROPE_DIM)
+            q_pe = _zero_rope(self.impl._scratch, q)
             if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self.q_pe = q_pe
         return q_pe
@@ -640,16 +627,18 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
     read_v4_in_place: bool = True
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
-        in_place = kv.dtype == torch.uint8 and not self._in_place_reason(kv, q_nope.dtype)
-        return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink,
-                                   in_place=in_place, lists_as_they_are=in_place and self._lists_as_they_are(q_nope))
+        launch = self.bind(q_nope, q_pe, kv, indices, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink)
+        return launch(q_nope, q_pe, kv, indices, scale, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink)
 
     def bind(self, q_nope, q_pe, kv, indices, *, k_scale=None, topk_length=None, attn_sink=None):
         """See `MLASparseImpl.bind`: an fp8_ds_mla cache read in place (sm_90) is bound here
-        (`_SparseInPlaceLaunch`); every other way is `forward`."""
-        if q_nope.shape[0] == 0 or kv.dtype != torch.uint8 or self._in_place_reason(kv, q_nope.dtype):
-            return self.forward
+        (`_SparseInPlaceLaunch`); every other cache goes through compacted pages (`_through_pages`)."""
+        if kv.dtype != torch.uint8 or self._in_place_reason(kv, q_nope.dtype):
+            return self._through_pages
         return _SparseInPlaceLaunch(self, q_nope, q_pe, kv, indices, topk_length, attn_sink)
+
+    def _through_pages(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
+        return self._through_dense(q_nope, q_pe, kv, indices, scale, k_scale, topk_length, attn_sink)
 
     def bind_v4(self, q, kv, indices, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
                 extra_indices=None, extra_topk_length=None, extra_kv_format=None):
@@ -664,28 +653,21 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
         """The V4 contract (`MLASparseImpl.forward_v4`). fp8_ds_mla_v4 caches on sm_90 (`_v4_in_place_reason`):
         each token's entries that count compacted into a table of slots of both caches (one launch,
-        `sparse_v4.compact_lists`), which the warp-specialised kernel's V4 loader reads in place. Elsewhere every
+        `sparse_v4.ListCompaction`), which the warp-specialised kernel's V4 loader reads in place
+        (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout). Elsewhere every
         token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`) into its stretch
         of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
-        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, compact_lists, gather_rows
+        from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows
 
         tokens = q.shape[0]
         if tokens == 0:
             return _v4_empty(q)
-        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
         if not self._v4_in_place_reason(q, kv, kv_format, extra_kv, extra_kv_format):
-            from mla_multi.kernels.mla_decode import V4Pages
-
-            num_slots = kv.shape[0] * kv.shape[1]
-            extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
-            device = q.device
-            table = self._scratch.get("v4 table", (tokens, width), torch.int32, device)
-            lens = self._scratch.get("v4 lens", (tokens,), torch.int32, device)
-            compact_lists(indices, topk_length, num_slots, extra_indices, extra_topk_length, extra_slots, table=table,
-                          lens=lens, bad_is_error=True)
-            v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
-                         kv.stride(0) if extra_kv is None else extra_kv.stride(0))
-            return self._v4_pages(q, kv, table, lens, scale, attn_sink, v4=v4, extra_cache=extra_kv)
+            launch = _V4InPlaceLaunch(self, q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
+                                      extra_topk_length)
+            return launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                          extra_indices=extra_indices, extra_topk_length=extra_topk_length)
+        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
