@@ -345,7 +345,7 @@ class TritonDecodeLaunch(DecodeLaunch):
         return split_partials(*self.partial_dims, self.device)
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
-                 lse=None, attn_logits=None, workspace_manager=None, extra_cache=None, attn_sink=None):
+                 lse=None, attn_logits=None, workspace_manager=None, extra_cache=None, attn_sink=None, lists=None):
         from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
 
         impl = self.impl
@@ -371,7 +371,7 @@ class TritonDecodeLaunch(DecodeLaunch):
                 q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
                 num_kv_splits=self.num_kv_splits, attn_logits=attn_logits, out=out, lse=lse, platform=impl.platform,
                 masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache, zero_rope=self.zero_rope,
-                attn_sink=attn_sink if self.sink else None,
+                attn_sink=attn_sink if self.sink else None, lists=lists,
             )
         state = (capturing(q_nope), workspace_manager is not None)
         kernels = self._kernels.get(state)
@@ -382,7 +382,7 @@ class TritonDecodeLaunch(DecodeLaunch):
                 sink=self.sink,
             )
         kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
-                       extra_cache=extra_cache, attn_sink=attn_sink)
+                       extra_cache=extra_cache, attn_sink=attn_sink, lists=lists)
         return out, lse
 
 
@@ -457,14 +457,16 @@ class _SparseThroughDense(MLASparseImpl):
             impl = self._dense[pages.dtype] = TritonDecodeImpl(
                 self.num_heads, 1.0, q_nope.shape[-1], q_pe.shape[-1], pages.dtype, 1, q_nope.device
             )
-        num_kv_splits = None
+        num_kv_splits = width = None
         if v4 is not None:
             from mla_multi.heuristics import gathered_tile_splits
 
-            num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, table.shape[1])
+            # the entries a token's row holds: the compacted table's width, or both index lists'
+            width = v4.lists[0] + v4.lists[1] if v4.lists else table.shape[1]
+            num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, width)
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
-                           zero_rope=zero_rope, sink=sink is not None)
+                           zero_rope=zero_rope, sink=sink is not None, max_seq_len=width)
         self._launches[way] = (key, launch)
         return launch
 
@@ -568,8 +570,10 @@ class _SparseInPlaceLaunch:
 
 class _V4InPlaceLaunch:
     """TRITON's V4 sparse decode of one layout over fp8_ds_mla_v4 caches read in place
-    (`TritonSparseDecodeImpl.bind_v4`): the slots of both caches, the compaction's and the dense kernels'
-    launches decided once; a call compacts the lists (one launch) and runs the dense kernels."""
+    (`TritonSparseDecodeImpl.bind_v4`): the way, the slots of both caches and the dense kernels' launch decided
+    once. While the batch is small (`_lists_as_they_are`) the kernels read both index lists and their lengths as
+    they are (`V4Pages.lists`): a call launches the dense kernels and nothing else; past that each call first
+    compacts the entries that count into a table (one launch, `sparse_v4.ListCompaction`)."""
 
     def __init__(self, impl: "TritonSparseDecodeImpl", q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
                  extra_topk_length) -> None:
@@ -578,22 +582,33 @@ class _V4InPlaceLaunch:
 
         self.impl = impl
         tokens, heads, _ = q.shape
-        self.table_shape = (tokens, max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1))
+        topk, extra_topk = indices.shape[1], 0 if extra_indices is None else extra_indices.shape[1]
+        self.as_they_are = impl._lists_as_they_are(q) and all(
+            t is None or t.stride(-1) == 1 for t in (indices, topk_length, extra_indices, extra_topk_length))
+        self.table_shape = (tokens, max(topk + extra_topk, 1))
         self.lens_shape = (tokens,)
         num_slots = kv.shape[0] * kv.shape[1]
         extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
-        table, lens = self._lists(q.device)
-        self.compaction = ListCompaction(indices, topk_length, num_slots, extra_indices, extra_topk_length,
-                                         extra_slots, table, bad_is_error=True)
+        table, lens = self._lists(q.device, indices)
+        self.compaction = None
+        if not self.as_they_are:
+            self.compaction = ListCompaction(indices, topk_length, num_slots, extra_indices, extra_topk_length,
+                                             extra_slots, table, bad_is_error=True)
         self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
         self.q_pe = None
+        lists = (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)) if self.as_they_are else None
         v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
-                     kv.stride(0) if extra_kv is None else extra_kv.stride(0))
+                     kv.stride(0) if extra_kv is None else extra_kv.stride(0), lists)
         self.dense = impl._dense_launch("v4 in place", q, self._zero_rope(q), kv, table, lens, None, v4=v4,
                                         min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
 
-    def _lists(self, device):
+    def _lists(self, device, indices):
+        """(table, lens) of this call: the first index list itself and both lists' width for every token, or the
+        compaction's scratch."""
         scratch = self.impl._scratch
+        if self.as_they_are:
+            width = self.table_shape[1]
+            return indices, scratch.constant(f"v4 full lengths {width}", self.lens_shape, width, torch.int32, device)
         return (scratch.get("v4 table", self.table_shape, torch.int32, device),
                 scratch.get("v4 lens", self.lens_shape, torch.int32, device))
 
@@ -608,11 +623,16 @@ class _V4InPlaceLaunch:
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
-        table, lens = self._lists(q.device)
-        self.compaction(indices, topk_length, extra_indices, extra_topk_length, table, lens)
+        table, lens = self._lists(q.device, indices)
+        lists = None
+        if self.compaction is not None:
+            self.compaction(indices, topk_length, extra_indices, extra_topk_length, table, lens)
+        else:
+            lists = (extra_indices, topk_length, extra_topk_length)
         if self.sink_copy:
             attn_sink = attn_sink.contiguous()
-        return self.dense(q, self._zero_rope(q), kv, table, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink)
+        return self.dense(q, self._zero_rope(q), kv, table, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink,
+                          lists=lists)
 
 
 class TritonSparseDecodeImpl(_SparseThroughDense):

@@ -572,12 +572,19 @@ class V4Pages:
     ``extra_cache``. The block table's entries are slots of both (``block * page_size + offset``; the second
     cache's offset by ``first_extra_slot``, the main cache's slot count) and ``seq_lens`` counts them; the
     query is 512 wide (``q_pe``: 64 columns the kernel does not read). Both caches start on 16 bytes (their
-    blocks do, being multiples of 576 bytes): the loader's row addresses are known multiples of 16."""
+    blocks do, being multiples of 576 bytes): the loader's row addresses are known multiples of 16.
+
+    ``lists`` (topk, extra_topk, the second list's row stride): the index lists read as they are, not a
+    compacted table: the block table is the first list [B, topk] itself (-1 no token), each launch passes
+    the second list and both lengths (``lists=`` of `DecodeKernelPlan.launch`: entries past a token's
+    topk_length do not count; one outside [-1, its cache's slots) makes the token's rows NaN and sets
+    `errors.SPARSE_INDEX`), and ``seq_lens`` holds topk + extra_topk for every token."""
 
     page_size: int
     first_extra_slot: int
     num_slots: int  # both caches'
     extra_block_stride: int  # bytes
+    lists: tuple[int, int, int] | None = None
 
 
 def _check_inputs(
@@ -709,6 +716,7 @@ def mla_decode_fwd(
     extra_cache: torch.Tensor | None = None,
     zero_rope: bool = False,
     attn_sink: torch.Tensor | None = None,
+    lists: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode into preallocated buffers (no allocation, no host sync).
 
@@ -742,6 +750,8 @@ def mla_decode_fwd(
             makes the request's rows NaN and sets `errors.SPARSE_INDEX`.
         v4: DeepSeek-V4 pages read in place on sm_90 (`V4Pages`): kv_cache the main ``fp8_ds_mla_v4``
             cache, ``extra_cache`` the second (default: none, the main cache stands in), q_nope [B, N, 512].
+        lists: (extra_indices, topk_length, extra_topk_length), each a tensor or None, where ``v4.lists``
+            reads the index lists as they are (block_table the first list).
         zero_rope: q_pe is zero (V4 rows laid out as 576-wide ones with a zero tail): the sm_90
             warp-specialised kernels skip its product (the others compute it: the same result).
         attn_sink: float32 [N] on q's device, an attention sink per head: out *= exp(lse) / (exp(lse) +
@@ -757,7 +767,7 @@ def mla_decode_fwd(
         zero_rope=zero_rope, sink=attn_sink is not None,
     )
     plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
-                extra_cache=extra_cache, attn_sink=attn_sink)
+                extra_cache=extra_cache, attn_sink=attn_sink, lists=lists)
     return out, lse
 
 
@@ -835,10 +845,11 @@ class DecodeKernelPlan:
             o_strides = (out.stride(0), out.stride(1), out.stride(2))
             lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
         self.has_k_scale = k_scale is not None
-        # V4 pages: the table names slots, one-token pages of both caches
+        # V4 pages: the table names slots, one-token pages of both caches (or is the first of the index lists)
         self.int_args = (
             num_heads,
             num_kv_splits,
+            (v4.lists[0] + v4.lists[1]) if v4 is not None and v4.lists else
             block_table.shape[1] * (1 if v4 is not None else kv_cache.shape[1]),
             v4.num_slots if v4 is not None else kv_cache.shape[0],
             *qn_strides,
@@ -929,6 +940,7 @@ class DecodeKernelPlan:
                 qk_rope=not zero_rope,
                 sink=self.split_sink,
                 pdl=pdl,
+                v4_lists=v4 is not None and v4.lists is not None,
             )
         else:
             self.split = BoundLaunch(
@@ -978,10 +990,11 @@ class DecodeKernelPlan:
             )
 
     def launch(self, q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale, *,
-               extra_cache=None, attn_sink=None) -> None:
+               extra_cache=None, attn_sink=None, lists=None) -> None:
         """Run the plan on tensors with the plan's key (writes `out` and `lse`); `extra_cache`: V4 pages' second
         cache (`V4Pages`); `attn_sink`: float32 [heads] (a plan made with `sink`): out *= exp(lse) / (exp(lse) +
-        exp(sink)) per head, the LSE without it."""
+        exp(sink)) per head, the LSE without it; `lists`: (extra_indices, topk_length, extra_topk_length), each
+        a tensor or None, where `V4Pages.lists` reads the index lists as they are."""
         split = self.split
         if split is None:
             return
@@ -993,6 +1006,12 @@ class DecodeKernelPlan:
         )
         v4 = self.v4
         if v4 is not None:
+            if v4.lists is not None:  # a missing list or length: the first list, seq_lens (clamped to the width)
+                extra_indices, topk_length, extra_topk_length = lists or (None, None, None)
+                keywords.update(
+                    Extra_table=block_table if extra_indices is None else extra_indices, stride_extra_t=v4.lists[2],
+                    v4_topk=v4.lists[0], Topk_length=seq_lens if topk_length is None else topk_length,
+                    Extra_topk_length=seq_lens if extra_topk_length is None else extra_topk_length)
             split(*args, Extra_cache=kv_cache if extra_cache is None else extra_cache,
                   extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride, **keywords)
         elif self.tma:
@@ -1113,6 +1132,15 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         signature["Extra_cache"] = "constexpr"
     signature["extra_first_slot"] = "i32"
     signature["stride_extra_block"] = "i32"
+    # the V4 index lists read as they are (`V4Pages.lists`): the second list, its stride, the first list's width,
+    # both lengths, passed by name; absent elsewhere
+    for arg, kind in (("Extra_table", "*i32"), ("stride_extra_t", "i32"), ("v4_topk", "i32"), ("Topk_length", "*i32"),
+                      ("Extra_topk_length", "*i32")):
+        if constexprs.get("V4_LISTS"):
+            signature[arg] = kind
+        else:
+            constexprs[arg] = None if kind.startswith("*") else 0
+            signature[arg] = "constexpr"
     if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
         # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
         constexprs["TMA"] = True
@@ -1218,17 +1246,19 @@ def compile_specs(platform) -> list[CompileSpec]:
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
                         f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
-            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots), launched by
-            # programmatic dependent launch as sm_90 launches them
-            for direct in (False, True):
+            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots, or the index lists
+            # are read as they are), launched by programmatic dependent launch as sm_90 launches them
+            for direct, lists in ((False, False), (True, False), (False, True), (True, True)):
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
                     "HAS_SINK": direct,  # V4's sink: applied by the kernel writing the output (else the reduce)
                     "PDL": True,
                 }
+                if lists:
+                    constexprs["V4_LISTS"] = True
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
-                        f"{'direct' if direct else 'partial'},pdl]")
+                        f"{'direct' if direct else 'partial'}{',lists' if lists else ''},pdl]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
     for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):

@@ -782,7 +782,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, QK_ROPE: gl.constexpr = True,
-        Sink=None, HAS_SINK: gl.constexpr = False,
+        Sink=None, HAS_SINK: gl.constexpr = False, V4_LISTS: gl.constexpr = False,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
         V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused; so too
@@ -886,7 +886,7 @@ if gluon is not None:
                 bad_block = bad_block | tile_bad
             elif V4_PAGE > 0:
                 # V4 tables are compacted slots, checked where they are made (a token with a bad index has
-                # seq_len past its row: NaN rows); the loader reads any other entry as slot 0
+                # seq_len past its row: NaN rows)
                 pass
             else:
                 bad_block = bad_block | _tile_bad_block(
@@ -895,7 +895,12 @@ if gluon is not None:
             s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout,
                        QK_ROPE and V4_PAGE == 0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if MASKED_ENTRIES:  # a -1 entry's score (of the zeros the loader wrote) is no score
+            if V4_LISTS:
+                # the V4 index lists read as they are: the entries the loader stored (`_ws_load_v4`), a bad one makes the token's rows NaN, one that does not count is no score
+                tile_entries = ds_scales.index(tile % (2 * K_STAGES)).load(tokens_s)
+                keep = tile_entries >= 0
+                bad_block = bad_block | (gl.min(tile_entries, 0) < -1)
+            if MASKED_ENTRIES or V4_LISTS:  # a -1 entry's score (of the zeros the loader wrote) is no score
                 if ROWS_AS_M:
                     s = gl.where(keep[None, :], s, float("-inf"))
                 else:
@@ -911,7 +916,8 @@ if gluon is not None:
                 ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE, FP8_PV,
             )
 
-        gl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR if MASKED_ENTRIES else _BLOCK_INDEX_ERROR, mask=bad_block)
+        gl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR if (MASKED_ENTRIES or V4_LISTS) else _BLOCK_INDEX_ERROR,
+                     mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
         if not ROWS_AS_M:
             l_i = gl.sum(l_i, 0)
@@ -1404,17 +1410,60 @@ if gluon is not None:
     _V4_PIECE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [2, 2], [1, 0]))
 
     @gluon.jit
+    def _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks):
+        """V4_LISTS (the index lists read as they are, `_v4_list_entries`): this token's row of the second list
+        (less the first list's width, so that a list position addresses it), the first list's width, where
+        the entries that count end in each list (topk_length clamped to [0, width]: list positions) and the
+        caches' slot counts. v4_lists: (Extra_table, stride_extra_t, the first list's width, Topk_length,
+        Extra_topk_length, extra_first_slot); max_seq_len is both lists' width."""
+        Extra_table, stride_extra_t, topk, Topk_length, Extra_topk_length, first_extra_slot = v4_lists
+        main_end = gl.minimum(gl.maximum(gl.load(Topk_length + batch), 0), topk)
+        extra_end = topk + gl.minimum(gl.maximum(gl.load(Extra_topk_length + batch), 0), max_seq_len - topk)
+        return (Extra_table + (batch.to(gl.int64) * stride_extra_t - topk), topk, main_end, extra_end,
+                first_extra_slot, num_cache_blocks - first_extra_slot)
+
+    @gluon.jit
+    def _v4_list_entries(main_row, lists, pos, split_end):
+        """The V4 index lists read as they are at list positions `pos` (those past the first list's width are the
+        second list's): the slot each names where it counts; -2 where it is bad (outside [-1, its cache's
+        slots), wherever it lies in the list); else -1 (-1 itself, past its topk_length or past split_end)."""
+        extra_row, topk, main_end, extra_end, first_extra_slot, extra_slots = lists
+        in_main = pos < topk
+        # one load a position, from the list it lies in
+        entry = gl.load(gl.where(in_main, main_row, extra_row) + pos, mask=pos < split_end, other=-1)
+        bad = (entry < -1) | (entry >= gl.where(in_main, first_extra_slot, extra_slots))
+        counts = (pos < gl.where(in_main, main_end, extra_end)) & (entry >= 0) & ~bad
+        return gl.where(counts, entry + gl.where(in_main, 0, first_extra_slot), gl.where(bad, -2, -1))
+
+    @gluon.jit
+    def _v4_entries(block_table_row, lists, start, split_end, FIRST: gl.constexpr, PIECE: gl.constexpr,
+                    layout: gl.constexpr, V4_LISTS: gl.constexpr):
+        """The slots of tile positions [start + FIRST, start + FIRST + PIECE): the compacted table's entries, or
+        (V4_LISTS) the index lists' (`_v4_list_entries`: -1 where none counts, -2 where bad)."""
+        if V4_LISTS:
+            pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+            return _v4_list_entries(block_table_row, lists, pos, split_end)
+        else:
+            return _ds_entries(block_table_row, start, split_end, FIRST, PIECE, 1, layout)
+
+    @gluon.jit
     def _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
                  stride_kv_block, stride_extra_block, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                 V4_PAGE: gl.constexpr, layout: gl.constexpr):
+                 V4_PAGE: gl.constexpr, layout: gl.constexpr, MASKED: gl.constexpr = False):
         """Word pointers of the data (576 bytes: 448 e4m3 values, 64 bfloat16 rotary values) and of the scales
         (8 bytes in the block's tail) of tile positions [start + FIRST, start + FIRST + PIECE), and whether
         they lie before split_end. The entries are slots of both caches (those >= extra_first_slot the second
         cache's, less extra_first_slot); one outside [0, num_cache_blocks) reads slot 0 (the softmax partition
-        flags it). A row starts on 16 bytes (the caches and their block strides do: `V4Pages`)."""
-        pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
-        outside = (entries < 0) | (entries >= num_cache_blocks)
-        entries = gl.where(outside, 0, entries)
+        flags it). MASKED (the index lists read as they are, `_v4_list_entries`): an entry is a slot, or negative
+        (none counts there, or bad), which reads nothing: its row is zeros. A row starts on 16 bytes (the
+        caches and their block strides do: `V4Pages`)."""
+        if MASKED:
+            valid = entries >= 0
+            entries = gl.maximum(entries, 0)
+        else:
+            pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+            valid = pos < split_end
+            entries = gl.where((entries < 0) | (entries >= num_cache_blocks), 0, entries)
         extra = entries >= extra_first_slot
         slot = gl.where(extra, entries - extra_first_slot, entries)
         block = (slot // V4_PAGE).to(gl.int64)
@@ -1423,7 +1472,7 @@ if gluon is not None:
         words = gl.where(extra, Extra_words, KV_words)
         data = words + gl.multiple_of((base + offset * _V4_DATA_BYTES) >> 2, 4)
         scales = words + ((base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES) >> 2)
-        return data, scales, pos < split_end
+        return data, scales, valid
 
     @gluon.jit
     def _v4_piece_load(data, scales, valid, layout: gl.constexpr):
@@ -1448,13 +1497,13 @@ if gluon is not None:
 
     @gluon.jit
     def _v4_quarter(entries, start, split_end, src, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                    V4_PAGE: gl.constexpr, layout: gl.constexpr):
+                    V4_PAGE: gl.constexpr, layout: gl.constexpr, MASKED: gl.constexpr = False):
         """The rows of tile positions [start + FIRST, start + FIRST + PIECE) loaded (`_v4_rows`, `_v4_piece_load`);
         src: (the two caches as int32 words, num_cache_blocks, extra_first_slot, their block strides)."""
         KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block = src
         data, scales, valid = _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks,
                                        extra_first_slot, stride_kv_block, stride_extra_block, FIRST, PIECE, V4_PAGE,
-                                       layout)
+                                       layout, MASKED)
         return _v4_piece_load(data, scales, valid, layout)
 
     @gluon.jit
@@ -1485,10 +1534,18 @@ if gluon is not None:
         rows.slice(2 * _V4_LATENT_WORDS + 16, 16, dim=1).store(piece[8])
 
     @gluon.jit
+    def _v4_entries_store(tile_entries, e0, e1, e2, e3, PIECE: gl.constexpr):
+        """A tile's entries, four pieces, into its row of the entries ring (`_ws_load_v4`)."""
+        tile_entries.slice(0, PIECE).store(e0)
+        tile_entries.slice(PIECE, PIECE).store(e1)
+        tile_entries.slice(2 * PIECE, PIECE).store(e2)
+        tile_entries.slice(3 * PIECE, PIECE).store(e3)
+
+    @gluon.jit
     def _ws_load_v4(
         kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end, num_tiles,
         num_cache_blocks, stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lists=None, V4_LISTS: gl.constexpr = False, entries_smem=None,
     ):
         """DeepSeek-V4 tiles (fp8_ds_mla_v4: in a block of V4_PAGE tokens each token's 448 e4m3 values and 64
         bfloat16 rotary values, 576 bytes, then the tokens' seven UE8M0 scales and a pad byte each) of one or
@@ -1498,7 +1555,11 @@ if gluon is not None:
         ahead of the one stored (each row's address waits on its own entry: a tile's rows are gathered and the
         loader waits on the memory's latency, so as many rows as its registers hold are in flight), the entries
         two tiles ahead; the scale bytes come with their rows. Needs rows on 16-byte boundaries and a bfloat16
-        query."""
+        query. V4_LISTS: the entries are the index lists themselves (`_v4_list_entries`; `lists` from
+        `_v4_list_args`), a row that does not count read as zeros, and each tile's entries go to
+        `entries_smem` [2 x STAGES, BLOCK_N] (tile t's at t % (2 x STAGES), written while tile t - 1 is stored:
+        tile t + 1 - 2 x STAGES, their last reader, is done by then), where the softmax partition reads which
+        positions count and whether one is bad (no list read there: its registers hold the accumulator)."""
         gl.static_assert(BLOCK_N == 64, "the V4 loader takes 64-token tiles in four 16-row quarters")
         gl.static_assert(KV_LORA_RANK == 512, "V4 rows are 512 values wide")
         gl.static_assert(_V4_LATENT_WORDS == 112 and _V4_GROUP_VALUES == 64,
@@ -1511,40 +1572,44 @@ if gluon is not None:
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         Extra_words = Extra_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         src = (KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block)
-        e0 = _ds_entries(block_table_row, split_start, split_end, 0, P, 1, layout)
-        e1 = _ds_entries(block_table_row, split_start, split_end, 16, P, 1, layout)
-        e2 = _ds_entries(block_table_row, split_start, split_end, 32, P, 1, layout)
-        e3 = _ds_entries(block_table_row, split_start, split_end, 48, P, 1, layout)
+        e0 = _v4_entries(block_table_row, lists, split_start, split_end, 0, P, layout, V4_LISTS)
+        e1 = _v4_entries(block_table_row, lists, split_start, split_end, 16, P, layout, V4_LISTS)
+        e2 = _v4_entries(block_table_row, lists, split_start, split_end, 32, P, layout, V4_LISTS)
+        e3 = _v4_entries(block_table_row, lists, split_start, split_end, 48, P, layout, V4_LISTS)
         # the next tile's entries, loaded before this tile's rows are
-        n0 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 0, P, 1, layout)
-        n1 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 16, P, 1, layout)
-        n2 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 32, P, 1, layout)
-        n3 = _ds_entries(block_table_row, split_start + BLOCK_N, split_end, 48, P, 1, layout)
-        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout)
-        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout)
-        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout)
-        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout)
+        n0 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 0, P, layout, V4_LISTS)
+        n1 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 16, P, layout, V4_LISTS)
+        n2 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 32, P, layout, V4_LISTS)
+        n3 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 48, P, layout, V4_LISTS)
+        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout, V4_LISTS)
+        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout, V4_LISTS)
+        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout, V4_LISTS)
+        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout, V4_LISTS)
+        if V4_LISTS:
+            _v4_entries_store(entries_smem.index(0), e0, e1, e2, e3, P)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             nxt = start + BLOCK_N
             # the entries of the tile after the next: the next tile's rows, loaded below, wait on no load
             after = nxt + BLOCK_N
-            m0 = _ds_entries(block_table_row, after, split_end, 0, P, 1, layout)
-            m1 = _ds_entries(block_table_row, after, split_end, 16, P, 1, layout)
-            m2 = _ds_entries(block_table_row, after, split_end, 32, P, 1, layout)
-            m3 = _ds_entries(block_table_row, after, split_end, 48, P, 1, layout)
+            m0 = _v4_entries(block_table_row, lists, after, split_end, 0, P, layout, V4_LISTS)
+            m1 = _v4_entries(block_table_row, lists, after, split_end, 16, P, layout, V4_LISTS)
+            m2 = _v4_entries(block_table_row, lists, after, split_end, 32, P, layout, V4_LISTS)
+            m3 = _v4_entries(block_table_row, lists, after, split_end, 48, P, layout, V4_LISTS)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
+            if V4_LISTS:  # the next tile's entries (see above)
+                _v4_entries_store(entries_smem.index((tile + 1) % (2 * STAGES)), n0, n1, n2, n3, P)
             # each quarter stored, then the next tile's same quarter loaded into its registers
             _v4_piece_store(kv_words, a, 0, P)
-            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout)
+            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout, V4_LISTS)
             _v4_piece_store(kv_words, b, 16, P)
-            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout)
+            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout, V4_LISTS)
             _v4_piece_store(kv_words, c, 32, P)
-            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout)
+            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout, V4_LISTS)
             _v4_piece_store(kv_words, q3, 48, P)
-            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout)
+            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout, V4_LISTS)
             n0 = m0
             n1 = m1
             n2 = m2
@@ -1731,6 +1796,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
         TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, v4_args=None,
+        V4_LISTS: gl.constexpr = False, v4_lists=None,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1765,9 +1831,13 @@ if gluon is not None:
                 _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK), TMA,
             )
         elif V4_PAGE > 0:
+            lists = None
+            if V4_LISTS:
+                lists = _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks)
             _ws_load_v4(
                 kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
+                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES, lists, V4_LISTS,
+                ds_scales,
             )
         elif KV_cache.dtype.element_ty == gl.uint8:
             _ws_load_ds_mla(
@@ -1801,7 +1871,8 @@ if gluon is not None:
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
         stride_extra_block=0, QK_ROPE: gl.constexpr = True, Sink=None, HAS_SINK: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, V4_LISTS: gl.constexpr = False, Extra_table=None, stride_extra_t=0, v4_topk=0,
+        Topk_length=None, Extra_topk_length=None,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
@@ -1810,12 +1881,17 @@ if gluon is not None:
         V4_PAGE > 0: DeepSeek-V4 rows (fp8_ds_mla_v4, pages of V4_PAGE tokens) of KV_cache and Extra_cache read
         in place (`_ws_load_v4`), the block table's entries slots of both (those >= extra_first_slot the second
         cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide.
+        V4_LISTS: the table is the first index list itself (v4_topk wide; -1 no token, entries past
+        Topk_length[batch] do not count), followed by the second (Extra_table, its rows stride_extra_t apart,
+        Extra_topk_length), both read as they are (`_v4_list_entries`): Seq_lens holds both widths' sum.
         QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
         product is skipped. HAS_SINK (DIRECT_OUTPUT): the output times exp(lse) / (exp(lse) + exp(Sink[head]))
         (Sink float32 [num_heads]), the LSE without it. PDL: launched by programmatic dependent launch
         (`launch.pdl_constexprs`): the shared memory and barriers set up, then the wait on the kernel before."""
         if V4_PAGE > 0:
-            gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot, compacted")
+            gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot")
+        else:
+            gl.static_assert(not V4_LISTS, "V4_LISTS reads V4 rows (V4_PAGE > 0)")
         if MASKED_ENTRIES:
             gl.static_assert(PAGE_SIZE == 1, "entries of -1 are tokens of one-token pages")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
@@ -1886,8 +1962,10 @@ if gluon is not None:
         q_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_done, count=1)
         # an fp8_ds_mla cache: a tile's row scales as bfloat16 pairs, per 128-value group, two tiles
+        # (V4_LISTS: each stage's entries, `_ws_load_v4`)
         ds_scales = gl.allocate_shared_memory(
-            gl.int32, [2, 4 * BLOCK_N] if (KV_cache.dtype.element_ty == gl.uint8 and V4_PAGE == 0) else [1, 1],
+            gl.int32, [2, 4 * BLOCK_N] if (KV_cache.dtype.element_ty == gl.uint8 and V4_PAGE == 0) else
+            [2 * STAGES, BLOCK_N] if V4_LISTS else [1, 1],
             gl.SwizzledSharedLayout(1, 1, 1, [0]),
         )
         bufs = (
@@ -1910,14 +1988,16 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK, V4_LISTS)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES,
                             KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES, V4_PAGE,
-                            (Extra_cache, extra_first_slot, stride_extra_block))),
+                            (Extra_cache, extra_first_slot, stride_extra_block), V4_LISTS,
+                            (Extra_table, stride_extra_t, v4_topk, Topk_length, Extra_topk_length,
+                             extra_first_slot))),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
@@ -2016,11 +2096,13 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
                              tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True,
-                             sink: bool = False, pdl: dict | None = None) -> dict:
+                             sink: bool = False, pdl: dict | None = None, v4_lists: bool = False) -> dict:
     extra = {**(pdl or {}), "maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm",
              "RAW_STAGES": config.raw_stages, "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
+    if v4_lists:
+        extra["V4_LISTS"] = True
     if not qk_rope:
         extra["QK_ROPE"] = False
     if sink:
@@ -2043,8 +2125,11 @@ def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config
     )
 
 
-# the V4 split kernel's arguments passed by name: the second cache, its first slot, its block stride in bytes
+# the V4 split kernel's arguments passed by name: the second cache, its first slot, its block stride in bytes; and
+# where the index lists are read as they are (V4_LISTS), the second list, its row stride, the first list's width
+# and both lists' lengths
 V4_KEYWORDS = ("Extra_cache", "extra_first_slot", "stride_extra_block")
+V4_LIST_KEYWORDS = ("Extra_table", "stride_extra_t", "v4_topk", "Topk_length", "Extra_topk_length")
 
 
 def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
@@ -2055,23 +2140,26 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
-                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None):
+                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None, v4_lists: bool = False):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
     that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
-    rotary part is zero and its product is skipped. sink (direct only): the sink applied to the output (`Sink`
+    rotary part is zero and its product is skipped. v4_lists: the V4 index lists read as they are (V4_LISTS;
+    `V4_LIST_KEYWORDS` passed by name too). sink (direct only): the sink applied to the output (`Sink`
     passed by name at every call). pdl: `launch.pdl_constexprs` of the device ({} or None: a plain launch)."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl,
+        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl, v4_lists=v4_lists,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
+    if v4_lists:
+        names += V4_LIST_KEYWORDS
     if sink:
         names += ("Sink",)
     return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok
