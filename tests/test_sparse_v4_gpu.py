@@ -297,3 +297,36 @@ def test_flashmla_backend_v4_prefill_replays_from_a_cuda_graph(monkeypatch):
         want = mm.ops.mla_sparse_prefill_v4(q.double().cpu(), kv.double().cpu(), indices.cpu(), WIDTH ** -0.5,
                                             topk_length=lengths.cpu(), attn_sink=sink.cpu(), backend="REFERENCE")
         assert _rel(result["out"], want) < 1e-2
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_flashmla_backend_v4_decode_bad_indices_in_either_list_give_nan_rows_and_the_flag(heads):
+    """Both lists sanitised by one launch (`SparseIndexPlan.sanitize_pair`): a bad index in the top-k list
+    (token 0, past its topk_length too: bad wherever it lies) or in the window (token 2) makes that token's rows
+    and LSE NaN and sets the flag, FlashMLA never reading it; the other tokens match REFERENCE."""
+    from mla_multi import errors
+    from mla_multi.backends.flashmla import FlashMLASparseDecodeImpl
+
+    _need_flashmla("sparse_decode", heads, "fp8_ds_mla_v4", "fp8_ds_mla_v4")
+    generator = torch.Generator().manual_seed(90 + heads)
+    cache, extra, q, indices, extra_indices, lengths, extra_lengths, sink = _decode_inputs(
+        generator, 4, 1, heads, 128, 64)
+    q, indices, extra_indices = q[:, 0], indices[:, 0].contiguous(), extra_indices[:, 0].contiguous()
+    indices[0, 127] = 8 * 64  # the cache's slot count, past token 0's topk_length
+    lengths[0] = 100
+    extra_indices[2, 3] = -5
+    errors.error_flag(q.device).zero_()
+    out, lse = FlashMLASparseDecodeImpl(heads, 448, 64, q.device).forward_v4(
+        q, cache, indices, WIDTH ** -0.5, kv_format="fp8_ds_mla_v4", topk_length=lengths, attn_sink=sink,
+        extra_kv=extra, extra_indices=extra_indices, extra_topk_length=extra_lengths,
+        extra_kv_format="fp8_ds_mla_v4")
+    torch.cuda.synchronize()
+    assert int(errors.error_flag(q.device)) & errors.SPARSE_INDEX
+    errors.error_flag(q.device).zero_()
+    for token in (0, 2):
+        assert bool(out[token].isnan().all()) and bool(lse[token].isnan().all())
+    good = [1, 3]
+    want, want_lse = _reference_decode(q[good].unsqueeze(1), cache, indices[good].unsqueeze(1), extra,
+                                       extra_indices[good].unsqueeze(1), lengths[good], extra_lengths[good], sink)
+    assert _rel(out[good], want[:, 0]) < 1e-2
+    _check_lse(lse[good], want_lse[:, 0])

@@ -384,44 +384,66 @@ def _padded(topk: int, multiple: int) -> int:
     return max(-(-topk // multiple), 1) * multiple
 
 
+def _padded_list(scratch, name: str, indices, topk: int, width: int):
+    """(the list as the sanitising launch reads it: rows of stride-1 entries, the copy FlashMLA reads where
+    topk is not a multiple of its tile: [T, width] whose tail stays -1, filled once; else None)."""
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    if width == topk:
+        return indices, None
+    return indices, scratch.full(name, (indices.shape[0], width), -1, torch.int32, indices.device)
+
+
 class _V4Segment:
-    """One index list of a V4 call: its bound sanitising launches and, where its length is not a multiple of
-    FlashMLA's tile, the padded copy FlashMLA reads (the tail -1, filled once)."""
+    """The index list of a V4 prefill: its bound sanitising launch and, where its length is not a multiple of
+    FlashMLA's tile, the padded copy FlashMLA reads (`_padded_list`)."""
 
     def __init__(self, tokens: int, topk: int, heads: int, device, *, decode: bool, has_length: bool,
-                 multiple: int, accumulate: bool = False) -> None:
+                 multiple: int) -> None:
         from mla_multi.kernels.sparse_indices import Scratch, SparseIndexPlan
 
         self.topk, self.width = topk, _padded(topk, multiple)
         self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=decode,
-                                          has_length=has_length, accumulate=accumulate)
+                                          has_length=has_length)
         self.scratch = Scratch()
 
-    def sanitize(self, indices, num_slots: int, topk_length, bad_rows=None):
-        """(the list FlashMLA reads [T, width], the tokens marked bad or None). A segment made with `accumulate`
-        ORs its marks into `bad_rows` (the other segment's): one launch a segment, nothing after them."""
-        if indices.stride(-1) != 1:
-            indices = indices.contiguous()
-        padded = None
-        if self.width != self.topk:  # the sanitising launch writes into the padded list, its tail -1 (filled once)
-            padded = self.scratch.full("padded", (indices.shape[0], self.width), -1, torch.int32, indices.device)
-        return self.index_plan.sanitize(indices, num_slots, topk_length, bad_rows=bad_rows, out=padded)
+    def sanitize(self, indices, num_slots: int, topk_length):
+        """(the list FlashMLA reads [T, width], the tokens marked bad or None)."""
+        indices, padded = _padded_list(self.scratch, "padded", indices, self.topk, self.width)
+        return self.index_plan.sanitize(indices, num_slots, topk_length, out=padded)
 
 
 class _V4DecodeCall:
-    """What a V4 decode of one layout keeps: both segments' index launches and FlashMLA's schedule (made by
-    the layout's first eager call, reused by every later call and graph capture)."""
+    """What a V4 decode of one layout keeps: the sanitising launch of both index lists (one launch,
+    `SparseIndexPlan.sanitize_pair`) and FlashMLA's schedule (made by the layout's first eager call, reused by
+    every later call and graph capture)."""
 
     def __init__(self, tokens: int, heads: int, topk: int, extra_topk: int | None, device, *, has_length: bool,
                  has_extra_length: bool, legacy: bool) -> None:
-        self.main = _V4Segment(tokens, topk, heads, device, decode=True, has_length=has_length,
-                               multiple=TOPK_MULTIPLE["sparse_decode"])
-        self.extra = None if extra_topk is None else _V4Segment(
-            tokens, extra_topk, heads, device, decode=True, has_length=has_extra_length,
-            multiple=TOPK_MULTIPLE["sparse_decode"], accumulate=True)
+        from mla_multi.kernels.sparse_indices import Scratch, SparseIndexPlan
+
+        multiple = TOPK_MULTIPLE["sparse_decode"]
+        self.topk, self.width = topk, _padded(topk, multiple)
+        self.extra_topk = extra_topk
+        self.extra_width = None if extra_topk is None else _padded(extra_topk, multiple)
+        self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=True,
+                                          has_length=has_length,
+                                          second=None if extra_topk is None else (extra_topk, has_extra_length))
+        self.scratch = Scratch()
         self.device = device
         self.legacy = legacy
         self.schedule_meta = None  # FlashMLA's FlashMLASchedMeta, filled by its first (eager) call
+
+    def sanitize(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length):
+        """(the top-k list FlashMLA reads [T, width], the window's or None, the tokens marked bad)."""
+        indices, padded = _padded_list(self.scratch, "padded", indices, self.topk, self.width)
+        if self.extra_topk is None:
+            clean, bad_rows = self.index_plan.sanitize(indices, num_slots, topk_length, out=padded)
+            return clean, None, bad_rows
+        extra_indices, extra_padded = _padded_list(self.scratch, "extra padded", extra_indices, self.extra_topk,
+                                                   self.extra_width)
+        return self.index_plan.sanitize_pair(indices, num_slots, topk_length, extra_indices, extra_slots,
+                                             extra_topk_length, out=padded, second_out=extra_padded)
 
     def schedule(self, module):
         """The kept schedule, or a new one: kept when made outside a graph capture (a capture's schedule
@@ -549,10 +571,10 @@ class _V4DecodeLaunch:
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
         call = self.call
-        clean, bad_rows = call.main.sanitize(indices, self.num_slots, topk_length)
+        clean, extra_clean, bad_rows = call.sanitize(indices, self.num_slots, topk_length, extra_indices,
+                                                     self.extra_slots, extra_topk_length)
         extra = {}
         if extra_kv is not None:
-            extra_clean, bad_rows = call.extra.sanitize(extra_indices, self.extra_slots, extra_topk_length, bad_rows)
             extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
         if self.q_copy:
             q = q.contiguous()
@@ -567,7 +589,7 @@ class _V4DecodeLaunch:
         )
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
-        call.main.index_plan.finish(bad_rows, out, lse)
+        call.index_plan.finish(bad_rows, out, lse)
         return out, lse
 
 

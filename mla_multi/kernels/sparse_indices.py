@@ -30,14 +30,9 @@ _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
 
 @triton.jit
-def _sanitize_indices_kernel(
-    Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
-    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, ACCUMULATE: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    if PDL:
-        pdl_enter()
-    token = tl.program_id(0)
+def _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_t, stride_out_t, BLOCK: tl.constexpr,
+                   BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr):
+    """One token's list sanitised into Out; 1 where it holds a bad index (BAD_IS_ERROR), else 0."""
     count = topk
     if HAS_LENGTH:
         count = tl.load(Topk_length + token)
@@ -50,12 +45,28 @@ def _sanitize_indices_kernel(
         if BAD_IS_ERROR:
             any_bad = any_bad | (mask & (idx != -1) & outside).to(tl.int32)
         tl.store(Out + token * stride_out_t + offs, tl.where(outside | (offs >= count), -1, idx), mask=mask)
+    return tl.max(any_bad, axis=0)
+
+
+@triton.jit
+def _sanitize_indices_kernel(
+    Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
+    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, PDL: tl.constexpr = False,
+    SECOND: tl.constexpr = False, Indices2=None, Out2=None, Topk_length2=None, num_slots2=0, topk2=0,
+    stride_in2_t=0, stride_out2_t=0, HAS_LENGTH2: tl.constexpr = False,
+):
+    """Program `token`: its list sanitised (and SECOND: its second list, DeepSeek-V4's window segment, in the
+    same program); Bad_rows[token] = whether either holds a bad index (BAD_IS_ERROR)."""
+    if PDL:
+        pdl_enter()
+    token = tl.program_id(0)
+    bad = _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_t, stride_out_t, BLOCK,
+                         BAD_IS_ERROR, HAS_LENGTH)
+    if SECOND:
+        bad = bad | _sanitize_list(Indices2, Out2, Topk_length2, token, num_slots2, topk2, stride_in2_t,
+                                   stride_out2_t, BLOCK, BAD_IS_ERROR, HAS_LENGTH2)
     if BAD_IS_ERROR:
-        bad = tl.max(any_bad, axis=0)
-        if ACCUMULATE:  # a second list of the same tokens: its marks join the first one's
-            tl.store(Bad_rows + token, (tl.load(Bad_rows + token) | bad).to(tl.int8))
-        else:
-            tl.store(Bad_rows + token, bad.to(tl.int8))
+        tl.store(Bad_rows + token, bad.to(tl.int8))
         if bad > 0:
             tl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR)
 
@@ -258,6 +269,24 @@ _BLOCK = 1024
 _LIST_BLOCK = 4096
 
 
+# the second list's arguments of `_sanitize_indices_kernel` (a plan made with `second`), passed by name
+_PAIR_KEYWORDS = ("Indices2", "Out2", "Topk_length2", "num_slots2", "topk2", "stride_in2_t", "stride_out2_t")
+
+
+def _sanitized(indices, num_slots: int, topk_length, out):
+    """`SparseIndexPlan.sanitize`'s contract in PyTorch (CPU tensors): (the clean list, its tokens holding a
+    bad index, bool [T])."""
+    outside = (indices < 0) | (indices >= num_slots)
+    past = torch.zeros_like(outside)
+    if topk_length is not None:
+        past = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) >= topk_length.unsqueeze(1)
+    clean = torch.where(outside | past, torch.full_like(indices, -1), indices)
+    if out is not None:
+        out[:, :clean.shape[1]].copy_(clean)
+        clean = out
+    return clean, (outside & (indices != -1)).any(dim=-1)
+
+
 def _list_launch(topk: int) -> dict:
     """The index-list kernels' block (the whole list up to `_LIST_BLOCK` entries) and warps."""
     block = min(_LIST_BLOCK, max(16, triton.next_power_of_2(topk)))
@@ -271,64 +300,82 @@ class SparseIndexPlan:
     LSE some kernels leave for a token with nothing to attend to into -inf."""
 
     def __init__(self, tokens: int, topk: int, heads: int, row_width: int, device: torch.device, *,
-                 bad_is_error: bool, has_length: bool, accumulate: bool = False) -> None:
+                 bad_is_error: bool, has_length: bool, second: tuple[int, bool] | None = None) -> None:
         from mla_multi.kernels.launch import BoundLaunch, pdl_constexprs
 
         self.tokens, self.topk, self.heads, self.row_width = tokens, topk, heads, row_width
         self.device = device
         self.bad_is_error = bad_is_error
         self.has_length = has_length
-        self.accumulate = accumulate  # `sanitize` ORs its marks into the bad_rows it is given (a second list)
+        # (topk, has_length) of a second list of the same tokens (`sanitize_pair`: one launch for both), or None
+        self.second = second
         self.gpu = device.type == "cuda"
         self.scratch = Scratch()  # the sanitised copy and the marks, reused by eager calls
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             pdl = pdl_constexprs(device)
+            pair = {} if second is None else dict(SECOND=True, HAS_LENGTH2=second[1])
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
-                dict(_list_launch(topk), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length,
-                     ACCUMULATE=bad_is_error and accumulate, **pdl), device)
+                dict(_list_launch(max(topk, 0 if second is None else second[0])), BAD_IS_ERROR=bad_is_error,
+                     HAS_LENGTH=has_length, **pair, **pdl),
+                device, keyword_names=() if second is None else _PAIR_KEYWORDS)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
                 dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
                      num_warps=4, **pdl), device)
 
     def sanitize(self, indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None = None, *,
-                 bad_rows: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                 out: torch.Tensor | None = None):
         """(indices with every out-of-contract entry and every entry past topk_length -1, bad_rows or None).
 
-        A plan made with `accumulate` ORs its marks into `bad_rows` (another list's of the same tokens) and
-        returns it; `out` [T, >= topk] int32 (rows of stride >= topk, last stride 1) receives the list in its
-        first topk columns instead of the plan's scratch."""
-        if self.accumulate and self.bad_is_error and bad_rows is None:
-            raise ValueError("bad_rows=None; a plan made with accumulate=True ORs into another list's bad_rows")
+        `out` [T, >= topk] int32 (rows of stride >= topk, last stride 1) receives the list in its first topk
+        columns instead of the plan's scratch."""
+        if self.second is not None:
+            raise ValueError("a plan made with a second list sanitises both at once: sanitize_pair")
+        clean, _, bad_rows = self._run(indices, num_slots, topk_length, out, None)
+        return clean, bad_rows
+
+    def sanitize_pair(self, indices, num_slots: int, topk_length, second_indices, second_num_slots: int,
+                      second_topk_length, *, out=None, second_out=None):
+        """Both lists of a plan made with `second`, in one launch: (the first clean, the second clean, bad_rows
+        or None), bad_rows marking a token whose either list holds a bad index; `out` / `second_out` as
+        `sanitize`'s."""
+        if self.second is None:
+            raise ValueError("a plan made without a second list: sanitize")
+        return self._run(indices, num_slots, topk_length, out,
+                         (second_indices, second_num_slots, second_topk_length, second_out))
+
+    def _run(self, indices, num_slots, topk_length, out, second):
         if not self.gpu:  # the same contract in PyTorch (CPU tensors, tests)
-            outside = (indices < 0) | (indices >= num_slots)
-            past = torch.zeros_like(outside)
-            if topk_length is not None:
-                past = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) >= topk_length.unsqueeze(1)
-            clean = torch.where(outside | past, torch.full_like(indices, -1), indices)
-            if out is not None:
-                out[:, :clean.shape[1]].copy_(clean)
-                clean = out
+            clean, bad = _sanitized(indices, num_slots, topk_length, out)
+            second_clean = None
+            if second is not None:
+                second_clean, second_bad = _sanitized(second[0], second[1], second[2], second[3])
+                bad = bad | second_bad
             if not self.bad_is_error:
-                return clean, None
-            bad = (outside & (indices != -1)).any(dim=-1)
+                return clean, second_clean, None
             errors.error_flag(indices.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
-            if self.accumulate:
-                bad_rows.bitwise_or_(bad.to(torch.int8))
-                return clean, bad_rows
-            return clean, bad.to(torch.int8)
+            return clean, second_clean, bad.to(torch.int8)
         clean = out if out is not None else self.scratch.get("clean", (self.tokens, self.topk), torch.int32,
                                                              self.device)
-        if not self.bad_is_error:
-            bad_rows = clean
-        elif not self.accumulate:
-            bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device)
+        bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device) if self.bad_is_error else clean
+        second_clean = None
         if self.tokens:
-            self._sanitize(indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
-                           self.topk, indices.stride(0), clean.stride(0))
-        return clean, (bad_rows if self.bad_is_error else None)
+            args = (indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
+                    self.topk, indices.stride(0), clean.stride(0))
+            if second is None:
+                self._sanitize(*args)
+            else:
+                second_indices, second_num_slots, second_length, second_clean = second
+                if second_clean is None:
+                    second_clean = self.scratch.get("second clean", (self.tokens, self.second[0]), torch.int32,
+                                                    self.device)
+                self._sanitize(*args, Indices2=second_indices, Out2=second_clean,
+                               Topk_length2=second_length if self.second[1] else second_clean,
+                               num_slots2=second_num_slots, topk2=self.second[0], stride_in2_t=second_indices.stride(0),
+                               stride_out2_t=second_clean.stride(0))
+        return clean, second_clean, (bad_rows if self.bad_is_error else None)
 
     def finish(self, bad_rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
         """out [T, N, width] and lse [T, N] (contiguous rows) in place."""
@@ -353,15 +400,22 @@ def compile_specs(platform) -> list:
     for bad_is_error in (True, False):
         signature = {"Indices": "*i32", "Out": "*i32", "Bad_rows": "*i8", "Error_flag": "*i32", "Topk_length": "*i32",
                      "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
-                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr",
-                     "ACCUMULATE": "constexpr"}
-        # the decode's second list (DeepSeek-V4's window segment) ORs its marks into the first one's
-        for accumulate in ((False, True) if bad_is_error else (False,)):
+                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
+        # the decode's two lists in one launch (DeepSeek-V4: top-k 512 and the window segment)
+        for pair in ((False, True) if bad_is_error else (False,)):
+            pair_signature = dict(signature, PDL="constexpr", SECOND="constexpr", HAS_LENGTH2="constexpr")
+            constexprs = {"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True, "PDL": False,
+                          "SECOND": pair, "HAS_LENGTH2": pair}
+            for name, kind in (("Indices2", "*i32"), ("Out2", "*i32"), ("Topk_length2", "*i32"), ("num_slots2", "i32"),
+                               ("topk2", "i32"), ("stride_in2_t", "i32"), ("stride_out2_t", "i32")):
+                if pair:
+                    pair_signature[name] = kind
+                else:
+                    pair_signature[name] = "constexpr"
+                    constexprs[name] = None if kind.startswith("*") else 0
             specs.append(CompileSpec(
-                name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',accumulate' if accumulate else ''}]",
-                fn=_sanitize_indices_kernel, signature=signature,
-                constexprs={"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True,
-                            "ACCUMULATE": accumulate},
+                name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',two lists' if pair else ''}]",
+                fn=_sanitize_indices_kernel, signature=pair_signature, constexprs=constexprs,
                 options={"num_warps": list_2048["num_warps"]},
                 divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
             ))
