@@ -102,18 +102,16 @@ def _reads_v4_in_place() -> bool:
     return not ds_mla_decode_reason(current_platform())
 
 
-@pytest.mark.parametrize("way", ["lists", "compacted"])
 @pytest.mark.parametrize("extra", ["fp8_ds_mla_v4", None])
 @pytest.mark.parametrize("heads", [16, 64, 128])
-def test_decode_in_place_matches_reference_and_the_gathered_rows(monkeypatch, extra, heads, way):
-    """Caches of one page size: read in place on sm_90 (the V4 loader of the warp-specialised kernel), the index
-    lists read as they are or compacted first (`_lists_as_they_are` forced), the same answer as REFERENCE in
-    float64 and as the rows gathered first (`read_v4_in_place = False`): -1 entries, entries past topk_length,
-    duplicates, empty tokens, the sink."""
+def test_decode_in_place_matches_reference_and_the_gathered_rows(monkeypatch, extra, heads):
+    """Caches of one page size: read in place on sm_90 (the V4 loader of the warp-specialised kernel reading the
+    index lists as they are), the same answer as REFERENCE in float64 and as the rows gathered first
+    (`read_v4_in_place = False`): -1 entries, entries past topk_length, duplicates, empty tokens, the sink; 40
+    tokens (two splits at 128 heads, one at 16 and 64)."""
     from mla_multi.backends.triton import TritonSparseDecodeImpl
 
     _skip_without_fp8("fp8_ds_mla_v4")
-    monkeypatch.setattr(TritonSparseDecodeImpl, "_lists_as_they_are", lambda self, q: way == "lists")
     q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", extra, heads, 40, 1,
                                                                     seed=50 + heads, extra_block_size=64)
     impl = TritonSparseDecodeImpl(heads, 448, 64, "cuda")
@@ -193,8 +191,8 @@ def test_repeated_eager_calls_run_one_bound_launch_on_new_tensors(main):
         launches.add(id(plan.launch))
     assert len(launches) == 1 and plan.launch is not None
     if main == "fp8_ds_mla_v4" and torch.cuda.get_device_capability() == (9, 0):
-        # read in place, a batch this small from the index lists as they are: the dense kernels alone
-        assert type(plan.launch).__name__ == "_V4InPlaceLaunch" and plan.launch.compaction is None
+        # read in place through the index lists as they are: the dense kernels alone
+        assert type(plan.launch).__name__ == "_V4InPlaceLaunch"
 
 
 @pytest.mark.parametrize("heads", [64, 128])
@@ -220,13 +218,11 @@ def test_prefill_matches_reference(heads):
     _check(out, lse, want, want_lse)
 
 
-@pytest.mark.parametrize("way", ["lists", "compacted"])
-def test_bad_indices_without_the_data_checks_give_nan_rows_and_the_flag(monkeypatch, way):
+def test_bad_indices_without_the_data_checks_give_nan_rows_and_the_flag():
     from mla_multi import errors
     from mla_multi.backends.triton import TritonSparseDecodeImpl
 
     _skip_without_fp8("fp8_ds_mla_v4")
-    monkeypatch.setattr(TritonSparseDecodeImpl, "_lists_as_they_are", lambda self, q: way == "lists")
     gen = torch.Generator().manual_seed(30)
     cache, _ = _cache("fp8_ds_mla_v4", 2, 64, gen)
     q = torch.randn(4, 64, 512, generator=gen).to(torch.bfloat16).cuda()

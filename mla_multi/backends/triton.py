@@ -461,8 +461,7 @@ class _SparseThroughDense(MLASparseImpl):
         if v4 is not None:
             from mla_multi.heuristics import gathered_tile_splits
 
-            # the entries a token's row holds: the compacted table's width, or both index lists'
-            width = v4.lists[0] + v4.lists[1] if v4.lists else table.shape[1]
+            width = v4.lists[0] + v4.lists[1]  # the entries a token's row holds: both index lists'
             num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, width)
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
@@ -570,47 +569,34 @@ class _SparseInPlaceLaunch:
 
 class _V4InPlaceLaunch:
     """TRITON's V4 sparse decode of one layout over fp8_ds_mla_v4 caches read in place
-    (`TritonSparseDecodeImpl.bind_v4`): the way, the slots of both caches and the dense kernels' launch decided
-    once. While the batch is small (`_lists_as_they_are`) the kernels read both index lists and their lengths as
-    they are (`V4Pages.lists`): a call launches the dense kernels and nothing else; past that each call first
-    compacts the entries that count into a table (one launch, `sparse_v4.ListCompaction`)."""
+    (`TritonSparseDecodeImpl.bind_v4`): the slots of both caches and the dense kernels' launch decided once; a
+    call launches the dense kernels, which read both index lists and their lengths as they are (`V4Pages`: no
+    compaction launch; lists of consecutive entries, as the ops pass them), and nothing else."""
 
     def __init__(self, impl: "TritonSparseDecodeImpl", q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
                  extra_topk_length) -> None:
         from mla_multi.kernels.mla_decode import V4Pages
-        from mla_multi.kernels.sparse_v4 import ListCompaction
 
         self.impl = impl
-        tokens, heads, _ = q.shape
+        tokens = q.shape[0]
         topk, extra_topk = indices.shape[1], 0 if extra_indices is None else extra_indices.shape[1]
-        self.as_they_are = impl._lists_as_they_are(q) and all(
-            t is None or t.stride(-1) == 1 for t in (indices, topk_length, extra_indices, extra_topk_length))
-        self.table_shape = (tokens, max(topk + extra_topk, 1))
+        self.width = max(topk + extra_topk, 1)
         self.lens_shape = (tokens,)
         num_slots = kv.shape[0] * kv.shape[1]
         extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
-        table, lens = self._lists(q.device, indices)
-        self.compaction = None
-        if not self.as_they_are:
-            self.compaction = ListCompaction(indices, topk_length, num_slots, extra_indices, extra_topk_length,
-                                             extra_slots, table, bad_is_error=True)
         self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
         self.q_pe = None
-        lists = (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)) if self.as_they_are else None
         v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
-                     kv.stride(0) if extra_kv is None else extra_kv.stride(0), lists)
-        self.dense = impl._dense_launch("v4 in place", q, self._zero_rope(q), kv, table, lens, None, v4=v4,
-                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
+                     kv.stride(0) if extra_kv is None else extra_kv.stride(0),
+                     (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)))
+        self.dense = impl._dense_launch("v4 in place", q, self._zero_rope(q), kv, indices, self._lens(q.device), None,
+                                        v4=v4, min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT,
+                                        sink=_sink_rows(attn_sink))
 
-    def _lists(self, device, indices):
-        """(table, lens) of this call: the first index list itself and both lists' width for every token, or the
-        compaction's scratch."""
-        scratch = self.impl._scratch
-        if self.as_they_are:
-            width = self.table_shape[1]
-            return indices, scratch.constant(f"v4 full lengths {width}", self.lens_shape, width, torch.int32, device)
-        return (scratch.get("v4 table", self.table_shape, torch.int32, device),
-                scratch.get("v4 lens", self.lens_shape, torch.int32, device))
+    def _lens(self, device):
+        """Both lists' width for every token (the kernels' sequence lengths)."""
+        return self.impl._scratch.constant(f"v4 full lengths {self.width}", self.lens_shape, self.width, torch.int32,
+                                           device)
 
     def _zero_rope(self, q):
         """The query's zero rotary part (`_zero_rope`), its view kept once made outside a capture."""
@@ -623,16 +609,10 @@ class _V4InPlaceLaunch:
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
-        table, lens = self._lists(q.device, indices)
-        lists = None
-        if self.compaction is not None:
-            self.compaction(indices, topk_length, extra_indices, extra_topk_length, table, lens)
-        else:
-            lists = (extra_indices, topk_length, extra_topk_length)
         if self.sink_copy:
             attn_sink = attn_sink.contiguous()
-        return self.dense(q, self._zero_rope(q), kv, table, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink,
-                          lists=lists)
+        return self.dense(q, self._zero_rope(q), kv, indices, self._lens(q.device), scale, extra_cache=extra_kv,
+                          attn_sink=attn_sink, lists=(extra_indices, topk_length, extra_topk_length))
 
 
 class TritonSparseDecodeImpl(_SparseThroughDense):
@@ -672,9 +652,8 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
     def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
         """The V4 contract (`MLASparseImpl.forward_v4`). fp8_ds_mla_v4 caches on sm_90 (`_v4_in_place_reason`):
-        each token's entries that count compacted into a table of slots of both caches (one launch,
-        `sparse_v4.ListCompaction`), which the warp-specialised kernel's V4 loader reads in place
-        (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout). Elsewhere every
+        the warp-specialised kernel's V4 loader reads both index lists as they are and the rows they name in
+        place (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout; no launch but the dense kernels'). Elsewhere every
         token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`) into its stretch
         of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
         from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows

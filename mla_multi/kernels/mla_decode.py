@@ -567,24 +567,22 @@ def _is_power_of_two(value: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class V4Pages:
     """DeepSeek-V4 caches (``fp8_ds_mla_v4``, uint8 [num_blocks, page_size, 584] whose block stride is the
-    padded block: `mla_multi.cache_formats`) read in place by the sm_90 warp-specialised kernel: the main
-    cache is the plan's ``kv_cache``, an optional second one (the same page size) is passed to each launch as
-    ``extra_cache``. The block table's entries are slots of both (``block * page_size + offset``; the second
-    cache's offset by ``first_extra_slot``, the main cache's slot count) and ``seq_lens`` counts them; the
-    query is 512 wide (``q_pe``: 64 columns the kernel does not read). Both caches start on 16 bytes (their
-    blocks do, being multiples of 576 bytes): the loader's row addresses are known multiples of 16.
-
-    ``lists`` (topk, extra_topk, the second list's row stride): the index lists read as they are, not a
-    compacted table: the block table is the first list [B, topk] itself (-1 no token), each launch passes
-    the second list and both lengths (``lists=`` of `DecodeKernelPlan.launch`: entries past a token's
-    topk_length do not count; one outside [-1, its cache's slots) makes the token's rows NaN and sets
-    `errors.SPARSE_INDEX`), and ``seq_lens`` holds topk + extra_topk for every token."""
+    padded block: `mla_multi.cache_formats`) read in place by the sm_90 warp-specialised kernel through the
+    sparse index lists as they are: the main cache is the plan's ``kv_cache``, an optional second one (the
+    same page size) is passed to each launch as ``extra_cache``; the block table is the first index list [B,
+    topk] itself (slots ``block * page_size + offset`` of the main cache, -1 no token), each launch passes the
+    second list (slots of the second cache) and both lengths (``lists=`` of `DecodeKernelPlan.launch`: entries
+    past a token's topk_length do not count; one outside [-1, its cache's slots) makes the token's rows NaN
+    and sets `errors.SPARSE_INDEX`); ``seq_lens`` holds topk + extra_topk for every token. ``lists``: (topk,
+    extra_topk, the second list's row stride). The query is 512 wide (``q_pe``: 64 columns the kernel does not
+    read). Both caches start on 16 bytes (their blocks do, being multiples of 576 bytes): the loader's row
+    addresses are known multiples of 16."""
 
     page_size: int
-    first_extra_slot: int
+    first_extra_slot: int  # the main cache's slot count
     num_slots: int  # both caches'
     extra_block_stride: int  # bytes
-    lists: tuple[int, int, int] | None = None
+    lists: tuple[int, int, int]
 
 
 def _check_inputs(
@@ -750,8 +748,8 @@ def mla_decode_fwd(
             makes the request's rows NaN and sets `errors.SPARSE_INDEX`.
         v4: DeepSeek-V4 pages read in place on sm_90 (`V4Pages`): kv_cache the main ``fp8_ds_mla_v4``
             cache, ``extra_cache`` the second (default: none, the main cache stands in), q_nope [B, N, 512].
-        lists: (extra_indices, topk_length, extra_topk_length), each a tensor or None, where ``v4.lists``
-            reads the index lists as they are (block_table the first list).
+        lists: (extra_indices, topk_length, extra_topk_length), each a tensor or None, with ``v4`` (block_table
+            the first index list).
         zero_rope: q_pe is zero (V4 rows laid out as 576-wide ones with a zero tail): the sm_90
             warp-specialised kernels skip its product (the others compute it: the same result).
         attn_sink: float32 [N] on q's device, an attention sink per head: out *= exp(lse) / (exp(lse) +
@@ -845,12 +843,11 @@ class DecodeKernelPlan:
             o_strides = (out.stride(0), out.stride(1), out.stride(2))
             lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
         self.has_k_scale = k_scale is not None
-        # V4 pages: the table names slots, one-token pages of both caches (or is the first of the index lists)
+        # V4 pages: the table is the first index list, both lists' entries the rows
         self.int_args = (
             num_heads,
             num_kv_splits,
-            (v4.lists[0] + v4.lists[1]) if v4 is not None and v4.lists else
-            block_table.shape[1] * (1 if v4 is not None else kv_cache.shape[1]),
+            (v4.lists[0] + v4.lists[1]) if v4 is not None else block_table.shape[1] * kv_cache.shape[1],
             v4.num_slots if v4 is not None else kv_cache.shape[0],
             *qn_strides,
             *qp_strides,
@@ -940,7 +937,6 @@ class DecodeKernelPlan:
                 qk_rope=not zero_rope,
                 sink=self.split_sink,
                 pdl=pdl,
-                v4_lists=v4 is not None and v4.lists is not None,
             )
         else:
             self.split = BoundLaunch(
@@ -993,8 +989,8 @@ class DecodeKernelPlan:
                extra_cache=None, attn_sink=None, lists=None) -> None:
         """Run the plan on tensors with the plan's key (writes `out` and `lse`); `extra_cache`: V4 pages' second
         cache (`V4Pages`); `attn_sink`: float32 [heads] (a plan made with `sink`): out *= exp(lse) / (exp(lse) +
-        exp(sink)) per head, the LSE without it; `lists`: (extra_indices, topk_length, extra_topk_length), each
-        a tensor or None, where `V4Pages.lists` reads the index lists as they are."""
+        exp(sink)) per head, the LSE without it; `lists`: V4 pages' (extra_indices, topk_length,
+        extra_topk_length), each a tensor or None."""
         split = self.split
         if split is None:
             return
@@ -1006,13 +1002,12 @@ class DecodeKernelPlan:
         )
         v4 = self.v4
         if v4 is not None:
-            if v4.lists is not None:  # a missing list or length: the first list, seq_lens (clamped to the width)
-                extra_indices, topk_length, extra_topk_length = lists or (None, None, None)
-                keywords.update(
-                    Extra_table=block_table if extra_indices is None else extra_indices, stride_extra_t=v4.lists[2],
-                    v4_topk=v4.lists[0], Topk_length=seq_lens if topk_length is None else topk_length,
-                    Extra_topk_length=seq_lens if extra_topk_length is None else extra_topk_length)
-            split(*args, Extra_cache=kv_cache if extra_cache is None else extra_cache,
+            # a missing list or length: the first list, seq_lens (a length is clamped to its list's width)
+            extra_indices, topk_length, extra_topk_length = lists or (None, None, None)
+            split(*args, Extra_table=block_table if extra_indices is None else extra_indices,
+                  stride_extra_t=v4.lists[2], v4_topk=v4.lists[0],
+                  Topk_length=seq_lens if topk_length is None else topk_length,
+                  Extra_topk_length=seq_lens if extra_topk_length is None else extra_topk_length, Extra_cache=kv_cache if extra_cache is None else extra_cache,
                   extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride, **keywords)
         elif self.tma:
             from mla_multi.kernels.mla_decode_wgmma import tma_keywords
@@ -1132,11 +1127,11 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
         signature["Extra_cache"] = "constexpr"
     signature["extra_first_slot"] = "i32"
     signature["stride_extra_block"] = "i32"
-    # the V4 index lists read as they are (`V4Pages.lists`): the second list, its stride, the first list's width,
-    # both lengths, passed by name; absent elsewhere
+    # the V4 index lists (`V4Pages`): the second list, its stride, the first list's width, both lengths, passed by
+    # name; absent elsewhere
     for arg, kind in (("Extra_table", "*i32"), ("stride_extra_t", "i32"), ("v4_topk", "i32"), ("Topk_length", "*i32"),
                       ("Extra_topk_length", "*i32")):
-        if constexprs.get("V4_LISTS"):
+        if constexprs["V4_PAGE"]:
             signature[arg] = kind
         else:
             constexprs[arg] = None if kind.startswith("*") else 0
@@ -1246,19 +1241,17 @@ def compile_specs(platform) -> list[CompileSpec]:
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla,page={page_size},"
                         f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
-            # DeepSeek-V4 rows in pages of 64 read in place (`V4Pages`: the table names slots, or the index lists
-            # are read as they are), launched by programmatic dependent launch as sm_90 launches them
-            for direct, lists in ((False, False), (True, False), (False, True), (True, True)):
+            # DeepSeek-V4 rows in pages of 64 read in place through the index lists (`V4Pages`), launched by
+            # programmatic dependent launch as sm_90 launches them
+            for direct in (False, True):
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
                     "HAS_SINK": direct,  # V4's sink: applied by the kernel writing the output (else the reduce)
                     "PDL": True,
                 }
-                if lists:
-                    constexprs["V4_LISTS"] = True
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
-                        f"{'direct' if direct else 'partial'}{',lists' if lists else ''},pdl]")
+                        f"{'direct' if direct else 'partial'},pdl]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
     for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):

@@ -782,7 +782,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, QK_ROPE: gl.constexpr = True,
-        Sink=None, HAS_SINK: gl.constexpr = False, V4_LISTS: gl.constexpr = False,
+        Sink=None, HAS_SINK: gl.constexpr = False,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
         V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused; so too
@@ -884,23 +884,20 @@ if gluon is not None:
             if MASKED_ENTRIES:
                 tile_bad, keep = _tile_entries(block_table_row, start, split_end, num_cache_blocks, BLOCK_N, tokens_s)
                 bad_block = bad_block | tile_bad
-            elif V4_PAGE > 0:
-                # V4 tables are compacted slots, checked where they are made (a token with a bad index has
-                # seq_len past its row: NaN rows)
-                pass
-            else:
+            elif V4_PAGE == 0:  # (V4 index lists: checked by the loader, below)
                 bad_block = bad_block | _tile_bad_block(
                     block_table_row, start, split_end, num_cache_blocks, PAGE_SIZE, BLOCK_N, tokens_s
                 )
             s = _ws_qk(q_smem, qpe_smem, k_stages, kpe_stages, k_ready, tile, K_STAGES, ROWS_AS_M, s_shape, s_layout,
                        QK_ROPE and V4_PAGE == 0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if V4_LISTS:
-                # the V4 index lists read as they are: the entries the loader stored (`_ws_load_v4`), a bad one makes the token's rows NaN, one that does not count is no score
+            if V4_PAGE > 0:
+                # the V4 index lists: the entries the loader stored (`_ws_load_v4`); a bad one makes the token's
+                # rows NaN, one that does not count is no score
                 tile_entries = ds_scales.index(tile % (2 * K_STAGES)).load(tokens_s)
                 keep = tile_entries >= 0
                 bad_block = bad_block | (gl.min(tile_entries, 0) < -1)
-            if MASKED_ENTRIES or V4_LISTS:  # a -1 entry's score (of the zeros the loader wrote) is no score
+            if MASKED_ENTRIES or V4_PAGE > 0:  # a -1 entry's score (of the zeros the loader wrote) is no score
                 if ROWS_AS_M:
                     s = gl.where(keep[None, :], s, float("-inf"))
                 else:
@@ -916,7 +913,7 @@ if gluon is not None:
                 ROWS_AS_M, FP8_QK, o_layout, rows_o, not PV_WHOLE, FP8_PV,
             )
 
-        gl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR if (MASKED_ENTRIES or V4_LISTS) else _BLOCK_INDEX_ERROR,
+        gl.atomic_or(Error_flag, _SPARSE_INDEX_ERROR if (MASKED_ENTRIES or V4_PAGE > 0) else _BLOCK_INDEX_ERROR,
                      mask=bad_block)
         gl.atomic_or(Error_flag, _SEQ_RANGE_ERROR, mask=bad_seq_len)
         if not ROWS_AS_M:
@@ -1411,7 +1408,7 @@ if gluon is not None:
 
     @gluon.jit
     def _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks):
-        """V4_LISTS (the index lists read as they are, `_v4_list_entries`): this token's row of the second list
+        """The V4 index lists (read as they are, `_v4_list_entries`): this token's row of the second list
         (less the first list's width, so that a list position addresses it), the first list's width, where
         the entries that count end in each list (topk_length clamped to [0, width]: list positions) and the
         caches' slot counts. v4_lists: (Extra_table, stride_extra_t, the first list's width, Topk_length,
@@ -1437,33 +1434,23 @@ if gluon is not None:
 
     @gluon.jit
     def _v4_entries(block_table_row, lists, start, split_end, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                    layout: gl.constexpr, V4_LISTS: gl.constexpr):
-        """The slots of tile positions [start + FIRST, start + FIRST + PIECE): the compacted table's entries, or
-        (V4_LISTS) the index lists' (`_v4_list_entries`: -1 where none counts, -2 where bad)."""
-        if V4_LISTS:
-            pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
-            return _v4_list_entries(block_table_row, lists, pos, split_end)
-        else:
-            return _ds_entries(block_table_row, start, split_end, FIRST, PIECE, 1, layout)
+                    layout: gl.constexpr):
+        """The slots of tile positions [start + FIRST, start + FIRST + PIECE) in the index lists
+        (`_v4_list_entries`: -1 where none counts, -2 where bad)."""
+        pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
+        return _v4_list_entries(block_table_row, lists, pos, split_end)
 
     @gluon.jit
     def _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
                  stride_kv_block, stride_extra_block, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                 V4_PAGE: gl.constexpr, layout: gl.constexpr, MASKED: gl.constexpr = False):
+                 V4_PAGE: gl.constexpr, layout: gl.constexpr):
         """Word pointers of the data (576 bytes: 448 e4m3 values, 64 bfloat16 rotary values) and of the scales
-        (8 bytes in the block's tail) of tile positions [start + FIRST, start + FIRST + PIECE), and whether
-        they lie before split_end. The entries are slots of both caches (those >= extra_first_slot the second
-        cache's, less extra_first_slot); one outside [0, num_cache_blocks) reads slot 0 (the softmax partition
-        flags it). MASKED (the index lists read as they are, `_v4_list_entries`): an entry is a slot, or negative
-        (none counts there, or bad), which reads nothing: its row is zeros. A row starts on 16 bytes (the
-        caches and their block strides do: `V4Pages`)."""
-        if MASKED:
-            valid = entries >= 0
-            entries = gl.maximum(entries, 0)
-        else:
-            pos = start + FIRST + gl.arange(0, PIECE, layout=gl.SliceLayout(1, layout))
-            valid = pos < split_end
-            entries = gl.where((entries < 0) | (entries >= num_cache_blocks), 0, entries)
+        (8 bytes in the block's tail) of tile positions [start + FIRST, start + FIRST + PIECE), and which to
+        read. The entries (`_v4_list_entries`) are slots of both caches (those >= extra_first_slot the second
+        cache's, less extra_first_slot), or negative (none counts there, or bad), which reads nothing: its row
+        is zeros. A row starts on 16 bytes (the caches and their block strides do: `V4Pages`)."""
+        valid = entries >= 0
+        entries = gl.maximum(entries, 0)
         extra = entries >= extra_first_slot
         slot = gl.where(extra, entries - extra_first_slot, entries)
         block = (slot // V4_PAGE).to(gl.int64)
@@ -1497,13 +1484,13 @@ if gluon is not None:
 
     @gluon.jit
     def _v4_quarter(entries, start, split_end, src, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                    V4_PAGE: gl.constexpr, layout: gl.constexpr, MASKED: gl.constexpr = False):
+                    V4_PAGE: gl.constexpr, layout: gl.constexpr):
         """The rows of tile positions [start + FIRST, start + FIRST + PIECE) loaded (`_v4_rows`, `_v4_piece_load`);
         src: (the two caches as int32 words, num_cache_blocks, extra_first_slot, their block strides)."""
         KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block = src
         data, scales, valid = _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks,
                                        extra_first_slot, stride_kv_block, stride_extra_block, FIRST, PIECE, V4_PAGE,
-                                       layout, MASKED)
+                                       layout)
         return _v4_piece_load(data, scales, valid, layout)
 
     @gluon.jit
@@ -1545,19 +1532,18 @@ if gluon is not None:
     def _ws_load_v4(
         kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end, num_tiles,
         num_cache_blocks, stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lists=None, V4_LISTS: gl.constexpr = False, entries_smem=None,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lists, entries_smem,
     ):
         """DeepSeek-V4 tiles (fp8_ds_mla_v4: in a block of V4_PAGE tokens each token's 448 e4m3 values and 64
         bfloat16 rotary values, 576 bytes, then the tokens' seven UE8M0 scales and a pad byte each) of one or
-        two caches, named by the block table's entries (slots, `_v4_rows`), into the bfloat16 stages both
+        two caches, named by the index lists' entries (slots, `_v4_entries`, `_v4_rows`; `lists` from
+        `_v4_list_args`; a row that does not count read as zeros), into the bfloat16 stages both
         products read as the 512-wide V4 row [448 latent | 64 rotary] (the query's rotary part is not used:
         QK reads the 512 columns, P V the same). 16-row quarters through the loader's registers, a whole tile
         ahead of the one stored (each row's address waits on its own entry: a tile's rows are gathered and the
         loader waits on the memory's latency, so as many rows as its registers hold are in flight), the entries
         two tiles ahead; the scale bytes come with their rows. Needs rows on 16-byte boundaries and a bfloat16
-        query. V4_LISTS: the entries are the index lists themselves (`_v4_list_entries`; `lists` from
-        `_v4_list_args`), a row that does not count read as zeros, and each tile's entries go to
-        `entries_smem` [2 x STAGES, BLOCK_N] (tile t's at t % (2 x STAGES), written while tile t - 1 is stored:
+        query. Each tile's entries go to `entries_smem` [2 x STAGES, BLOCK_N] (tile t's at t % (2 x STAGES), written while tile t - 1 is stored:
         tile t + 1 - 2 x STAGES, their last reader, is done by then), where the softmax partition reads which
         positions count and whether one is bad (no list read there: its registers hold the accumulator)."""
         gl.static_assert(BLOCK_N == 64, "the V4 loader takes 64-token tiles in four 16-row quarters")
@@ -1572,44 +1558,43 @@ if gluon is not None:
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         Extra_words = Extra_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         src = (KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block)
-        e0 = _v4_entries(block_table_row, lists, split_start, split_end, 0, P, layout, V4_LISTS)
-        e1 = _v4_entries(block_table_row, lists, split_start, split_end, 16, P, layout, V4_LISTS)
-        e2 = _v4_entries(block_table_row, lists, split_start, split_end, 32, P, layout, V4_LISTS)
-        e3 = _v4_entries(block_table_row, lists, split_start, split_end, 48, P, layout, V4_LISTS)
+        e0 = _v4_entries(block_table_row, lists, split_start, split_end, 0, P, layout)
+        e1 = _v4_entries(block_table_row, lists, split_start, split_end, 16, P, layout)
+        e2 = _v4_entries(block_table_row, lists, split_start, split_end, 32, P, layout)
+        e3 = _v4_entries(block_table_row, lists, split_start, split_end, 48, P, layout)
         # the next tile's entries, loaded before this tile's rows are
-        n0 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 0, P, layout, V4_LISTS)
-        n1 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 16, P, layout, V4_LISTS)
-        n2 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 32, P, layout, V4_LISTS)
-        n3 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 48, P, layout, V4_LISTS)
-        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout, V4_LISTS)
-        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout, V4_LISTS)
-        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout, V4_LISTS)
-        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout, V4_LISTS)
-        if V4_LISTS:
-            _v4_entries_store(entries_smem.index(0), e0, e1, e2, e3, P)
+        n0 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 0, P, layout)
+        n1 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 16, P, layout)
+        n2 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 32, P, layout)
+        n3 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 48, P, layout)
+        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout)
+        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout)
+        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout)
+        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout)
+        _v4_entries_store(entries_smem.index(0), e0, e1, e2, e3, P)
         for tile in range(num_tiles):
             slot = tile % STAGES
             start = split_start + tile * BLOCK_N
             nxt = start + BLOCK_N
             # the entries of the tile after the next: the next tile's rows, loaded below, wait on no load
             after = nxt + BLOCK_N
-            m0 = _v4_entries(block_table_row, lists, after, split_end, 0, P, layout, V4_LISTS)
-            m1 = _v4_entries(block_table_row, lists, after, split_end, 16, P, layout, V4_LISTS)
-            m2 = _v4_entries(block_table_row, lists, after, split_end, 32, P, layout, V4_LISTS)
-            m3 = _v4_entries(block_table_row, lists, after, split_end, 48, P, layout, V4_LISTS)
+            m0 = _v4_entries(block_table_row, lists, after, split_end, 0, P, layout)
+            m1 = _v4_entries(block_table_row, lists, after, split_end, 16, P, layout)
+            m2 = _v4_entries(block_table_row, lists, after, split_end, 32, P, layout)
+            m3 = _v4_entries(block_table_row, lists, after, split_end, 48, P, layout)
             kv_words = _as_words(kv_smem.index(slot), [BLOCK_N, KV_LORA_RANK // 2], words_layout)
             mbarrier.wait(empty_bars.index(slot), ((tile // STAGES) & 1) ^ 1)
-            if V4_LISTS:  # the next tile's entries (see above)
-                _v4_entries_store(entries_smem.index((tile + 1) % (2 * STAGES)), n0, n1, n2, n3, P)
+            # the next tile's entries (see above)
+            _v4_entries_store(entries_smem.index((tile + 1) % (2 * STAGES)), n0, n1, n2, n3, P)
             # each quarter stored, then the next tile's same quarter loaded into its registers
             _v4_piece_store(kv_words, a, 0, P)
-            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout, V4_LISTS)
+            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, b, 16, P)
-            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout, V4_LISTS)
+            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, c, 32, P)
-            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout, V4_LISTS)
+            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout)
             _v4_piece_store(kv_words, q3, 48, P)
-            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout, V4_LISTS)
+            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout)
             n0 = m0
             n1 = m1
             n2 = m2
@@ -1796,7 +1781,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
         TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, v4_args=None,
-        V4_LISTS: gl.constexpr = False, v4_lists=None,
+        v4_lists=None,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1831,13 +1816,10 @@ if gluon is not None:
                 _query_parked(RAW_STAGES, BLOCK_H, KV_LORA_RANK), TMA,
             )
         elif V4_PAGE > 0:
-            lists = None
-            if V4_LISTS:
-                lists = _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks)
             _ws_load_v4(
                 kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES, lists, V4_LISTS,
-                ds_scales,
+                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
+                _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks), ds_scales,
             )
         elif KV_cache.dtype.element_ty == gl.uint8:
             _ws_load_ds_mla(
@@ -1871,27 +1853,25 @@ if gluon is not None:
         RAW_STAGES: gl.constexpr = 0, TMA: gl.constexpr = False, KV_desc=None, KV_pe_desc=None,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
         stride_extra_block=0, QK_ROPE: gl.constexpr = True, Sink=None, HAS_SINK: gl.constexpr = False,
-        PDL: gl.constexpr = False, V4_LISTS: gl.constexpr = False, Extra_table=None, stride_extra_t=0, v4_topk=0,
-        Topk_length=None, Extra_topk_length=None,
+        PDL: gl.constexpr = False, Extra_table=None, stride_extra_t=0, v4_topk=0, Topk_length=None,
+        Extra_topk_length=None,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
         ROWS_AS_M: the query rows as the MMA's M (64 rows) instead of the cache tokens. MASKED_ENTRIES
         (fp8_ds_mla pages of one token): a block-table entry -1 is no token, masked, not an error.
         V4_PAGE > 0: DeepSeek-V4 rows (fp8_ds_mla_v4, pages of V4_PAGE tokens) of KV_cache and Extra_cache read
-        in place (`_ws_load_v4`), the block table's entries slots of both (those >= extra_first_slot the second
-        cache's, whose blocks lie stride_extra_block bytes apart) and PAGE_SIZE 1; the query 512 wide.
-        V4_LISTS: the table is the first index list itself (v4_topk wide; -1 no token, entries past
-        Topk_length[batch] do not count), followed by the second (Extra_table, its rows stride_extra_t apart,
-        Extra_topk_length), both read as they are (`_v4_list_entries`): Seq_lens holds both widths' sum.
+        in place (`_ws_load_v4`) through both index lists as they are (`_v4_list_entries`): the block table is
+        the first list (v4_topk wide, slots of KV_cache, -1 no token, entries past Topk_length[batch] do not
+        count), Extra_table the second (its rows stride_extra_t apart, slots of Extra_cache, whose blocks lie
+        stride_extra_block bytes apart, Extra_topk_length), Seq_lens both widths' sum and PAGE_SIZE 1; the
+        query 512 wide.
         QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
         product is skipped. HAS_SINK (DIRECT_OUTPUT): the output times exp(lse) / (exp(lse) + exp(Sink[head]))
         (Sink float32 [num_heads]), the LSE without it. PDL: launched by programmatic dependent launch
         (`launch.pdl_constexprs`): the shared memory and barriers set up, then the wait on the kernel before."""
         if V4_PAGE > 0:
             gl.static_assert(PAGE_SIZE == 1 and not MASKED_ENTRIES, "V4 rows are named slot by slot")
-        else:
-            gl.static_assert(not V4_LISTS, "V4_LISTS reads V4 rows (V4_PAGE > 0)")
         if MASKED_ENTRIES:
             gl.static_assert(PAGE_SIZE == 1, "entries of -1 are tokens of one-token pages")
         gl.static_assert(num_warps == 4, "the warp-specialised decode kernel's default partition is one warpgroup")
@@ -1962,10 +1942,10 @@ if gluon is not None:
         q_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_done, count=1)
         # an fp8_ds_mla cache: a tile's row scales as bfloat16 pairs, per 128-value group, two tiles
-        # (V4_LISTS: each stage's entries, `_ws_load_v4`)
+        # (V4 pages: each tile's entries, `_ws_load_v4`)
         ds_scales = gl.allocate_shared_memory(
             gl.int32, [2, 4 * BLOCK_N] if (KV_cache.dtype.element_ty == gl.uint8 and V4_PAGE == 0) else
-            [2 * STAGES, BLOCK_N] if V4_LISTS else [1, 1],
+            [2 * STAGES, BLOCK_N] if V4_PAGE > 0 else [1, 1],
             gl.SwizzledSharedLayout(1, 1, 1, [0]),
         )
         bufs = (
@@ -1988,14 +1968,14 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK, V4_LISTS)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
                 (_ws_load, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                             BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M, RAW_STAGES,
                             KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES, V4_PAGE,
-                            (Extra_cache, extra_first_slot, stride_extra_block), V4_LISTS,
+                            (Extra_cache, extra_first_slot, stride_extra_block),
                             (Extra_table, stride_extra_t, v4_topk, Topk_length, Extra_topk_length,
                              extra_first_slot))),
             ],
@@ -2096,13 +2076,11 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
                              tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True,
-                             sink: bool = False, pdl: dict | None = None, v4_lists: bool = False) -> dict:
+                             sink: bool = False, pdl: dict | None = None) -> dict:
     extra = {**(pdl or {}), "maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm",
              "RAW_STAGES": config.raw_stages, "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
-    if v4_lists:
-        extra["V4_LISTS"] = True
     if not qk_rope:
         extra["QK_ROPE"] = False
     if sink:
@@ -2125,11 +2103,10 @@ def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config
     )
 
 
-# the V4 split kernel's arguments passed by name: the second cache, its first slot, its block stride in bytes; and
-# where the index lists are read as they are (V4_LISTS), the second list, its row stride, the first list's width
-# and both lists' lengths
-V4_KEYWORDS = ("Extra_cache", "extra_first_slot", "stride_extra_block")
-V4_LIST_KEYWORDS = ("Extra_table", "stride_extra_t", "v4_topk", "Topk_length", "Extra_topk_length")
+# the V4 split kernel's arguments passed by name: the second cache, its first slot, its block stride in bytes, the
+# second index list, its row stride, the first list's width and both lists' lengths
+V4_KEYWORDS = ("Extra_cache", "extra_first_slot", "stride_extra_block", "Extra_table", "stride_extra_t", "v4_topk",
+               "Topk_length", "Extra_topk_length")
 
 
 def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
@@ -2140,26 +2117,24 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
-                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None, v4_lists: bool = False):
+                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
     (`mla_decode.eager_tma`: small eager launches). masked_entries: block-table entries -1 are no token
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
     that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
-    rotary part is zero and its product is skipped. v4_lists: the V4 index lists read as they are (V4_LISTS;
-    `V4_LIST_KEYWORDS` passed by name too). sink (direct only): the sink applied to the output (`Sink`
+    rotary part is zero and its product is skipped. sink (direct only): the sink applied to the output (`Sink`
     passed by name at every call). pdl: `launch.pdl_constexprs` of the device ({} or None: a plain launch)."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl, v4_lists=v4_lists,
+        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
-    if v4_lists:
-        names += V4_LIST_KEYWORDS
+
     if sink:
         names += ("Sink",)
     return BoundLaunch(ws_split_kernel, grid, constexprs, device, keyword_names=names), tma_ok

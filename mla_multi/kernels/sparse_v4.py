@@ -334,50 +334,29 @@ def gather_rows(indices, topk_length, cache, fmt: str, extra_indices, extra_topk
            block_size, stride_block, stride_token, *extra_args, width, rows.stride(0))
 
 
-class ListCompaction:
-    """`compact_lists` bound to one layout (the lists', their lengths', the table's), decided once: calling it
-    with lists of that layout launches the compaction and nothing else."""
-
-    __slots__ = ("launch", "flag", "ints", "has_length", "has_extra", "has_extra_length")
-
-    def __init__(self, indices, topk_length, num_slots: int, extra_indices, extra_topk_length, extra_num_slots: int,
-                 table: torch.Tensor, *, bad_is_error: bool = False) -> None:
-        tokens, topk = indices.shape
-        extra_topk = 0 if extra_indices is None else extra_indices.shape[1]
-        self.has_length = topk_length is not None
-        self.has_extra = extra_indices is not None
-        self.has_extra_length = extra_topk_length is not None
-        grid = (tokens, max(1, triton.cdiv(topk + extra_topk, _COMPACT_ROWS)))
-        constexprs = dict(
-            ROWS=_COMPACT_ROWS, SCAN=_SCAN, FORMAT=0, EXTRA_FORMAT=0, HAS_LENGTH=self.has_length,
-            HAS_EXTRA=self.has_extra, HAS_EXTRA_LENGTH=self.has_extra_length, GATHER=False, BAD_IS_ERROR=bad_is_error,
-            WIDTH=WIDTH, ROPE_DIM=ROPE_DIM, COLS=_GATHER_COLS, num_warps=4,
-        )
-        self.launch = bound_by_layout(_gather_rows_kernel, grid, constexprs, indices.device,
-                                      ("compact", layout_key(indices), _optional_key(topk_length),
-                                       _optional_key(extra_indices), _optional_key(extra_topk_length),
-                                       layout_key(table), bad_is_error))
-        self.flag = errors.error_flag(indices.device)
-        self.ints = (topk, extra_topk, num_slots, extra_num_slots, indices.stride(0),
-                     0 if extra_indices is None else extra_indices.stride(0), 1, 0, 0, 1, 0, 0, table.shape[1], 0)
-
-    def __call__(self, indices, topk_length, extra_indices, extra_topk_length, table, lens) -> None:
-        self.launch(indices, topk_length if self.has_length else lens, extra_indices if self.has_extra else indices,
-                    extra_topk_length if self.has_extra_length else lens, table, table, table, table, lens, self.flag,
-                    *self.ints)
-
-
 def compact_lists(indices, topk_length, num_slots: int, extra_indices, extra_topk_length, extra_num_slots: int, *,
-                  table: torch.Tensor, lens: torch.Tensor, bad_is_error: bool = False) -> None:
-    """Each token's entries that count, in list order, into its `table` row ([T, max(topk + extra_topk, 1)]
-    int32; the second segment's indices offset by num_slots) and their count into `lens`. Prefill (rows of the
-    padded scratch `pad_rows` writes): an index outside [0, num_slots) of its segment is no token. Decode
-    (`bad_is_error`, slots of the caches read in place): one outside [-1, num_slots) makes the token's count
-    W + 1 (the dense kernels then make its rows and LSE NaN) and sets `errors.SPARSE_INDEX`."""
-    if indices.shape[0] == 0:
+                  table: torch.Tensor, lens: torch.Tensor) -> None:
+    """The prefill's lists (rows of the padded scratch `pad_rows` writes): each token's entries that count, in
+    list order, into its `table` row ([T, max(topk + extra_topk, 1)] int32; the second segment's indices offset
+    by num_slots) and their count into `lens`; an index outside [0, num_slots) of its segment is no token. One
+    launch, bound once a layout."""
+    tokens, topk = indices.shape
+    if tokens == 0:
         return
-    ListCompaction(indices, topk_length, num_slots, extra_indices, extra_topk_length, extra_num_slots, table,
-                   bad_is_error=bad_is_error)(indices, topk_length, extra_indices, extra_topk_length, table, lens)
+    extra_topk = 0 if extra_indices is None else extra_indices.shape[1]
+    grid = (tokens, max(1, triton.cdiv(topk + extra_topk, _COMPACT_ROWS)))
+    constexprs = dict(
+        ROWS=_COMPACT_ROWS, SCAN=_SCAN, FORMAT=0, EXTRA_FORMAT=0, HAS_LENGTH=topk_length is not None,
+        HAS_EXTRA=extra_indices is not None, HAS_EXTRA_LENGTH=extra_topk_length is not None, GATHER=False,
+        BAD_IS_ERROR=False, WIDTH=WIDTH, ROPE_DIM=ROPE_DIM, COLS=_GATHER_COLS, num_warps=4,
+    )
+    launch = bound_by_layout(_gather_rows_kernel, grid, constexprs, indices.device,
+                             ("compact", layout_key(indices), _optional_key(topk_length), _optional_key(extra_indices),
+                              _optional_key(extra_topk_length), layout_key(table)))
+    launch(indices, lens if topk_length is None else topk_length, indices if extra_indices is None else extra_indices,
+           lens if extra_topk_length is None else extra_topk_length, table, table, table, table, lens,
+           errors.error_flag(indices.device), topk, extra_topk, num_slots, extra_num_slots, indices.stride(0),
+           0 if extra_indices is None else extra_indices.stride(0), 1, 0, 0, 1, 0, 0, table.shape[1], 0)
 
 
 def pad_rows(kv: torch.Tensor, extra_kv: torch.Tensor | None, rows: torch.Tensor) -> None:
@@ -436,13 +415,11 @@ def compile_specs(platform) -> list:
     signature.update({name: "constexpr" for name in ("ROWS", "SCAN", "FORMAT", "EXTRA_FORMAT", "HAS_LENGTH",
                                                      "HAS_EXTRA", "HAS_EXTRA_LENGTH", "GATHER", "BAD_IS_ERROR",
                                                      "WIDTH", "ROPE_DIM", "COLS")})
-    for phase, bad_is_error in (("prefill", False), ("decode", True)):
-        specs.append(CompileSpec(
-            name=f"v4_compact_lists[{phase}]", fn=_gather_rows_kernel, signature=signature,
-            constexprs=dict(common, ROWS=_COMPACT_ROWS, FORMAT=0, EXTRA_FORMAT=0, GATHER=False,
-                            BAD_IS_ERROR=bad_is_error),
-            options={"num_warps": 4}, divisible_by_16=("Indices", "Extra_indices", "Table", "stride_table_t"),
-        ))
+    specs.append(CompileSpec(
+        name="v4_compact_lists[prefill]", fn=_gather_rows_kernel, signature=signature,
+        constexprs=dict(common, ROWS=_COMPACT_ROWS, FORMAT=0, EXTRA_FORMAT=0, GATHER=False, BAD_IS_ERROR=False),
+        options={"num_warps": 4}, divisible_by_16=("Indices", "Extra_indices", "Table", "stride_table_t"),
+    ))
     specs.append(CompileSpec(
         name="v4_pad_rows[bf16]", fn=_pad_rows_kernel,
         signature={"Kv": "*bf16", "Extra_kv": "*bf16", "Rows": "*bf16", "count": "i32", "extra_count": "i32",
