@@ -295,25 +295,25 @@ SELECTION_RULES: tuple[SelectionRule, ...] = (
     ),
     _sm90_v4_triton(
         # 64 heads, top-k 512 + a 128 window, the sink applied by the kernels, captured µs TRITON / FLASHMLA:
-        # B = 1 16.5 / 18.7, 8 20.3 / 21.9, 16 24.7 / 26.7, 32 33.0 / 36.7, 48 40.0 / 45.5, 64 43.8 / 57.0,
-        # 128 57.8 / 61.3; top-k 2048: B = 64 85.0 / 98.6, 128 137.0 / 148.9. Every batch, so a layer built
-        # without one too
+        # B = 1 13.4 / 17.1, 8 18.5 / 20.0, 32 31.0 / 34.7, 64 41.9 / 54.0, 128 58.7 / 58.1 (the index lists read
+        # by the kernels); top-k 2048 (lists compacted first, before): B = 64 85.0 / 98.6, 128 137.0 / 148.9.
+        # Every batch, so a layer built without one too
         name="nvidia-sm90-v4-sparse-decode-64-heads",
         num_heads=(1, 64),
     ),
     _sm90_v4_triton(
-        # 128 heads, one token, with programmatic dependent launch (7c75284): TRITON 16.0 µs against FLASHMLA
-        # 16.6 (and 16.7-17.7 in the runs before); from 2 tokens FLASHMLA ahead: 2 18.7 / 17.5, 4 19.7 / 18.9,
-        # 8 22.7 / 21.2, 12 26.0 / 25.6, 16 29.5 / 27.7, 24 36.3 / 32.9
-        name="nvidia-sm90-v4-sparse-decode-128-heads-one-token",
+        # 128 heads, 1-12 tokens, the index lists read by the kernels (TRITON) and both lists sanitised in one
+        # launch (FLASHMLA), captured µs TRITON / FLASHMLA: 1 14.8 / 16.2, 2 17.6 / 17.0, 4 17.7 / 18.4, 8 20.9 /
+        # 20.6, 12 24.2 / 24.6 (within 4 % either way from 2 tokens; TRITON's eager call takes half FLASHMLA's host
+        # time: one launch pair against four); from 13 tokens FLASHMLA ahead: 16 27.8 / 26.6, 24 35.1 / 31.9
+        name="nvidia-sm90-v4-sparse-decode-128-heads-few-tokens",
         num_heads=(65, 128),
-        num_tokens=(1, 1),
+        num_tokens=(1, 12),
     ),
     _sm90_v4_triton(
         # 128 heads: two splits a token from 25 to 32 tokens (`heuristics.gathered_tile_splits`: one wave of
-        # 100-128 programs), B = 32 TRITON 41.1 µs against FLASHMLA 44.2; elsewhere FLASHMLA ahead or level
-        # (before programmatic dependent launch, which took TRITON ahead at one token: the rule above):
-        # B = 1 17.6 / 17.8, 8 22.4 / 22.4, 16 29.3 / 28.5, 48 52.5 / 43.0, 64 55.1 / 45.5, 128 98.0 / 77.3
+        # 100-128 programs), B = 32 TRITON 39.7 µs against FLASHMLA 42.0; from 33 tokens FLASHMLA ahead: 48 53.2
+        # / 41.2, 64 55.7 / 42.8, 128 101.0 / 73.7 (each 64-head program gathers the rows the other reads too)
         name="nvidia-sm90-v4-sparse-decode-128-heads-two-splits",
         num_heads=(65, 128),
         num_tokens=(25, 32),

@@ -145,8 +145,8 @@ def v4_rule_cases(phase: str):
     for the conditions the V4 rule looks at."""
     if phase not in ("sparse_decode", "sparse_prefill"):
         return
-    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (24, 25, 32, 33, 64), (True, False),
-                                                      ("fp8_ds_mla_v4", None)):
+    for heads, tokens, ds, extra in itertools.product(SP_HEADS, SP_TOKENS + (12, 13, 24, 25, 32, 33, 64),
+                                                      (True, False), ("fp8_ds_mla_v4", None)):
         label = f"V4 N{heads} T{tokens}{' in-place' if ds else ''}{' window' if extra else ''}"
         yield label, SparseSelectorConfig(MLADims.deepseek_v3(num_heads=heads), torch.bfloat16, torch.uint8, 512, 1,
                                           tokens, True, "fp8_ds_mla_v4", extra, True), {"ds": ds}
@@ -208,8 +208,8 @@ def test_the_flashmla_rule_is_the_only_change_from_64_tokens(kernels_flags):
 
 def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(kernels_flags):
     """V4 sparse decode over fp8_ds_mla_v4 caches: on sm_90, where TRITON reads them in place, TRITON ahead of
-    FLASHMLA at most 64 heads (every batch, none planned included) and at 128 heads at one planned token and
-    from 25 to 32 (measured faster there); everywhere else the platform's order."""
+    FLASHMLA at most 64 heads (every batch, none planned included) and at 128 heads from 1 to 12 planned tokens
+    and from 25 to 32 (measured faster or level there); everywhere else the platform's order."""
     moved = set()
     for label, config, flags in v4_rule_cases("sparse_decode"):
         kernels_flags(flags)
@@ -218,15 +218,15 @@ def test_the_v4_rules_put_triton_first_where_it_reads_in_place_and_is_faster(ker
             base = registry.default_registry.base_priority("sparse_decode", spec)
             heads, tokens = config.dims.num_heads, config.num_tokens
             if spec.arch == "sm_90" and flags["ds"] and (
-                    heads <= 64 or (tokens is not None and (tokens == 1 or 25 <= tokens <= 32))):
+                    heads <= 64 or (tokens is not None and (1 <= tokens <= 12 or 25 <= tokens <= 32))):
                 assert order.index("TRITON") < order.index("FLASHMLA"), (spec_name, label)
                 moved.add((spec_name, heads, tokens))
             else:
                 assert order == base, (spec_name, label)
     assert {(spec, heads) for spec, heads, _ in moved} == {
         ("H100", 32), ("H100", 64), ("H200", 32), ("H200", 64), ("H100", 128), ("H200", 128)}
-    assert {tokens for spec, heads, tokens in moved if heads == 128} == {1, 25, 32}
-    assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (24, 25, 32, 33, 64))
+    assert {tokens for spec, heads, tokens in moved if heads == 128} == {1, 2, 12, 25, 32}
+    assert {tokens for spec, heads, tokens in moved if heads == 64} == set(SP_TOKENS + (12, 13, 24, 25, 32, 33, 64))
 
 
 # --------------------------------------------------------------------------- the rules as data
