@@ -580,7 +580,7 @@ class _V4InPlaceLaunch:
         self.impl = impl
         tokens = q.shape[0]
         topk, extra_topk = indices.shape[1], 0 if extra_indices is None else extra_indices.shape[1]
-        self.width = max(topk + extra_topk, 1)
+        self.width = topk + extra_topk  # every token's sequence length (0: empty lists, nothing read)
         self.lens_shape = (tokens,)
         num_slots = kv.shape[0] * kv.shape[1]
         extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
@@ -653,9 +653,9 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
         """The V4 contract (`MLASparseImpl.forward_v4`). fp8_ds_mla_v4 caches on sm_90 (`_v4_in_place_reason`):
         the warp-specialised kernel's V4 loader reads both index lists as they are and the rows they name in
-        place (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout; no launch but the dense kernels'). Elsewhere every
-        token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`) into its stretch
-        of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
+        place (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout; no launch but the dense kernels').
+        Elsewhere every token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`)
+        into its stretch of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
         from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows
 
         tokens = q.shape[0]

@@ -1004,11 +1004,11 @@ class DecodeKernelPlan:
         if v4 is not None:
             # a missing list or length: the first list, seq_lens (a length is clamped to its list's width)
             extra_indices, topk_length, extra_topk_length = lists or (None, None, None)
-            split(*args, Extra_table=block_table if extra_indices is None else extra_indices,
-                  stride_extra_t=v4.lists[2], v4_topk=v4.lists[0],
-                  Topk_length=seq_lens if topk_length is None else topk_length,
-                  Extra_topk_length=seq_lens if extra_topk_length is None else extra_topk_length, Extra_cache=kv_cache if extra_cache is None else extra_cache,
-                  extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride, **keywords)
+            split(*args, Extra_cache=kv_cache if extra_cache is None else extra_cache,
+                  extra_first_slot=v4.first_extra_slot, stride_extra_block=v4.extra_block_stride,
+                  Extra_table=block_table if extra_indices is None else extra_indices, stride_extra_t=v4.lists[2],
+                  v4_topk=v4.lists[0], Topk_length=seq_lens if topk_length is None else topk_length,
+                  Extra_topk_length=seq_lens if extra_topk_length is None else extra_topk_length, **keywords)
         elif self.tma:
             from mla_multi.kernels.mla_decode_wgmma import tma_keywords
 
