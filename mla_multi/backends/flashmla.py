@@ -394,21 +394,21 @@ def _padded_list(scratch, name: str, indices, topk: int, width: int):
     return indices, scratch.full(name, (indices.shape[0], width), -1, torch.int32, indices.device)
 
 
-class _V4Segment:
+class _V4PrefillList:
     """The index list of a V4 prefill: its bound sanitising launch and, where its length is not a multiple of
     FlashMLA's tile, the padded copy FlashMLA reads (`_padded_list`)."""
 
-    def __init__(self, tokens: int, topk: int, heads: int, device, *, decode: bool, has_length: bool,
-                 multiple: int) -> None:
+    def __init__(self, tokens: int, topk: int, heads: int, device, *, has_length: bool) -> None:
         from mla_multi.kernels.sparse_indices import Scratch, SparseIndexPlan
 
-        self.topk, self.width = topk, _padded(topk, multiple)
-        self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=decode,
+        self.topk, self.width = topk, _padded(topk, TOPK_MULTIPLE["sparse_prefill"])
+        # (an index outside [0, S_kv) is no token in prefill: nothing marked)
+        self.index_plan = SparseIndexPlan(tokens, topk, heads, V4_WIDTH, device, bad_is_error=False,
                                           has_length=has_length)
         self.scratch = Scratch()
 
     def sanitize(self, indices, num_slots: int, topk_length):
-        """(the list FlashMLA reads [T, width], the tokens marked bad or None)."""
+        """(the list FlashMLA reads [T, width], None)."""
         indices, padded = _padded_list(self.scratch, "padded", indices, self.topk, self.width)
         return self.index_plan.sanitize(indices, num_slots, topk_length, out=padded)
 
@@ -709,9 +709,8 @@ class FlashMLASparsePrefillImpl(_SparseImpl):
                kv.shape[0], alignment_key(indices, topk_length), id(module))
         bound = self._bound
         if bound is None or bound[0] != key:
-            bound = self._bound = (key, _V4Segment(tokens, indices.shape[1], heads, q.device, decode=False,
-                                                   has_length=topk_length is not None,
-                                                   multiple=TOPK_MULTIPLE["sparse_prefill"]))
+            bound = self._bound = (key, _V4PrefillList(tokens, indices.shape[1], heads, q.device,
+                                                   has_length=topk_length is not None))
         segment = bound[1]
         clean, _ = segment.sanitize(indices, kv.shape[0], topk_length)
         # the kernel stops at each token's length (entries past it are -1 already); clamped, so that it never

@@ -542,6 +542,7 @@ class _SparseInPlaceLaunch:
         self.masked = topk_length is None and indices.stride(-1) == 1 and impl._lists_as_they_are(q_nope)
         self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
         self.compaction = None
+        self.full_lengths = None
         table, lens = self._lists(indices)
         if not self.masked and self.tokens:  # zero tokens: nothing to compact (the dense launch launches nothing)
             self.compaction = IndexCompaction(indices, num_slots, topk_length, table)
@@ -553,7 +554,14 @@ class _SparseInPlaceLaunch:
         """(table, lens) of this call: the lists themselves and their full lengths, or the compaction's scratch."""
         scratch, device = self.impl._scratch, indices.device
         if self.masked:
-            return indices, scratch.constant("full lengths", (self.tokens,), self.topk, torch.int32, device)
+            lens = self.full_lengths
+            if lens is None:  # made once, kept where made outside a CUDA-graph capture (`Scratch.constant`)
+                from mla_multi.kernels.mla_decode import capturing
+
+                lens = scratch.constant("full lengths", (self.tokens,), self.topk, torch.int32, device)
+                if not capturing(indices):
+                    self.full_lengths = lens
+            return indices, lens
         return (scratch.get("table", (self.tokens, max(self.topk, 1)), torch.int32, device),
                 scratch.get("lens", (self.tokens,), torch.int32, device))
 
@@ -585,34 +593,35 @@ class _V4InPlaceLaunch:
         num_slots = kv.shape[0] * kv.shape[1]
         extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
         self.sink_copy = attn_sink is not None and attn_sink.stride(0) != 1
-        self.q_pe = None
+        self.constants = None
         v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
                      kv.stride(0) if extra_kv is None else extra_kv.stride(0),
                      (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)))
-        self.dense = impl._dense_launch("v4 in place", q, self._zero_rope(q), kv, indices, self._lens(q.device), None,
-                                        v4=v4, min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT,
-                                        sink=_sink_rows(attn_sink))
+        q_pe, lens = self._constants(q)
+        self.dense = impl._dense_launch("v4 in place", q, q_pe, kv, indices, lens, None, v4=v4,
+                                        min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
 
-    def _lens(self, device):
-        """Both lists' width for every token (the kernels' sequence lengths)."""
-        return self.impl._scratch.constant(f"v4 full lengths {self.width}", self.lens_shape, self.width, torch.int32,
-                                           device)
+    def _constants(self, q):
+        """(the query's zero rotary part, `_zero_rope`; both lists' width for every token, the kernels' sequence
+        lengths): made once and kept where made outside a CUDA-graph capture (made inside one, that capture's)."""
+        kept = self.constants
+        if kept is None:
+            from mla_multi.kernels.mla_decode import capturing
 
-    def _zero_rope(self, q):
-        """The query's zero rotary part (`_zero_rope`), its view kept once made outside a capture."""
-        q_pe = self.q_pe
-        if q_pe is None:
-            q_pe = _zero_rope(self.impl._scratch, q)
-            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self.q_pe = q_pe
-        return q_pe
+            scratch = self.impl._scratch
+            kept = (_zero_rope(scratch, q), scratch.constant(f"v4 full lengths {self.width}", self.lens_shape,
+                                                              self.width, torch.int32, q.device))
+            if not capturing(q):
+                self.constants = kept
+        return kept
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
         if self.sink_copy:
             attn_sink = attn_sink.contiguous()
-        return self.dense(q, self._zero_rope(q), kv, indices, self._lens(q.device), scale, extra_cache=extra_kv,
-                          attn_sink=attn_sink, lists=(extra_indices, topk_length, extra_topk_length))
+        q_pe, lens = self._constants(q)
+        return self.dense(q, q_pe, kv, indices, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink,
+                          lists=(extra_indices, topk_length, extra_topk_length))
 
 
 class TritonSparseDecodeImpl(_SparseThroughDense):

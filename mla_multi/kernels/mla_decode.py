@@ -1111,40 +1111,23 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs.setdefault("HAS_SINK", False)
     for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE", "HAS_SINK"):
         signature[key] = "constexpr"
-    # the sink (`HAS_SINK`, one split) passed by name; absent elsewhere
+    # the arguments passed by name where they are used (the compile check leaves the others at their defaults,
+    # as a launch that does not pass them): the sink (`HAS_SINK`, one split); the V4 pages' second cache and
+    # index lists (`V4Pages`)
     if constexprs["HAS_SINK"]:
         signature["Sink"] = "*fp32"
-    else:
-        constexprs["Sink"] = None
-        signature["Sink"] = "constexpr"
-    # the V4 pages' second cache (`V4Pages`), passed by name; absent elsewhere
     divisible = _SPLIT_DIVISIBLE
     if constexprs["V4_PAGE"]:
-        signature["Extra_cache"] = "*u8"
+        signature |= {"Extra_cache": "*u8", "extra_first_slot": "i32", "stride_extra_block": "i32",
+                      "Extra_table": "*i32", "stride_extra_t": "i32", "v4_topk": "i32", "Topk_length": "*i32",
+                      "Extra_topk_length": "*i32"}
         divisible = divisible + ("Extra_cache",)
-    else:
-        constexprs["Extra_cache"] = None
-        signature["Extra_cache"] = "constexpr"
-    signature["extra_first_slot"] = "i32"
-    signature["stride_extra_block"] = "i32"
-    # the V4 index lists (`V4Pages`): the second list, its stride, the first list's width, both lengths, passed by
-    # name; absent elsewhere
-    for arg, kind in (("Extra_table", "*i32"), ("stride_extra_t", "i32"), ("v4_topk", "i32"), ("Topk_length", "*i32"),
-                      ("Extra_topk_length", "*i32")):
-        if constexprs["V4_PAGE"]:
-            signature[arg] = kind
-        else:
-            constexprs[arg] = None if kind.startswith("*") else 0
-            signature[arg] = "constexpr"
     if mla_decode_wgmma.tma_loader(config, fp8) and constexprs["PAGE_SIZE"] % config.block_n == 0:
         # the launch's TMA loader (`tma_cache_reason` holds for a DeepSeek cache of whole-tile pages)
         constexprs["TMA"] = True
         signature["TMA"] = "constexpr"
         for arg, cols in (("KV_desc", constexprs["KV_LORA_RANK"]), ("KV_pe_desc", constexprs["ROPE_DIM"])):
             signature[arg] = mla_decode_wgmma.tma_descriptor_type(config.block_n, cols, _TRITON_DTYPE[cache_dtype])
-    else:
-        constexprs |= {"TMA": False, "KV_desc": None, "KV_pe_desc": None}
-        signature |= {"TMA": "constexpr", "KV_desc": "constexpr", "KV_pe_desc": "constexpr"}
     return CompileSpec(
         name=name,
         fn=mla_decode_wgmma.ws_split_kernel,

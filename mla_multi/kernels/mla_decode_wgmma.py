@@ -1441,12 +1441,10 @@ if gluon is not None:
         return _v4_list_entries(block_table_row, lists, pos, split_end)
 
     @gluon.jit
-    def _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks, extra_first_slot,
-                 stride_kv_block, stride_extra_block, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                 V4_PAGE: gl.constexpr, layout: gl.constexpr):
+    def _v4_rows(entries, KV_words, Extra_words, extra_first_slot, stride_kv_block, stride_extra_block,
+                 V4_PAGE: gl.constexpr):
         """Word pointers of the data (576 bytes: 448 e4m3 values, 64 bfloat16 rotary values) and of the scales
-        (8 bytes in the block's tail) of tile positions [start + FIRST, start + FIRST + PIECE), and which to
-        read. The entries (`_v4_list_entries`) are slots of both caches (those >= extra_first_slot the second
+        (8 bytes in the block's tail) of the rows `entries` name, and which to read. The entries (`_v4_list_entries`) are slots of both caches (those >= extra_first_slot the second
         cache's, less extra_first_slot), or negative (none counts there, or bad), which reads nothing: its row
         is zeros. A row starts on 16 bytes (the caches and their block strides do: `V4Pages`)."""
         valid = entries >= 0
@@ -1483,14 +1481,12 @@ if gluon is not None:
         return (g0, g1, g2, g3, g4, g5, g6, r0, r1, s0, s1)
 
     @gluon.jit
-    def _v4_quarter(entries, start, split_end, src, FIRST: gl.constexpr, PIECE: gl.constexpr,
-                    V4_PAGE: gl.constexpr, layout: gl.constexpr):
-        """The rows of tile positions [start + FIRST, start + FIRST + PIECE) loaded (`_v4_rows`, `_v4_piece_load`);
-        src: (the two caches as int32 words, num_cache_blocks, extra_first_slot, their block strides)."""
-        KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block = src
-        data, scales, valid = _v4_rows(entries, start, split_end, KV_words, Extra_words, num_cache_blocks,
-                                       extra_first_slot, stride_kv_block, stride_extra_block, FIRST, PIECE, V4_PAGE,
-                                       layout)
+    def _v4_quarter(entries, src, V4_PAGE: gl.constexpr, layout: gl.constexpr):
+        """The rows a quarter's `entries` name loaded (`_v4_rows`, `_v4_piece_load`); src: (the two caches as
+        int32 words, extra_first_slot, their block strides)."""
+        KV_words, Extra_words, extra_first_slot, stride_kv_block, stride_extra_block = src
+        data, scales, valid = _v4_rows(entries, KV_words, Extra_words, extra_first_slot, stride_kv_block,
+                                       stride_extra_block, V4_PAGE)
         return _v4_piece_load(data, scales, valid, layout)
 
     @gluon.jit
@@ -1531,8 +1527,8 @@ if gluon is not None:
     @gluon.jit
     def _ws_load_v4(
         kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end, num_tiles,
-        num_cache_blocks, stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, lists, entries_smem,
+        stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, lists, entries_smem,
     ):
         """DeepSeek-V4 tiles (fp8_ds_mla_v4: in a block of V4_PAGE tokens each token's 448 e4m3 values and 64
         bfloat16 rotary values, 576 bytes, then the tokens' seven UE8M0 scales and a pad byte each) of one or
@@ -1557,7 +1553,7 @@ if gluon is not None:
         Extra_cache, extra_first_slot, stride_extra_block = v4_args
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
         Extra_words = Extra_cache.to(gl.pointer_type(gl.int32), bitcast=True)
-        src = (KV_words, Extra_words, num_cache_blocks, extra_first_slot, stride_kv_block, stride_extra_block)
+        src = (KV_words, Extra_words, extra_first_slot, stride_kv_block, stride_extra_block)
         e0 = _v4_entries(block_table_row, lists, split_start, split_end, 0, P, layout)
         e1 = _v4_entries(block_table_row, lists, split_start, split_end, 16, P, layout)
         e2 = _v4_entries(block_table_row, lists, split_start, split_end, 32, P, layout)
@@ -1567,10 +1563,10 @@ if gluon is not None:
         n1 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 16, P, layout)
         n2 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 32, P, layout)
         n3 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 48, P, layout)
-        a = _v4_quarter(e0, split_start, split_end, src, 0, P, V4_PAGE, layout)
-        b = _v4_quarter(e1, split_start, split_end, src, 16, P, V4_PAGE, layout)
-        c = _v4_quarter(e2, split_start, split_end, src, 32, P, V4_PAGE, layout)
-        q3 = _v4_quarter(e3, split_start, split_end, src, 48, P, V4_PAGE, layout)
+        a = _v4_quarter(e0, src, V4_PAGE, layout)
+        b = _v4_quarter(e1, src, V4_PAGE, layout)
+        c = _v4_quarter(e2, src, V4_PAGE, layout)
+        q3 = _v4_quarter(e3, src, V4_PAGE, layout)
         _v4_entries_store(entries_smem.index(0), e0, e1, e2, e3, P)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1588,13 +1584,13 @@ if gluon is not None:
             _v4_entries_store(entries_smem.index((tile + 1) % (2 * STAGES)), n0, n1, n2, n3, P)
             # each quarter stored, then the next tile's same quarter loaded into its registers
             _v4_piece_store(kv_words, a, 0, P)
-            a = _v4_quarter(n0, nxt, split_end, src, 0, P, V4_PAGE, layout)
+            a = _v4_quarter(n0, src, V4_PAGE, layout)
             _v4_piece_store(kv_words, b, 16, P)
-            b = _v4_quarter(n1, nxt, split_end, src, 16, P, V4_PAGE, layout)
+            b = _v4_quarter(n1, src, V4_PAGE, layout)
             _v4_piece_store(kv_words, c, 32, P)
-            c = _v4_quarter(n2, nxt, split_end, src, 32, P, V4_PAGE, layout)
+            c = _v4_quarter(n2, src, V4_PAGE, layout)
             _v4_piece_store(kv_words, q3, 48, P)
-            q3 = _v4_quarter(n3, nxt, split_end, src, 48, P, V4_PAGE, layout)
+            q3 = _v4_quarter(n3, src, V4_PAGE, layout)
             n0 = m0
             n1 = m1
             n2 = m2
@@ -1818,7 +1814,7 @@ if gluon is not None:
         elif V4_PAGE > 0:
             _ws_load_v4(
                 kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end,
-                num_tiles, num_cache_blocks, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
+                num_tiles, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
                 _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks), ds_scales,
             )
         elif KV_cache.dtype.element_ty == gl.uint8:

@@ -403,16 +403,13 @@ def compile_specs(platform) -> list:
                      "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
         # the decode's two lists in one launch (DeepSeek-V4: top-k 512 and the window segment)
         for pair in ((False, True) if bad_is_error else (False,)):
-            pair_signature = dict(signature, PDL="constexpr", SECOND="constexpr", HAS_LENGTH2="constexpr")
-            constexprs = {"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True, "PDL": False,
-                          "SECOND": pair, "HAS_LENGTH2": pair}
-            for name, kind in (("Indices2", "*i32"), ("Out2", "*i32"), ("Topk_length2", "*i32"), ("num_slots2", "i32"),
-                               ("topk2", "i32"), ("stride_in2_t", "i32"), ("stride_out2_t", "i32")):
-                if pair:
-                    pair_signature[name] = kind
-                else:
-                    pair_signature[name] = "constexpr"
-                    constexprs[name] = None if kind.startswith("*") else 0
+            # (the second list's arguments where it is given; the compile check leaves the others at their defaults)
+            pair_signature = dict(signature, **({
+                "SECOND": "constexpr", "HAS_LENGTH2": "constexpr", "Indices2": "*i32", "Out2": "*i32",
+                "Topk_length2": "*i32", "num_slots2": "i32", "topk2": "i32", "stride_in2_t": "i32",
+                "stride_out2_t": "i32"} if pair else {}))
+            constexprs = {"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True,
+                          **({"SECOND": True, "HAS_LENGTH2": True} if pair else {})}
             specs.append(CompileSpec(
                 name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',two lists' if pair else ''}]",
                 fn=_sanitize_indices_kernel, signature=pair_signature, constexprs=constexprs,
