@@ -60,6 +60,30 @@ def test_fake_flashmla_has_the_published_signatures(flashmla_wheel):
     assert inspect  # the module's own probe reads signatures with inspect
 
 
+def test_the_legacy_op_called_directly_has_the_published_schema(flashmla_wheel):
+    """The op the bound sparse decodes call (`legacy_sparse_decode_op`): its schema as the published wheel's
+    legacy library registers it (the string in `_C_legacy`), its loader's `get_ops`, and the stand-in's op."""
+    import re
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_flash_mla_loader", FAKE / "flash_mla" / "_loader.py")
+    fake_loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake_loader)
+    with zipfile.ZipFile(flashmla_wheel) as archive:
+        library = next(n for n in archive.namelist() if re.fullmatch(r"flash_mla/_C_legacy\..*so", n))
+        binary = archive.read(library)
+        loader = ast.parse(archive.read("flash_mla/_loader.py").decode("utf-8"))
+    found = re.search(rb"sparse_decode_fwd\([^\x00]*", binary)  # the registration string, to its end
+    assert found, f"{library} registers no sparse_decode_fwd"
+    schema = torch._C.parse_schema("flash_mla_legacy::" + found.group(0).decode())
+    assert tuple(a.name for a in schema.arguments) == flashmla.LEGACY_SPARSE_DECODE_ARGUMENTS
+    assert len(schema.returns) == 4
+    assert str(schema) == str(torch._C.parse_schema(fake_loader.SPARSE_DECODE_SCHEMA))
+    get_ops = next(n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "get_ops")
+    assert [a.arg for a in get_ops.args.args] == ["use_legacy"]
+
+
 def _ds_cache(generator, slots, block_size):
     rows = quantize_fp8_ds_mla(torch.randn(slots, 512, generator=generator), torch.randn(slots, 64, generator=generator))
     return rows.view(slots // block_size, block_size, 656), dequantize_fp8_ds_mla(rows, torch.float64)

@@ -147,6 +147,10 @@ def test_v4_decode_schedule_is_made_once_per_layout_and_reused(fake_flash_mla):
         calls = _v4_calls(fake_flash_mla)
         assert len(calls) == 3 and [c["scheduled"] for c in calls] == [True, False, False]
         assert len({c["schedule_id"] for c in calls}) == 1
+        # through FlashMLA's op itself (`legacy_sparse_decode_op`): no schedule given to the first call, the kept
+        # one to every later call
+        direct = [c for c in fake_flash_mla.CALLS if c["function"] == "sparse_decode_fwd"]
+        assert [c["given_schedule"] for c in direct] == [False, True, True]
         _decode("FLASHMLA", q[:2], kv, indices[:2])  # another layout: its own schedule
         assert _v4_calls(fake_flash_mla)[-1]["scheduled"]
 
@@ -372,3 +376,59 @@ def test_a_schedule_made_inside_a_graph_capture_is_not_kept(fake_flash_mla, monk
     assert call.schedule_meta is kept and call.schedule(fake_flash_mla) is kept
     capturing["now"] = True
     assert call.schedule(fake_flash_mla) is kept
+
+
+def test_a_schedule_made_by_the_op_inside_a_graph_capture_is_not_kept():
+    """FlashMLA's op called directly: the schedule it makes in a captured call serves that capture alone; the
+    first call outside a capture makes the one every later call is given."""
+    call = flashmla._V4DecodeCall(0, 64, 64, 64, torch.device("cuda"), has_length=False, has_extra_length=False,
+                                  legacy=True)
+    given = []
+
+    def op(q, kv, listed, topk_length, sink, metadata, num_splits, *rest):
+        given.append(metadata)
+        if metadata is None:
+            metadata, num_splits = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        return q, kv, metadata, num_splits
+
+    arguments = (torch.zeros(1), torch.ones(1), None, None, None, None, 512, 0.1, "V4")
+    call.call_op(op, True, *arguments)
+    call.call_op(op, True, *arguments)
+    assert given == [None, None] and call.metadata is None
+    out, lse = call.call_op(op, False, *arguments)
+    assert given[-1] is None and call.metadata is not None and torch.equal(out, torch.zeros(1))
+    kept = call.metadata
+    call.call_op(op, True, *arguments)
+    call.call_op(op, False, *arguments)
+    assert given[-2:] == [kept, kept] and call.metadata is kept
+
+
+def test_without_flashmla_s_op_the_interface_is_called(fake_flash_mla, monkeypatch):
+    """A flash_mla whose legacy op cannot be read, or takes other arguments, is called through its interface
+    (`flash_mla_with_kvcache`), with the same results."""
+    generator = torch.Generator().manual_seed(3)
+    kv = _cache(cf.FP8_DS_MLA_V4, 4, 64, generator)
+    window = _cache(cf.FP8_DS_MLA_V4, 2, 64, generator)
+    q = torch.randn(2, 64, WIDTH, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-1, 256, (2, 128), generator=generator, dtype=torch.int32)
+    keywords = dict(extra_kv_cache=window, extra_indices=torch.randint(-1, 128, (2, 64), generator=generator,
+                                                                      dtype=torch.int32))
+    with override("H200"):
+        want, _ = _decode("REFERENCE", q, kv, indices, **keywords)
+        assert flashmla.legacy_sparse_decode_op(fake_flash_mla) is not None
+        other = type(fake_flash_mla._loader._LEGACY.sparse_decode_fwd)()
+        other.default._schema = torch._C.parse_schema(
+            fake_flash_mla._loader.SPARSE_DECODE_SCHEMA.replace("str? kv_format=None", "bool enable_batch_invariant"))
+        for patch in ({"sparse_decode_fwd": other}, None):
+            if patch is None:
+                monkeypatch.delattr(fake_flash_mla, "_loader")
+            else:
+                monkeypatch.setattr(fake_flash_mla._loader, "_LEGACY", type(fake_flash_mla._loader._LEGACY)(**patch))
+            flashmla.clear_caches()
+            mm.ops._PLANS.clear()  # plans bound with the op: bound again
+            assert flashmla.legacy_sparse_decode_op(fake_flash_mla) is None
+            fake_flash_mla.CALLS.clear()
+            out, _ = _decode("FLASHMLA", q, kv, indices, **keywords)
+            assert _rel(out, want) < 1e-2
+            functions = [c["function"] for c in fake_flash_mla.CALLS]
+            assert "flash_mla_with_kvcache" in functions and "sparse_decode_fwd" not in functions

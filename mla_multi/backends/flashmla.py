@@ -1,7 +1,11 @@
 """FLASHMLA: DeepSeek's FlashMLA kernels on NVIDIA (the `sgl-flash-mla` wheel, extra ``flashmla``).
 
 Three phases, all through FlashMLA's Python interface (`flash_mla`), its
-sm_90 kernels reached with ``use_legacy=True``:
+sm_90 kernels reached with ``use_legacy=True``; the bound sparse decodes
+call the legacy op that interface calls (`legacy_sparse_decode_op`) directly
+where the installed one has the published schema, with the schedule kept by
+the bound call (the interface's per-call checks compare what the bound
+layout already fixes):
 
 * decode (dense): ``flash_mla_with_kvcache(q [B, Q, N, 576], cache [blocks,
   64, 1, 576], block_table, seq_lens, 512, sched, causal=Q > 1)``, bf16
@@ -141,6 +145,7 @@ def clear_caches() -> None:
     """Forget the probe of the installed flash_mla and the graph buffers of its schedules (tests swap libraries;
     a sparse impl binds again when the module changes)."""
     _probe.cache_clear()
+    legacy_sparse_decode_op.cache_clear()
     _graph_buffers.clear()
 
 
@@ -156,6 +161,34 @@ def _module():
     if module is None:
         raise RuntimeError(reason)
     return module
+
+
+# FlashMLA's legacy sparse decode op as `flash_mla_with_kvcache(..., use_legacy=True)` calls it (sgl-flash-mla
+# 1.0.0, `flash_mla_interface.py`): its arguments by name, and four results (out, lse, the schedule's metadata and
+# split counts)
+LEGACY_SPARSE_DECODE_ARGUMENTS = ("q", "kv", "indices", "topk_length", "attn_sink", "tile_scheduler_metadata",
+                                  "num_splits", "extra_kv", "extra_indices", "extra_topk_length", "d_v", "sm_scale",
+                                  "kv_format")
+
+
+@functools.lru_cache(maxsize=4)
+def legacy_sparse_decode_op(module):
+    """FlashMLA's legacy sparse decode op, called directly by the bound sparse decodes where the installed one
+    takes `LEGACY_SPARSE_DECODE_ARGUMENTS` and returns four results: what `flash_mla_with_kvcache` adds on every
+    call (its checks that a schedule's shapes match the call's, which the bound launch's layout key already
+    holds) is then not paid (~4-5 µs of host time a call). None where it differs or cannot be read (a test's
+    stand-in module): the interface is called."""
+    get_ops = getattr(getattr(module, "_loader", None), "get_ops", None)
+    if get_ops is None:
+        return None
+    try:
+        op = get_ops(True).sparse_decode_fwd
+        schema = op.default._schema
+        names = tuple(argument.name for argument in schema.arguments)
+        returns = len(schema.returns)
+    except Exception:  # noqa: BLE001 - any failure: call the interface
+        return None
+    return op if names == LEGACY_SPARSE_DECODE_ARGUMENTS and returns == 4 else None
 
 
 def _sched(module, tile_scheduler_metadata=None, num_splits=None):
@@ -433,6 +466,8 @@ class _V4DecodeCall:
         self.device = device
         self.legacy = legacy
         self.schedule_meta = None  # FlashMLA's FlashMLASchedMeta, filled by its first (eager) call
+        # the schedule's metadata and split counts where the op is called directly, made by the first eager call
+        self.metadata = self.num_splits = None
 
     def sanitize(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length):
         """(the top-k list FlashMLA reads [T, width], the window's or None, the tokens marked bad)."""
@@ -444,6 +479,30 @@ class _V4DecodeCall:
                                                    self.extra_width)
         return self.index_plan.sanitize_pair(indices, num_slots, topk_length, extra_indices, extra_slots,
                                              extra_topk_length, out=padded, second_out=extra_padded)
+
+    def launch(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length,
+               clean, extra_clean, bad_rows) -> None:
+        """`sanitize` into the buffers an earlier eager call returned (kept by the caller)."""
+        if indices.stride(-1) != 1:
+            indices = indices.contiguous()
+        second = None
+        if self.extra_topk is not None:
+            if extra_indices.stride(-1) != 1:
+                extra_indices = extra_indices.contiguous()
+            second = (extra_indices, extra_slots, extra_topk_length, extra_clean)
+        self.index_plan.launch(indices, num_slots, topk_length, clean, bad_rows, second)
+
+    def call_op(self, op, capture: bool, q, kv, listed, attn_sink, extra_kv, extra_listed, width: int, scale: float,
+                kv_format):
+        """FlashMLA's legacy op (`legacy_sparse_decode_op`) called with the kept schedule: none before the first
+        call, which FlashMLA then schedules itself (on the device) and whose schedule is kept where made outside a
+        capture (`capture`: as `schedule`'s). Returns (out, lse) as FlashMLA gives them."""
+        metadata, num_splits = self.metadata, self.num_splits
+        out, lse, made, splits = op(q, kv, listed, None, attn_sink, metadata, num_splits, extra_kv, extra_listed, None,
+                                    width, scale, kv_format)
+        if metadata is None and not capture:
+            self.metadata, self.num_splits = made, splits
+        return out, lse
 
     def schedule(self, module):
         """The kept schedule, or a new one: kept when made outside a graph capture (a capture's schedule
@@ -523,25 +582,44 @@ class _JoinedQuery:
 
 class _SparseDecodeLaunch:
     """The FLASHMLA sparse decode (fp8_ds_mla) bound to one layout (`FlashMLASparseDecodeImpl.bind`): the index
-    launches, FlashMLA's schedule and the query's join decided once; a call sanitises, calls FlashMLA, finishes."""
+    launches, FlashMLA's schedule and op (`legacy_sparse_decode_op`), the query's join and, once an eager call has
+    made them, the sanitised list's buffers decided once; a call sanitises, calls FlashMLA, finishes."""
 
     def __init__(self, impl: "FlashMLASparseDecodeImpl", q_nope, q_pe, kv, indices, topk_length) -> None:
         self.module = _module()
         tokens, heads, _ = q_nope.shape
         self.num_slots = kv.shape[0] * kv.shape[1]
         self.call = impl._call(self.module, q_nope, indices, topk_length, self.num_slots)
+        self.op = None if self.call.sched is None else legacy_sparse_decode_op(self.module)
         self.query = _JoinedQuery(q_nope, q_pe, lead=(1,))
         self.head_dim_v = impl.kv_lora_rank
         self.out_shape, self.lse_shape = (tokens, heads, -1), (tokens, heads)
+        self.eager = None  # (clean, bad_rows, clean as FlashMLA reads it) of eager calls: the plan's scratch
 
     def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         call = self.call
-        clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
-        out, lse = self.module.flash_mla_with_kvcache(
-            q=self.query(q_nope, q_pe, (1,)), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None,
-            head_dim_v=self.head_dim_v, tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False,
-            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None, use_legacy=True,
-        )
+        # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
+        eager = q_nope.is_cuda and not torch.cuda.is_current_stream_capturing()
+        kept = self.eager
+        if kept is not None and eager:
+            clean, bad_rows, listed = kept
+            call.index_plan.launch(indices, self.num_slots, topk_length, clean, bad_rows)
+        else:  # the first eager call, a capture, a CPU call
+            clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
+            listed = clean.unsqueeze(1)
+            if eager:
+                self.eager = (clean, bad_rows, listed)
+        q = self.query(q_nope, q_pe, (1,))
+        if self.op is not None:
+            sched = call.sched
+            out, lse, _, _ = self.op(q, kv.unsqueeze(2), listed, None, attn_sink, sched.tile_scheduler_metadata,
+                                     sched.num_splits, None, None, None, self.head_dim_v, float(scale), None)
+        else:
+            out, lse = self.module.flash_mla_with_kvcache(
+                q=q, k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.head_dim_v,
+                tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False, is_fp8_kvcache=True,
+                indices=listed, attn_sink=attn_sink, topk_length=None, use_legacy=True,
+            )
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
         call.index_plan.finish(bad_rows, out, lse)
@@ -550,7 +628,8 @@ class _SparseDecodeLaunch:
 
 class _V4DecodeLaunch:
     """The FLASHMLA V4 sparse decode bound to one layout (`FlashMLASparseDecodeImpl.bind_v4`): both segments'
-    index launches, FlashMLA's schedule, its format name and the call's fixed arguments decided once."""
+    index launches, FlashMLA's schedule and op (`legacy_sparse_decode_op`, the legacy kernels), its format name,
+    the call's fixed arguments and, once an eager call has made them, the sanitised lists' buffers decided once."""
 
     def __init__(self, impl: "FlashMLASparseDecodeImpl", q, kv, indices, topk_length, attn_sink, extra_kv,
                  extra_indices, extra_topk_length, kv_format: str) -> None:
@@ -560,6 +639,7 @@ class _V4DecodeLaunch:
         tokens, heads, width = q.shape
         self.call = impl._call_v4(self.module, q, indices, topk_length, extra_indices, extra_topk_length, kv,
                                   extra_kv, kv_format)
+        self.op = legacy_sparse_decode_op(self.module) if self.call.legacy else None
         self.num_slots = kv.shape[0] * kv.shape[1]
         self.extra_slots = 0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1]
         self.q_copy = q.stride(-1) != 1
@@ -567,26 +647,47 @@ class _V4DecodeLaunch:
         self.width = width
         self.out_shape, self.lse_shape = (tokens, heads, width), (tokens, heads)
         self.kv_format = get_format(kv_format).flashmla_name if self.call.legacy else None
+        # (clean, the window's clean or None, bad_rows, both as FlashMLA reads them) of eager calls: the plan's
+        # scratch, found by the first eager call
+        self.eager = None
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
         call = self.call
-        clean, extra_clean, bad_rows = call.sanitize(indices, self.num_slots, topk_length, extra_indices,
-                                                     self.extra_slots, extra_topk_length)
-        extra = {}
-        if extra_kv is not None:
-            extra = dict(extra_k_cache=extra_kv.unsqueeze(2), extra_indices_in_kvcache=extra_clean.unsqueeze(1))
+        # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
+        capture = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        eager = q.is_cuda and not capture
+        kept = self.eager
+        if kept is not None and eager:
+            clean, extra_clean, bad_rows, listed, extra_listed = kept
+            call.launch(indices, self.num_slots, topk_length, extra_indices, self.extra_slots, extra_topk_length,
+                        clean, extra_clean, bad_rows)
+        else:  # the first eager call, a capture, a CPU call
+            clean, extra_clean, bad_rows = call.sanitize(indices, self.num_slots, topk_length, extra_indices,
+                                                         self.extra_slots, extra_topk_length)
+            listed = clean.unsqueeze(1)
+            extra_listed = None if extra_clean is None else extra_clean.unsqueeze(1)
+            if eager:
+                self.eager = (clean, extra_clean, bad_rows, listed, extra_listed)
         if self.q_copy:
             q = q.contiguous()
         if self.sink_copy:
             attn_sink = attn_sink.contiguous()
-        module = self.module
-        out, lse = module.flash_mla_with_kvcache(
-            q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.width,
-            tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
-            is_fp8_kvcache=True, indices=clean.unsqueeze(1), attn_sink=attn_sink, topk_length=None,
-            extra_topk_length=None, use_legacy=call.legacy, kv_format=self.kv_format, **extra,
-        )
+        extra_cache = None if extra_kv is None else extra_kv.unsqueeze(2)
+        if self.op is not None:
+            out, lse = call.call_op(self.op, capture, q.unsqueeze(1), kv.unsqueeze(2), listed, attn_sink, extra_cache,
+                                    extra_listed, self.width, float(scale), self.kv_format)
+        else:
+            extra = {}
+            if extra_cache is not None:
+                extra = dict(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_listed)
+            module = self.module
+            out, lse = module.flash_mla_with_kvcache(
+                q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.width,
+                tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
+                is_fp8_kvcache=True, indices=listed, attn_sink=attn_sink, topk_length=None, extra_topk_length=None,
+                use_legacy=call.legacy, kv_format=self.kv_format, **extra,
+            )
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
         call.index_plan.finish(bad_rows, out, lse)

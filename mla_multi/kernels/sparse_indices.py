@@ -359,23 +359,33 @@ class SparseIndexPlan:
             return clean, second_clean, bad.to(torch.int8)
         clean = out if out is not None else self.scratch.get("clean", (self.tokens, self.topk), torch.int32,
                                                              self.device)
-        bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device) if self.bad_is_error else clean
+        bad_rows = self.scratch.get("bad", (self.tokens,), torch.int8, self.device) if self.bad_is_error else None
         second_clean = None
-        if self.tokens:
-            args = (indices, clean, bad_rows, self.flag, topk_length if self.has_length else clean, num_slots,
-                    self.topk, indices.stride(0), clean.stride(0))
-            if second is None:
-                self._sanitize(*args)
-            else:
-                second_indices, second_num_slots, second_length, second_clean = second
-                if second_clean is None:
-                    second_clean = self.scratch.get("second clean", (self.tokens, self.second[0]), torch.int32,
-                                                    self.device)
-                self._sanitize(*args, Indices2=second_indices, Out2=second_clean,
-                               Topk_length2=second_length if self.second[1] else second_clean,
-                               num_slots2=second_num_slots, topk2=self.second[0], stride_in2_t=second_indices.stride(0),
-                               stride_out2_t=second_clean.stride(0))
-        return clean, second_clean, (bad_rows if self.bad_is_error else None)
+        if second is not None:
+            second_indices, second_num_slots, second_length, second_clean = second
+            if second_clean is None:
+                second_clean = self.scratch.get("second clean", (self.tokens, self.second[0]), torch.int32,
+                                                self.device)
+            second = (second_indices, second_num_slots, second_length, second_clean)
+        self.launch(indices, num_slots, topk_length, clean, bad_rows, second)
+        return clean, second_clean, bad_rows
+
+    def launch(self, indices, num_slots: int, topk_length, clean, bad_rows, second=None) -> None:
+        """The sanitising launch (GPU) into buffers the caller keeps: clean [T, >= topk] (as `sanitize`'s
+        `out`), bad_rows int8 [T] (None unless bad_is_error), second (indices, num_slots, topk_length, its clean
+        buffer) for a plan made with `second`."""
+        if not self.tokens:
+            return
+        args = (indices, clean, bad_rows if bad_rows is not None else clean, self.flag,
+                topk_length if self.has_length else clean, num_slots, self.topk, indices.stride(0), clean.stride(0))
+        if second is None:
+            self._sanitize(*args)
+            return
+        second_indices, second_num_slots, second_length, second_clean = second
+        self._sanitize(*args, Indices2=second_indices, Out2=second_clean,
+                       Topk_length2=second_length if self.second[1] else second_clean, num_slots2=second_num_slots,
+                       topk2=self.second[0], stride_in2_t=second_indices.stride(0),
+                       stride_out2_t=second_clean.stride(0))
 
     def finish(self, bad_rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
         """out [T, N, width] and lse [T, N] (contiguous rows) in place."""

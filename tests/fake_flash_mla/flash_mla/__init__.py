@@ -261,3 +261,6 @@ def _v4_decode(q, k_cache, head_dim_v, sched, softmax_scale, causal, is_fp8_kvca
     out, lse = _attend(q.reshape(batch * s_q, heads, width).float(), gathered, valid, softmax_scale, attn_sink)
     return (out.view(batch, s_q, heads, 512).to(torch.bfloat16),
             lse.view(batch, s_q, heads).contiguous().transpose(1, 2))
+
+
+from flash_mla import _loader  # noqa: E402 - as the published package: `flash_mla._loader` after import
