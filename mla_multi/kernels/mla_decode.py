@@ -873,8 +873,9 @@ class DecodeKernelPlan:
         # programmatic dependent launch where the split kernel fills half the device at most: there the gaps
         # between launches are a part of the step (H200: V4 sparse decode at one token 17.5 -> 15.9 µs, dense
         # at one request 0.97x); a full wave measured slower (bf16, 128 heads, 64 x 8192: 1.03-1.04x), and so
-        # did the fp8_ds_mla lists read as they are (`masked_entries`, one token: 16.3 -> 17.0 µs;
-        # bench/RESULTS.md)
+        # did the fp8_ds_mla lists read as they are (`masked_entries`, one token: 16.4 -> 17.3 µs; for the reduce
+        # alone 15.9 or 16.6 by the run, not kept), while the V4 lists, whose split kernel is also the op's first
+        # launch, gain from it for both kernels (14.8 against 15.4 for the reduce alone; bench/RESULTS.md)
         small = grid[0] * grid[1] * grid[2] <= platform.num_compute_units // 2
         pdl = pdl_constexprs(device) if small and not masked_entries else {}
         if ds_mla:
