@@ -78,6 +78,7 @@ from mla_multi.backends.base import (
     SparseSelectorConfig,
     dtype_name,
 )
+from mla_multi.kernels import capturing
 from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
@@ -599,7 +600,7 @@ class _SparseDecodeLaunch:
     def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         call = self.call
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
-        eager = q_nope.is_cuda and not torch.cuda.is_current_stream_capturing()
+        eager = q_nope.is_cuda and not capturing(q_nope)
         kept = self.eager
         if kept is not None and eager:
             clean, bad_rows, listed = kept
@@ -655,7 +656,7 @@ class _V4DecodeLaunch:
                  extra_topk_length=None):
         call = self.call
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
-        capture = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        capture = capturing(q)
         eager = q.is_cuda and not capture
         kept = self.eager
         if kept is not None and eager:

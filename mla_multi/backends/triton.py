@@ -31,7 +31,7 @@ from mla_multi.backends.base import (
     MLASparseBackend,
     MLASparseImpl,
 )
-from mla_multi.kernels import interpreter_active
+from mla_multi.kernels import capturing, interpreter_active
 from mla_multi.platforms import Platform, current_platform
 
 
@@ -295,7 +295,6 @@ class TritonDecodeImpl(MLADecodeImpl):
         `metadata.backend_plans`, owned by the caller) keeps the step's launches, so that every later layer
         only launches; without it every call binds anew."""
         from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import capturing
 
         if k_scale is not None and not torch.is_tensor(k_scale):
             k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=q_nope.device)
@@ -346,7 +345,7 @@ class TritonDecodeLaunch(DecodeLaunch):
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
                  lse=None, attn_logits=None, workspace_manager=None, extra_cache=None, attn_sink=None, lists=None):
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, capturing, mla_decode_fwd, shared_split_partials
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd, shared_split_partials
 
         impl = self.impl
         if workspace_manager is not None:
@@ -444,7 +443,6 @@ class _SparseThroughDense(MLASparseImpl):
         gathered tile costs the memory's latency), decided when bound. `sink`: the attention sink each call
         passes (its layout is part of the key), or None."""
         from mla_multi.kernels.launch import layout_key
-        from mla_multi.kernels.mla_decode import capturing
 
         key = (layout_key(q_nope), layout_key(q_pe), layout_key(pages), pages.data_ptr() % 4, layout_key(table),
                layout_key(lens), None if k_scale is None else layout_key(k_scale), capturing(q_nope), v4, zero_rope,
@@ -556,8 +554,6 @@ class _SparseInPlaceLaunch:
         if self.masked:
             lens = self.full_lengths
             if lens is None:  # made once, kept where made outside a CUDA-graph capture (`Scratch.constant`)
-                from mla_multi.kernels.mla_decode import capturing
-
                 lens = scratch.constant("full lengths", (self.tokens,), self.topk, torch.int32, device)
                 if not capturing(indices):
                     self.full_lengths = lens
@@ -606,8 +602,6 @@ class _V4InPlaceLaunch:
         lengths): made once and kept where made outside a CUDA-graph capture (made inside one, that capture's)."""
         kept = self.constants
         if kept is None:
-            from mla_multi.kernels.mla_decode import capturing
-
             scratch = self.impl._scratch
             kept = (_zero_rope(scratch, q), scratch.constant(f"v4 full lengths {self.width}", self.lens_shape,
                                                               self.width, torch.int32, q.device))

@@ -98,7 +98,8 @@ def bench_case(batch, seq_len, heads, block_size, cache_dtype, config=None, spli
 
     from mla_multi.heuristics import max_num_kv_splits, num_kv_splits
     from mla_multi.kernels.launch_config import decode_config
-    from mla_multi.kernels.mla_decode import DecodeKernelPlan, attn_logits_width, capturing
+    from mla_multi.kernels import capturing
+    from mla_multi.kernels.mla_decode import DecodeKernelPlan, attn_logits_width
     from mla_multi.platforms import current_platform
 
     platform = current_platform()

@@ -24,6 +24,14 @@ def interpreter_active() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def capturing(tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `tensor`'s device (False for a CPU
+    tensor): what a launch made in such a call belongs to that graph, and is not kept for later calls."""
+    import torch
+
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def rows_of_heads(tensor) -> bool:
     """Whether each token's heads lie side by side inside its row: a [rows, heads, dim] tensor with the heads'
     stride at least dim and the row stride at least all of them (or [rows, dim] with the row stride at least

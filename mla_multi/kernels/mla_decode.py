@@ -68,6 +68,7 @@ from mla_multi.cache_formats import FP8_DS_MLA_V4
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
 from mla_multi.ds_mla_cache import KV_LORA_RANK as DS_KV_LORA_RANK
 from mla_multi.ds_mla_cache import ROPE_DIM as DS_ROPE_DIM
+from mla_multi.kernels import capturing
 from mla_multi.kernels.launch import BoundLaunch, pdl_constexprs, pdl_enter
 from mla_multi.kernels.launch_config import (
     CompileSpec,
@@ -767,11 +768,6 @@ def mla_decode_fwd(
     plan.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
                 extra_cache=extra_cache, attn_sink=attn_sink, lists=lists)
     return out, lse
-
-
-def capturing(tensor: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of `tensor`'s device."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 # Eager launches of fewer query rows (B x Q) than this skip the TMA loader: Triton's launcher encodes the
