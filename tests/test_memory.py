@@ -444,3 +444,52 @@ def test_shared_split_partials_are_the_device_workspace_unless_one_split_or_lock
         assert own.shape == partials.shape and small.size_bytes == 0
     finally:
         set_workspace_manager(None, cpu)
+
+
+def test_a_triton_decode_launch_keeps_its_shared_partials_while_the_workspace_keeps_its_buffer():
+    """TRITON's bound decode (`TritonDecodeLaunch`) keeps the shared-workspace view of its split partials from
+    its first eager call and asks again only where the workspace grew, another workspace became the device's,
+    or a capture is under way (not kept) (CPU device: no kernel runs)."""
+    from mla_multi.backends.triton import TritonDecodeImpl
+    from mla_multi.kernels.mla_decode import attn_logits_width
+
+    cpu = torch.device("cpu")
+    set_workspace_manager(WorkspaceManager(cpu), cpu)
+    try:
+        q_nope = torch.zeros(2, 16, 512, dtype=torch.bfloat16)
+        table = torch.zeros(2, 64, dtype=torch.int32)
+        cache = torch.zeros(64, 16, 576, dtype=torch.bfloat16)
+        with override("H200"):  # (a platform whose heuristics let the call split)
+            impl = TritonDecodeImpl(16, 576**-0.5, 512, 64, torch.bfloat16, 16)
+            launch = impl.bind(q_nope, torch.zeros(2, 16, 64, dtype=torch.bfloat16), cache, table,
+                               torch.full((2,), 1024, dtype=torch.int32), num_kv_splits=4)
+        shape = (2, 16, 4, attn_logits_width(512))
+        first = launch._shared_partials(cpu, False)
+        manager = current_workspace_manager(cpu)
+        assert first.shape == shape
+        assert first.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr()
+
+        def asked(*specs):
+            raise AssertionError("the workspace was asked again")
+
+        manager.get_simultaneous = asked  # a kept view asks nothing
+        assert launch._shared_partials(cpu, False) is first
+        del manager.get_simultaneous
+        # a call under a capture (a buffer of the capture's own on a GPU: `shared_split_partials_owned`) asks again
+        # and keeps nothing
+        kept = launch._shared
+        assert launch._shared_partials(cpu, True).shape == shape and launch._shared is kept
+        assert launch._shared_partials(cpu, False) is first
+        # the workspace grew: a view of its new buffer
+        manager.reserve(((1 << 20,), torch.uint8))
+        grown = launch._shared_partials(cpu, False)
+        assert grown.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        assert launch._shared_partials(cpu, False) is grown
+        # another workspace made the device's: a view of it
+        other = WorkspaceManager(cpu)
+        set_workspace_manager(other, cpu)
+        moved = launch._shared_partials(cpu, False)
+        assert moved.untyped_storage().data_ptr() == other._buffer.untyped_storage().data_ptr()
+        assert launch._shared_partials(cpu, False) is moved
+    finally:
+        set_workspace_manager(None, cpu)

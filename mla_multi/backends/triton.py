@@ -33,6 +33,7 @@ from mla_multi.backends.base import (
 )
 from mla_multi.kernels import capturing, interpreter_active
 from mla_multi.platforms import Platform, current_platform
+from mla_multi.workspace import still_shared
 
 
 @functools.lru_cache(maxsize=1)
@@ -337,6 +338,9 @@ class TritonDecodeLaunch(DecodeLaunch):
         self.bound = q_nope.device.type == "cuda" and not interpreter_active()
         self._kernels: dict = {}  # (capturing, from a workspace) -> DecodeKernelPlan
         self._views = None  # (the workspace's buffer, its (partials, out, lse) views)
+        # ((the shared workspace, its buffer, its device), the partials viewing it) of eager calls without a
+        # workspace_manager or attn_logits: kept while `workspace.still_shared` holds (`shared_split_partials_owned`)
+        self._shared = None
 
     def new_partials(self) -> torch.Tensor:
         from mla_multi.kernels.mla_decode import split_partials
@@ -345,9 +349,10 @@ class TritonDecodeLaunch(DecodeLaunch):
 
     def __call__(self, q_nope, q_pe, kv_cache, block_table, seq_lens, scale: float, *, k_scale=None, out=None,
                  lse=None, attn_logits=None, workspace_manager=None, extra_cache=None, attn_sink=None, lists=None):
-        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd, shared_split_partials
+        from mla_multi.kernels.mla_decode import DecodeKernelPlan, mla_decode_fwd
 
         impl = self.impl
+        capture = capturing(q_nope)
         if workspace_manager is not None:
             views = self._views
             if views is None or views[0] is not workspace_manager._buffer:
@@ -364,7 +369,7 @@ class TritonDecodeLaunch(DecodeLaunch):
             if lse is None:
                 lse = torch.empty(self.lse_spec[0], dtype=torch.float32, device=q_nope.device)
             if attn_logits is None:
-                attn_logits = shared_split_partials(*self.partial_dims, q_nope.device)
+                attn_logits = self._shared_partials(q_nope.device, capture)
         if not self.bound:
             return mla_decode_fwd(
                 q_nope, q_pe, kv_cache, block_table, seq_lens, scale, k_scale=k_scale,
@@ -372,7 +377,7 @@ class TritonDecodeLaunch(DecodeLaunch):
                 masked_entries=self.masked_entries, v4=self.v4, extra_cache=extra_cache, zero_rope=self.zero_rope,
                 attn_sink=attn_sink if self.sink else None, lists=lists,
             )
-        state = (capturing(q_nope), workspace_manager is not None)
+        state = (capture, workspace_manager is not None)
         kernels = self._kernels.get(state)
         if kernels is None:
             kernels = self._kernels[state] = DecodeKernelPlan(
@@ -383,6 +388,21 @@ class TritonDecodeLaunch(DecodeLaunch):
         kernels.launch(q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, attn_logits, out, lse, scale,
                        extra_cache=extra_cache, attn_sink=attn_sink, lists=lists)
         return out, lse
+
+
+    def _shared_partials(self, device, capture: bool) -> torch.Tensor:
+        """The split partials of a call without a workspace_manager or attn_logits: the view of the device's
+        shared workspace kept from an earlier eager call while the workspace keeps its buffer (no lookup a
+        call), else `shared_split_partials_owned`'s (kept where made outside a capture from the workspace)."""
+        kept = self._shared
+        if kept is not None and not capture and still_shared(*kept[0]):
+            return kept[1]
+        from mla_multi.kernels.mla_decode import shared_split_partials_owned
+
+        partials, owner = shared_split_partials_owned(*self.partial_dims, device)
+        if owner is not None and not capture:
+            self._shared = (owner, partials)
+        return partials
 
 
 class TritonDecodeBackend(_TritonRequirements, MLADecodeBackend):

@@ -548,17 +548,27 @@ def shared_split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_
     while the call's kernels run, in stream order. During a CUDA-graph capture (the graph must not read a
     buffer that a later, larger call reallocates), with one split, or where the shared workspace is locked
     too small, a buffer of their own."""
+    return shared_split_partials_owned(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)[0]
+
+
+def shared_split_partials_owned(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_rank: int,
+                                device) -> tuple[torch.Tensor, tuple | None]:
+    """(`shared_split_partials`'s partials, (the shared workspace, the buffer they view, its device key) or None
+    where they are a buffer of their own): while `mla_multi.workspace.still_shared` holds for these three the
+    same call gets the same view back, which a caller may keep instead of asking again."""
     device = torch.device(device)
     if num_kv_splits == 1 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)
+        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device), None
     from mla_multi.workspace import WorkspaceLockedError, current_workspace_manager
 
     spec = ((num_rows, num_heads, num_kv_splits, attn_logits_width(kv_lora_rank)), torch.float32)
+    key = errors.canonical_device(device)
+    workspace = current_workspace_manager(key)
     try:
-        (partials,) = current_workspace_manager(device).get_simultaneous(spec)
+        (partials,) = workspace.get_simultaneous(spec)
     except WorkspaceLockedError:
-        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)
-    return partials
+        return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device), None
+    return partials, (workspace, workspace._buffer, key)
 
 
 def _is_power_of_two(value: int) -> bool:
