@@ -159,11 +159,12 @@ def current_workspace_manager(device: torch.device | str | None = None) -> Works
     return manager
 
 
-def still_shared(manager: WorkspaceManager, buffer: torch.Tensor, key: torch.device) -> bool:
+def still_shared(manager: WorkspaceManager | None, buffer: torch.Tensor | None, key: torch.device) -> bool:
     """Whether views that `manager`, the shared workspace of device `key` (`canonical_device`) when they were
     taken, made of `buffer` are still views of the device's shared workspace: it is still `manager` and holds
-    `buffer` still (no growth since). One dictionary lookup, for callers that keep such views across calls."""
-    return _MANAGERS.get(key) is manager and manager._buffer is buffer
+    `buffer` still (no growth since). One dictionary lookup, for callers that keep such views across calls (by
+    weak reference: a None, from a reference that died, is never still shared)."""
+    return manager is not None and _MANAGERS.get(key) is manager and manager._buffer is buffer
 
 
 def set_workspace_manager(manager: WorkspaceManager | None, device: torch.device | str | None = None) -> None:

@@ -3,6 +3,9 @@ heuristic keeps to, sharing across layers, and the plans the functional ops reus
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from types import SimpleNamespace
 
@@ -480,14 +483,22 @@ def test_a_triton_decode_launch_keeps_its_shared_partials_while_the_workspace_ke
         kept = launch._shared
         assert launch._shared_partials(cpu, True).shape == shape and launch._shared is kept
         assert launch._shared_partials(cpu, False) is first
-        # the workspace grew: a view of its new buffer
+        # the workspace grew: the launch keeps nothing of the buffer it let go of, and takes a view of the new one
+        old_buffer, old_ptr = weakref.ref(manager._buffer), first.untyped_storage().data_ptr()
         manager.reserve(((1 << 20,), torch.uint8))
+        del first
+        gc.collect()
+        assert old_buffer() is None
         grown = launch._shared_partials(cpu, False)
-        assert grown.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        assert grown.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr() != old_ptr
         assert launch._shared_partials(cpu, False) is grown
-        # another workspace made the device's: a view of it
+        # another workspace made the device's: a view of it (the launch keeps the one before alive no more)
         other = WorkspaceManager(cpu)
         set_workspace_manager(other, cpu)
+        before = weakref.ref(manager)
+        del manager, grown
+        gc.collect()
+        assert before() is None
         moved = launch._shared_partials(cpu, False)
         assert moved.untyped_storage().data_ptr() == other._buffer.untyped_storage().data_ptr()
         assert launch._shared_partials(cpu, False) is moved

@@ -16,6 +16,7 @@ there bfloat16 is a reason: float16 (and float32 for prefill) only.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import ClassVar
 
 import torch
@@ -338,8 +339,9 @@ class TritonDecodeLaunch(DecodeLaunch):
         self.bound = q_nope.device.type == "cuda" and not interpreter_active()
         self._kernels: dict = {}  # (capturing, from a workspace) -> DecodeKernelPlan
         self._views = None  # (the workspace's buffer, its (partials, out, lse) views)
-        # ((the shared workspace, its buffer, its device), the partials viewing it) of eager calls without a
-        # workspace_manager or attn_logits: kept while `workspace.still_shared` holds (`shared_split_partials_owned`)
+        # weak references to the shared workspace, its buffer and the partials viewing it, and its device, of eager
+        # calls without a workspace_manager or attn_logits: the view is used again while `workspace.still_shared`
+        # holds (`shared_split_partials_owned`); weak, so that a buffer the workspace let go of is not kept alive here
         self._shared = None
 
     def new_partials(self) -> torch.Tensor:
@@ -389,19 +391,22 @@ class TritonDecodeLaunch(DecodeLaunch):
                        extra_cache=extra_cache, attn_sink=attn_sink, lists=lists)
         return out, lse
 
-
     def _shared_partials(self, device, capture: bool) -> torch.Tensor:
         """The split partials of a call without a workspace_manager or attn_logits: the view of the device's
         shared workspace kept from an earlier eager call while the workspace keeps its buffer (no lookup a
         call), else `shared_split_partials_owned`'s (kept where made outside a capture from the workspace)."""
         kept = self._shared
-        if kept is not None and not capture and still_shared(*kept[0]):
-            return kept[1]
+        if kept is not None and not capture:
+            manager, buffer, key, view = kept
+            partials = view()
+            if partials is not None and still_shared(manager(), buffer(), key):
+                return partials
         from mla_multi.kernels.mla_decode import shared_split_partials_owned
 
         partials, owner = shared_split_partials_owned(*self.partial_dims, device)
         if owner is not None and not capture:
-            self._shared = (owner, partials)
+            manager, buffer, key = owner
+            self._shared = (weakref.ref(manager), weakref.ref(buffer), key, weakref.ref(partials))
         return partials
 
 
