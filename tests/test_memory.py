@@ -433,17 +433,19 @@ def test_shared_split_partials_are_the_device_workspace_unless_one_split_or_lock
     cpu = torch.device("cpu")
     set_workspace_manager(WorkspaceManager(cpu), cpu)
     try:
-        partials = shared_split_partials(2, 4, 3, 512, cpu)
+        partials, owner = shared_split_partials(2, 4, 3, 512, cpu)
         manager = current_workspace_manager(cpu)
         assert partials.shape == (2, 4, 3, attn_logits_width(512)) and partials.dtype == torch.float32
         assert partials.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr()
-        assert shared_split_partials(2, 4, 3, 512, cpu) is partials
-        one = shared_split_partials(2, 4, 1, 512, cpu)
+        assert shared_split_partials(2, 4, 3, 512, cpu)[0] is partials and owner[0] is manager
+        one, none = shared_split_partials(2, 4, 1, 512, cpu)
+        assert none is None
         assert one.untyped_storage().nbytes() == attn_logits_width(512) * 4
         small = WorkspaceManager(cpu)
         small.lock()
         set_workspace_manager(small, cpu)
-        own = shared_split_partials(2, 4, 3, 512, cpu)
+        own, none = shared_split_partials(2, 4, 3, 512, cpu)
+        assert none is None
         assert own.shape == partials.shape and small.size_bytes == 0
     finally:
         set_workspace_manager(None, cpu)
@@ -478,7 +480,7 @@ def test_a_triton_decode_launch_keeps_its_shared_partials_while_the_workspace_ke
         manager.get_simultaneous = asked  # a kept view asks nothing
         assert launch._shared_partials(cpu, False) is first
         del manager.get_simultaneous
-        # a call under a capture (a buffer of the capture's own on a GPU: `shared_split_partials_owned`) asks again
+        # a call under a capture (a buffer of the capture's own on a GPU: `shared_split_partials`) asks again
         # and keeps nothing
         kept = launch._shared
         assert launch._shared_partials(cpu, True).shape == shape and launch._shared is kept

@@ -418,11 +418,15 @@ def _padded(topk: int, multiple: int) -> int:
     return max(-(-topk // multiple), 1) * multiple
 
 
+def _entries(indices):
+    """An index list as the sanitising launch reads it: rows of stride-1 entries."""
+    return indices if indices.stride(-1) == 1 else indices.contiguous()
+
+
 def _padded_list(scratch, name: str, indices, topk: int, width: int):
-    """(the list as the sanitising launch reads it: rows of stride-1 entries, the copy FlashMLA reads where
-    topk is not a multiple of its tile: [T, width] whose tail stays -1, filled once; else None)."""
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    """(the list as the sanitising launch reads it, `_entries`; the copy FlashMLA reads where topk is not a
+    multiple of its tile: [T, width] whose tail stays -1, filled once; else None)."""
+    indices = _entries(indices)
     if width == topk:
         return indices, None
     return indices, scratch.full(name, (indices.shape[0], width), -1, torch.int32, indices.device)
@@ -484,14 +488,10 @@ class _V4DecodeCall:
     def launch(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length,
                clean, extra_clean, bad_rows) -> None:
         """`sanitize` into the buffers an earlier eager call returned (kept by the caller)."""
-        if indices.stride(-1) != 1:
-            indices = indices.contiguous()
         second = None
         if self.extra_topk is not None:
-            if extra_indices.stride(-1) != 1:
-                extra_indices = extra_indices.contiguous()
-            second = (extra_indices, extra_slots, extra_topk_length, extra_clean)
-        self.index_plan.launch(indices, num_slots, topk_length, clean, bad_rows, second)
+            second = (_entries(extra_indices), extra_slots, extra_topk_length, extra_clean)
+        self.index_plan.launch(_entries(indices), num_slots, topk_length, clean, bad_rows, second)
 
     def call_op(self, op, capture: bool, q, kv, listed, attn_sink, extra_kv, extra_listed, width: int, scale: float,
                 kv_format):

@@ -341,7 +341,7 @@ class TritonDecodeLaunch(DecodeLaunch):
         self._views = None  # (the workspace's buffer, its (partials, out, lse) views)
         # weak references to the shared workspace, its buffer and the partials viewing it, and its device, of eager
         # calls without a workspace_manager or attn_logits: the view is used again while `workspace.still_shared`
-        # holds (`shared_split_partials_owned`); weak, so that a buffer the workspace let go of is not kept alive here
+        # holds (`shared_split_partials`); weak, so that a buffer the workspace let go of is not kept alive here
         self._shared = None
 
     def new_partials(self) -> torch.Tensor:
@@ -394,16 +394,16 @@ class TritonDecodeLaunch(DecodeLaunch):
     def _shared_partials(self, device, capture: bool) -> torch.Tensor:
         """The split partials of a call without a workspace_manager or attn_logits: the view of the device's
         shared workspace kept from an earlier eager call while the workspace keeps its buffer (no lookup a
-        call), else `shared_split_partials_owned`'s (kept where made outside a capture from the workspace)."""
+        call), else `shared_split_partials`'s (kept where made outside a capture from the workspace)."""
         kept = self._shared
         if kept is not None and not capture:
             manager, buffer, key, view = kept
             partials = view()
             if partials is not None and still_shared(manager(), buffer(), key):
                 return partials
-        from mla_multi.kernels.mla_decode import shared_split_partials_owned
+        from mla_multi.kernels.mla_decode import shared_split_partials
 
-        partials, owner = shared_split_partials_owned(*self.partial_dims, device)
+        partials, owner = shared_split_partials(*self.partial_dims, device)
         if owner is not None and not capture:
             manager, buffer, key = owner
             self._shared = (weakref.ref(manager), weakref.ref(buffer), key, weakref.ref(partials))

@@ -542,20 +542,16 @@ def split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_ra
 
 
 def shared_split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_rank: int,
-                          device) -> torch.Tensor:
+                          device) -> tuple[torch.Tensor, tuple | None]:
     """`split_partials` of an eager functional call, sliced from the device's shared workspace
     (`mla_multi.workspace.current_workspace_manager`), which every layer shares too: the partials live only
     while the call's kernels run, in stream order. During a CUDA-graph capture (the graph must not read a
     buffer that a later, larger call reallocates), with one split, or where the shared workspace is locked
-    too small, a buffer of their own."""
-    return shared_split_partials_owned(num_rows, num_heads, num_kv_splits, kv_lora_rank, device)[0]
+    too small, a buffer of their own.
 
-
-def shared_split_partials_owned(num_rows: int, num_heads: int, num_kv_splits: int, kv_lora_rank: int,
-                                device) -> tuple[torch.Tensor, tuple | None]:
-    """(`shared_split_partials`'s partials, (the shared workspace, the buffer they view, its device key) or None
-    where they are a buffer of their own): while `mla_multi.workspace.still_shared` holds for these three the
-    same call gets the same view back, which a caller may keep instead of asking again."""
+    Returns (the partials, (the shared workspace, the buffer they view, its device key) or None where they are a
+    buffer of their own): while `mla_multi.workspace.still_shared` holds for these three the same call gets the
+    same view back, which a caller may keep instead of asking again."""
     device = torch.device(device)
     if num_kv_splits == 1 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device), None
