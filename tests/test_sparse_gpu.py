@@ -333,6 +333,37 @@ def test_triton_fp8_ds_mla_decode_reads_the_cache_in_place_on_sm90(monkeypatch):
             mm.ops.mla_sparse_decode(q_nope.half().cuda(), q_pe.half().cuda(), cache, indices, 0.07, backend="TRITON")
 
 
+@pytest.mark.parametrize("heads", [64, 128])
+def test_triton_fp8_ds_mla_decode_reads_every_e4m3_byte_as_the_format_does(heads):
+    """Each token's 512 latent bytes run through every e4m3 number (a different rotation a token), its four
+    scales powers of two from 2^-20 to 2^20, and each token attends to one row alone: the output row is the
+    format's dequantisation exactly (bfloat16 values, weight 1), for the loader's conversion of every byte."""
+    from mla_multi import cache_formats as cf
+
+    if current_platform().is_cuda() and not current_platform().has_device_capability(8, 9):
+        pytest.skip("fp8_ds_mla needs sm_89+ (Triton's float8_e4m3fn conversion)")
+    fmt = cf.get_format("fp8_ds_mla")
+    generator = torch.Generator().manual_seed(heads)
+    tokens = 64
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
+    records = torch.zeros(tokens, fmt.bytes_per_token, dtype=torch.uint8)
+    records[:, :LKV] = codes[(torch.arange(LKV) + 37 * torch.arange(tokens)[:, None]) % codes.numel()]
+    scales = torch.exp2(torch.randint(-20, 21, (tokens, 4), generator=generator).float())
+    records[:, LKV:LKV + 16] = scales.view(torch.uint8).reshape(tokens, 16)
+    records[:, LKV + 16:] = torch.randn(tokens, ROPE, generator=generator).to(torch.bfloat16).view(
+        torch.uint8).reshape(tokens, 2 * ROPE)
+    cache = fmt.allocate(1, tokens, "cuda", fill=0xFF)
+    fmt.write_records(cache, torch.arange(tokens, device="cuda"), records.cuda())
+    order = torch.randperm(tokens, generator=generator)
+    indices = torch.full((tokens, 64), -1, dtype=torch.int32)
+    indices[:, 0] = order
+    q_nope = torch.randn(tokens, heads, LKV, generator=generator).to(torch.bfloat16).cuda()
+    q_pe = torch.randn(tokens, heads, ROPE, generator=generator).to(torch.bfloat16).cuda()
+    out = mm.ops.mla_sparse_decode(q_nope, q_pe, cache, indices.cuda(), 0.07, backend="TRITON")
+    want = fmt.dequantize(records, torch.float64)[order, :LKV]
+    assert torch.equal(out.double().cpu(), want[:, None, :].expand(tokens, heads, LKV))
+
+
 @pytest.mark.parametrize("tokens,heads,topk", [(1, 128, 2048), (6, 128, 512), (3, 16, 320)])
 def test_triton_fp8_ds_mla_decode_reads_the_index_lists_as_they_are_on_sm90(monkeypatch, tokens, heads, topk):
     """Without topk_length, sm_90's in-place decode takes each token's index list as its block-table row: no
