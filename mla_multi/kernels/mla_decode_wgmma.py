@@ -1141,16 +1141,30 @@ if gluon is not None:
             page = next_page
             next_page = after_next
 
-    # e4m3 bytes times a bfloat16 scale, four values a word, no conversion instruction: each byte's sign put
-    # at a bfloat16's bit 15 and its exponent and mantissa bits at bits 10..4 (`prmt` pairs each byte with its
-    # sign byte, a shift, a mask) make the bfloat16 of 2^-120 times the e4m3 value (exactly, subnormals
-    # included: an e4m3 subnormal lands on a bfloat16 subnormal, which `mul.bf16x2` keeps), then multiplied by
-    # 2^120 (exact) and by the pair of bfloat16 scales ($3: the scale rounded to bfloat16, as FlashMLA applies
-    # it), rounded once; results in memory order. The two NaN codes (0x7F, 0xFF), which no writer of the
-    # package or of FlashMLA produces, read as +480 and -480 times the scale. (Five instructions an output word where
-    # the float16 route took seven, two of them conversions: 4 % off DeepSeek-V4's 128-head decode on an
-    # H200; the float32 route takes eight conversions a word.)
+    # e4m3 bytes times a bfloat16 scale, four values a word, two conversions a word: e4m3 pairs -> float16
+    # pairs (exact), each float16 made the bfloat16 of 2^-112 times its value by moving its bits (sign
+    # kept, exponent and mantissa shifted right by 3: exact, e4m3 values being normal float16 numbers),
+    # then multiplied by 2^112 (exact) and by the pair of bfloat16 scales ($3: the scale rounded to
+    # bfloat16, as FlashMLA applies it), rounded once; results in memory order.  (The float32 route takes
+    # eight conversions a word; on an H100 the two measured the same, the loader's limit being latency.)
     _DS_SCALED_BF16 = gl.constexpr(
+        "{ .reg .b16 lo, hi; .reg .b32 a, b, t, u, k; "
+        "mov.b32 k, 0x77807780; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+        "shr.b32 t, a, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 u, a, 0x80008000; or.b32 t, t, u; "
+        "mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 $0, t, $3; "
+        "shr.b32 t, b, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 u, b, 0x80008000; or.b32 t, t, u; "
+        "mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 $1, t, $3; }"
+    )
+    # the same product with no conversion instruction (the V4 loader's): each byte's sign put at a bfloat16's
+    # bit 15 and its exponent and mantissa bits at bits 10..4 (`prmt` pairs each byte with its sign byte, a
+    # shift, a mask) make the bfloat16 of 2^-120 times the e4m3 value (exactly, subnormals included: an e4m3
+    # subnormal lands on a bfloat16 subnormal, which `mul.bf16x2` keeps), then multiplied by 2^120 (exact) and
+    # by the scale pair, rounded once. The two NaN codes (0x7F, 0xFF), which no writer of the package or of
+    # FlashMLA produces, read as +480 and -480 times the scale. Five instructions an output word where the
+    # route above takes seven, two of them conversions: 4 % off DeepSeek-V4's 128-head decode on an H200
+    # (1-4 % at every V4 row); in the fp8_ds_mla loader 6 % off from 64 tokens at 128 heads but 3 % on at 32
+    # tokens and at 64 heads, so that loader keeps the route above.
+    _BITS_SCALED_BF16 = gl.constexpr(
         "{ .reg .b32 t, k; mov.b32 k, 0x7B807B80; "
         "prmt.b32 t, $2, 0, 0x9180; shl.b32 t, t, 4; and.b32 t, t, 0x87F087F0; "
         "mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 $0, t, $3; "
@@ -1159,11 +1173,12 @@ if gluon is not None:
     )
 
     @gluon.jit
-    def _e4m3_words_scaled(words, scales):
+    def _e4m3_words_scaled(words, scales, BY_BITS: gl.constexpr = False):
         """int32 words of four e4m3 bytes times their scales (int32 words of the scale as a bfloat16
-        pair) -> int32 words of two bfloat16 in memory order."""
+        pair) -> int32 words of two bfloat16 in memory order (BY_BITS: `_BITS_SCALED_BF16`'s way)."""
         return gl.inline_asm_elementwise(
-            _DS_SCALED_BF16, "=r,=r,r,r", [words, scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+            _BITS_SCALED_BF16 if BY_BITS else _DS_SCALED_BF16, "=r,=r,r,r", [words, scales],
+            dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
         )
 
     @gluon.jit
@@ -1498,7 +1513,7 @@ if gluon is not None:
         stage's rows (its word view)."""
         bits = (code & 0xFF) << 7
         pairs = bits | (bits << 16)
-        lo, hi = _e4m3_words_scaled(words, gl.broadcast(pairs[:, None], words)[0])
+        lo, hi = _e4m3_words_scaled(words, gl.broadcast(pairs[:, None], words)[0], True)
         rows.slice(GROUP * 32, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 32]))
 
     @gluon.jit
