@@ -124,10 +124,12 @@ def _platform(target: Target):
 
 
 def _attrs(spec: CompileSpec) -> dict:
-    names = list(spec.signature)
+    # attributes are keyed by the argument's position among the kernel's parameters (as Triton's launcher
+    # specialises them), not by its place in the spec's signature
+    names = list(getattr(spec.fn, "arg_names", None) or spec.signature)
     attrs = {}
     for name in spec.divisible_by_16:
-        if name not in spec.signature:
+        if name not in spec.signature or name not in names:
             raise ValueError(f"{spec.name}: divisible_by_16 names {name!r}, which is not an argument")
         attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     return attrs
@@ -272,11 +274,23 @@ def _with_defaults(spec: CompileSpec) -> tuple[dict, dict]:
     return signature, constexprs
 
 
-def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> CompileResult:
-    """Compile one spec for `target_name` and judge it (compile error, spills, shared memory)."""
+def compile_kernel(spec: CompileSpec, target_name: str):
+    """`spec` compiled for `target_name` as a launch specialises it (Triton's compiled kernel: its `asm` holds
+    the PTX or AMDGCN)."""
     import triton
     from triton.compiler import ASTSource
 
+    source_cls = ASTSource
+    if getattr(spec.fn, "is_gluon", lambda: False)():
+        # Gluon kernels need their layouts' module attributes set before the body is built
+        from triton.experimental.gluon._runtime import GluonASTSource as source_cls
+    signature, constexprs = _with_defaults(spec)
+    source = source_cls(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=_attrs(spec))
+    return triton.compile(source, target=TARGETS[target_name].gpu_target(), options=_options(spec))
+
+
+def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> CompileResult:
+    """Compile one spec for `target_name` and judge it (compile error, spills, shared memory)."""
     target = TARGETS[target_name]
     limit = _platform(target).max_shared_memory_per_block
     result = CompileResult(
@@ -289,13 +303,7 @@ def compile_spec(spec: CompileSpec, target_name: str, module_name: str = "") -> 
     )
     start = time.perf_counter()
     try:
-        source_cls = ASTSource
-        if getattr(spec.fn, "is_gluon", lambda: False)():
-            # Gluon kernels need their layouts' module attributes set before the body is built
-            from triton.experimental.gluon._runtime import GluonASTSource as source_cls
-        signature, constexprs = _with_defaults(spec)
-        source = source_cls(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=_attrs(spec))
-        compiled = triton.compile(source, target=target.gpu_target(), options=_options(spec))
+        compiled = compile_kernel(spec, target_name)
         result.shared_bytes = int(compiled.metadata.shared)
         result.mma_repeat = mma_repeat(compiled.asm.get("ttgir", ""))
         if target.backend == "hip":

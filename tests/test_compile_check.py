@@ -213,3 +213,37 @@ def test_a_launch_over_the_sm_register_file_is_a_problem():
     over = compile_check.compile_spec(dataclasses.replace(spec, options={**spec.options, "maxnreg": 224}), "sm_90")
     assert over.ok and not over.passed, over
     assert any("exceed the SM's 65536" in problem for problem in over.problems), over.problems
+
+
+def test_divisibility_is_keyed_by_the_kernels_parameter_order():
+    """A spec's 16-byte-aligned arguments reach the compiler at their place among the kernel's parameters
+    (Triton's attributes), whatever the order of the spec's signature: the V4 split kernel's second cache
+    among them."""
+    from mla_multi.kernels.mla_decode import compile_specs
+    from mla_multi.platforms import SPECS
+
+    spec = next(s for s in compile_specs(SPECS["H200"]) if "fp8_ds_mla_v4" in s.name)
+    names = spec.fn.arg_names
+    assert list(spec.signature) != [n for n in names if n in spec.signature]  # the orders differ
+    attrs = compile_check._attrs(spec)
+    assert {names[key[0]] for key in attrs} == set(spec.divisible_by_16)
+    assert "Extra_cache" in spec.divisible_by_16
+
+
+@pytest.mark.parametrize("config", ["h16n64w4s2ws", "h64n64w4s2rm"])
+def test_v4_wide_loader_loads_sixteen_bytes_a_thread(config):
+    """The DeepSeek-V4 loader's wide pieces (`V4_WIDE`) compiled for sm_90: each of a tile's four quarters
+    loads its three latent group pairs and its rotary part 16 bytes a thread (`ld.global.v4`), in the
+    prologue and in the loop: 32 loads of 16 bytes more than the narrow pieces', whose rows are the same
+    (so a compiler that stops seeing the rows' alignment fails this, as Triton 3.9 did for a selected
+    pointer)."""
+    from mla_multi.kernels.mla_decode import compile_specs
+    from mla_multi.platforms import SPECS
+
+    specs = {s.name: s for s in compile_specs(SPECS["H200"])}
+    stem = f"mla_decode_split[{config},kv=fp8_ds_mla_v4,page=64,partial,pdl"
+    counts = {}
+    for wide in (False, True):
+        ptx = compile_check.compile_kernel(specs[stem + (",wide]" if wide else "]")], "sm_90").asm["ptx"]
+        counts[wide] = ptx.count("ld.global.v4.")
+    assert counts[True] - counts[False] == 32, counts

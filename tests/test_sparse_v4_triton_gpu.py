@@ -129,12 +129,14 @@ def test_decode_in_place_matches_reference_and_the_gathered_rows(monkeypatch, ex
     torch.testing.assert_close(lse, gathered_lse, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("width", [64, 192])
 @pytest.mark.parametrize("heads", [64, 128])
-def test_decode_reads_every_e4m3_byte_as_the_format_does(heads):
+def test_decode_reads_every_e4m3_byte_as_the_format_does(heads, width):
     """Each token's 448 latent bytes run through every e4m3 number (both zeros and the subnormals; a different
     rotation a token), its seven UE8M0 scales from 2^-20 to 2^20, its rotary part any bfloat16, and each token
     attends to one row alone (topk_length 1): the output row is the format's dequantisation exactly (bfloat16
-    values, weight 1), for the in-place loader's conversion (sm_90) or the gathered rows' of every byte."""
+    values, weight 1), for the in-place loader's conversion (sm_90) or the gathered rows' of every byte. Lists
+    `width` wide: one tile a split (the loader's narrow pieces) or two and three (its wide pieces)."""
     _skip_without_fp8("fp8_ds_mla_v4")
     fmt = cf.get_format("fp8_ds_mla_v4")
     gen = torch.Generator().manual_seed(heads)
@@ -148,7 +150,7 @@ def test_decode_reads_every_e4m3_byte_as_the_format_does(heads):
     cache = fmt.allocate(1, tokens, "cuda", fill=0xFF)
     fmt.write_records(cache, torch.arange(tokens, device="cuda"), records.cuda())
     order = torch.randperm(tokens, generator=gen)
-    indices = torch.full((tokens, 64), -1, dtype=torch.int32)
+    indices = torch.full((tokens, width), -1, dtype=torch.int32)
     indices[:, 0] = order
     q = torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16).cuda()
     out = mm.ops.mla_sparse_decode_v4(q, cache, indices.cuda(), SCALE, backend="TRITON",

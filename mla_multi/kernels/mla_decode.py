@@ -592,6 +592,12 @@ class V4Pages:
     lists: tuple[int, int, int]
 
 
+def v4_tiles_per_split(v4: V4Pages, num_kv_splits: int, block_n: int) -> int:
+    """The tiles a split of full V4 index lists holds (the split kernel's `_split_range`)."""
+    tokens = -(-(v4.lists[0] + v4.lists[1]) // num_kv_splits)
+    return -(-tokens // block_n)
+
+
 def _check_inputs(
     q_nope, q_pe, kv_cache, block_table, seq_lens, k_scale, num_kv_splits, attn_logits, out, lse, error_flag=None,
     v4: V4Pages | None = None,
@@ -940,6 +946,7 @@ class DecodeKernelPlan:
                 qk_rope=not zero_rope,
                 sink=self.split_sink,
                 pdl=pdl,
+                v4_wide=v4 is not None and v4_tiles_per_split(v4, num_kv_splits, config.block_n) > 1,
             )
         else:
             self.split = BoundLaunch(
@@ -1112,7 +1119,8 @@ def _wgmma_spec(name: str, config: DecodeLaunchConfig, cache_dtype: torch.dtype,
     constexprs.setdefault("V4_PAGE", 0)
     constexprs.setdefault("QK_ROPE", True)
     constexprs.setdefault("HAS_SINK", False)
-    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE", "HAS_SINK"):
+    constexprs.setdefault("V4_WIDE", False)
+    for key in ("ROWS_AS_M", "RAW_STAGES", "MASKED_ENTRIES", "V4_PAGE", "QK_ROPE", "HAS_SINK", "V4_WIDE"):
         signature[key] = "constexpr"
     # the arguments passed by name where they are used (the compile check leaves the others at their defaults,
     # as a launch that does not pass them): the sink (`HAS_SINK`, one split); the V4 pages' second cache and
@@ -1228,16 +1236,18 @@ def compile_specs(platform) -> list[CompileSpec]:
                         f"{'direct' if direct else 'partial'}{',masked' if masked else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
             # DeepSeek-V4 rows in pages of 64 read in place through the index lists (`V4Pages`), launched by
-            # programmatic dependent launch as sm_90 launches them
-            for direct in (False, True):
+            # programmatic dependent launch as sm_90 launches them, the loader's pieces narrow and wide
+            for direct, wide in ((False, False), (True, False), (False, True), (True, True)):
                 constexprs = {
                     "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
                     "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct, "V4_PAGE": 64,
                     "HAS_SINK": direct,  # V4's sink: applied by the kernel writing the output (else the reduce)
                     "PDL": True,
                 }
+                if wide:
+                    constexprs["V4_WIDE"] = True
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
-                        f"{'direct' if direct else 'partial'},pdl]")
+                        f"{'direct' if direct else 'partial'},pdl{',wide' if wide else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
     for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):

@@ -1422,6 +1422,8 @@ if gluon is not None:
     # words (8 bytes) a thread, [16, 16] words (one 64-value scale group of 16 rows) covered once (measured on
     # an H200: 7-8 % faster than 32-row pieces of 16 bytes a thread)
     _V4_PIECE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [2, 2], [1, 0]))
+    # [16, 32] words (two groups of 16 rows, the rotary part), four words (16 bytes) a thread
+    _V4_WIDE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [2, 2], [1, 0]))
 
     @gluon.jit
     def _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks):
@@ -1459,7 +1461,7 @@ if gluon is not None:
 
     @gluon.jit
     def _v4_rows(entries, KV_words, Extra_words, extra_first_slot, stride_kv_block, stride_extra_block,
-                 V4_PAGE: gl.constexpr):
+                 V4_PAGE: gl.constexpr, SELECT_OFFSETS: gl.constexpr):
         """Word pointers of the data (576 bytes: 448 e4m3 values, 64 bfloat16 rotary values) and of the scales
         (8 bytes in the block's tail) of the rows `entries` name, and which to read. The entries (`_v4_list_entries`) are slots of both caches (those >= extra_first_slot the second
         cache's, less extra_first_slot), or negative (none counts there, or bad), which reads nothing: its row
@@ -1471,10 +1473,24 @@ if gluon is not None:
         block = (slot // V4_PAGE).to(gl.int64)
         offset = (slot % V4_PAGE).to(gl.int64)
         base = block * gl.where(extra, stride_extra_block, stride_kv_block).to(gl.int64)
-        words = gl.where(extra, Extra_words, KV_words)
-        data = words + gl.multiple_of((base + offset * _V4_DATA_BYTES) >> 2, 4)
-        scales = words + ((base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES) >> 2)
+        if SELECT_OFFSETS:
+            # words from KV_words, the second cache's rows too (its distance from the first added): a select of
+            # offsets, not of pointers, keeps the rows' 16-byte alignment visible to the compiler (from Triton
+            # 3.9 the loads of a selected pointer are single words); two registers more a row
+            distance = (Extra_words.to(gl.int64, bitcast=True) - KV_words.to(gl.int64, bitcast=True)) >> 2
+            words = gl.where(extra, distance, 0)
+            data = KV_words + gl.multiple_of(words + ((base + offset * _V4_DATA_BYTES) >> 2), 4)
+            scales = KV_words + (words + ((base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES) >> 2))
+        else:
+            words = gl.where(extra, Extra_words, KV_words)
+            data = words + gl.multiple_of((base + offset * _V4_DATA_BYTES) >> 2, 4)
+            scales = words + ((base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES) >> 2)
         return data, scales, valid
+
+    @gluon.constexpr_function
+    def _v4_piece_layout(wide):
+        """The layout of a V4 loader's rows and entries: `_V4_WIDE_LAYOUT`'s where its pieces are wide."""
+        return _V4_WIDE_LAYOUT if wide else _V4_PIECE_LAYOUT
 
     @gluon.jit
     def _v4_piece_load(data, scales, valid, layout: gl.constexpr):
@@ -1498,13 +1514,47 @@ if gluon is not None:
         return (g0, g1, g2, g3, g4, g5, g6, r0, r1, s0, s1)
 
     @gluon.jit
-    def _v4_quarter(entries, src, V4_PAGE: gl.constexpr, layout: gl.constexpr):
-        """The rows a quarter's `entries` name loaded (`_v4_rows`, `_v4_piece_load`); src: (the two caches as
-        int32 words, extra_first_slot, their block strides)."""
+    def _v4_piece_load_wide(data, scales, valid, layout: gl.constexpr, narrow: gl.constexpr):
+        """A piece of V4 rows as int32 words (zeros where not valid): latent groups 0-1, 2-3 and 4-5 [PIECE, 32]
+        each and the rotary part [PIECE, 32] in `layout` (four words a thread), group 6 [PIECE, 16] in `narrow`
+        (two words a thread), each row's two words of UE8M0 scale bytes [PIECE]."""
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+        at = data[:, None] + cols[None, :]
+        mask = valid[:, None]
+        g01 = gl.load(at, mask=mask, other=0)
+        g23 = gl.load(at + 32, mask=mask, other=0)
+        g45 = gl.load(at + 64, mask=mask, other=0)
+        rope = gl.load(at + _V4_LATENT_WORDS, mask=mask, other=0)
+        narrow_data = gl.convert_layout(data, gl.SliceLayout(1, narrow))
+        narrow_valid = gl.convert_layout(valid, gl.SliceLayout(1, narrow))
+        narrow_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, narrow))
+        g6 = gl.load(narrow_data[:, None] + (narrow_cols[None, :] + 96), mask=narrow_valid[:, None], other=0)
+        s0 = gl.load(scales, mask=valid, other=0)
+        s1 = gl.load(scales + 1, mask=valid, other=0)
+        return (g01, g23, g45, g6, rope, s0, s1)
+
+    @gluon.jit
+    def _v4_quarter(entries, src, V4_PAGE: gl.constexpr, layout: gl.constexpr, narrow: gl.constexpr,
+                    WIDE: gl.constexpr):
+        """The rows a quarter's `entries` name loaded (`_v4_rows`; `_v4_piece_load_wide` where WIDE, else
+        `_v4_piece_load`); src: (the two caches as int32 words, extra_first_slot, their block strides)."""
         KV_words, Extra_words, extra_first_slot, stride_kv_block, stride_extra_block = src
         data, scales, valid = _v4_rows(entries, KV_words, Extra_words, extra_first_slot, stride_kv_block,
-                                       stride_extra_block, V4_PAGE)
-        return _v4_piece_load(data, scales, valid, layout)
+                                       stride_extra_block, V4_PAGE, WIDE)
+        if WIDE:
+            piece = _v4_piece_load_wide(data, scales, valid, layout, narrow)
+        else:
+            piece = _v4_piece_load(data, scales, valid, narrow)
+        return piece
+
+    @gluon.jit
+    def _v4_quarter_store(kv_words, piece, FIRST: gl.constexpr, PIECE: gl.constexpr, layout: gl.constexpr,
+                          narrow: gl.constexpr, WIDE: gl.constexpr):
+        """A quarter `_v4_quarter` loaded, stored (`_v4_piece_store_wide` or `_v4_piece_store`)."""
+        if WIDE:
+            _v4_piece_store_wide(kv_words, piece, FIRST, PIECE, layout, narrow)
+        else:
+            _v4_piece_store(kv_words, piece, FIRST, PIECE)
 
     @gluon.jit
     def _v4_group_store(rows, words, code, GROUP: gl.constexpr):
@@ -1534,6 +1584,31 @@ if gluon is not None:
         rows.slice(2 * _V4_LATENT_WORDS + 16, 16, dim=1).store(piece[8])
 
     @gluon.jit
+    def _v4_pair_store(rows, words, code, PAIR: gl.constexpr, layout: gl.constexpr):
+        """Two 64-value groups [PIECE, 32 words] (2 PAIR and 2 PAIR + 1) times their UE8M0 scales (`code`'s low
+        byte the first's, its next byte the second's) into bfloat16 columns [128 PAIR, 128 PAIR + 128)."""
+        first = (code & 0xFF) << 7
+        second = ((code >> 8) & 0xFF) << 7
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+        bits = gl.where(cols[None, :] < 16, first[:, None], second[:, None])
+        lo, hi = _e4m3_words_scaled(words, bits | (bits << 16), True)
+        rows.slice(PAIR * 64, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [words.shape[0], 64]))
+
+    @gluon.jit
+    def _v4_piece_store_wide(kv_words, piece, FIRST: gl.constexpr, PIECE: gl.constexpr, layout: gl.constexpr,
+                             narrow: gl.constexpr):
+        """A piece's latent groups dequantised, and its rotary part as it is, into rows [FIRST, FIRST + PIECE)
+        of the stage's word view: [448 latent | 64 rotary] bfloat16 values, the V4 row."""
+        rows = kv_words.slice(FIRST, PIECE, dim=0)
+        s0 = piece[5]
+        s1 = piece[6]
+        _v4_pair_store(rows, piece[0], s0, 0, layout)
+        _v4_pair_store(rows, piece[1], s0 >> 16, 1, layout)
+        _v4_pair_store(rows, piece[2], s1, 2, layout)
+        _v4_group_store(rows, piece[3], gl.convert_layout(s1 >> 16, gl.SliceLayout(1, narrow)), 6)
+        rows.slice(2 * _V4_LATENT_WORDS, 32, dim=1).store(piece[4])
+
+    @gluon.jit
     def _v4_entries_store(tile_entries, e0, e1, e2, e3, PIECE: gl.constexpr):
         """A tile's entries, four pieces, into its row of the entries ring (`_ws_load_v4`)."""
         tile_entries.slice(0, PIECE).store(e0)
@@ -1545,7 +1620,7 @@ if gluon is not None:
     def _ws_load_v4(
         kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end, num_tiles,
         stride_kv_block, KV_LORA_RANK: gl.constexpr, V4_PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, lists, entries_smem,
+        STAGES: gl.constexpr, lists, entries_smem, WIDE: gl.constexpr,
     ):
         """DeepSeek-V4 tiles (fp8_ds_mla_v4: in a block of V4_PAGE tokens each token's 448 e4m3 values and 64
         bfloat16 rotary values, 576 bytes, then the tokens' seven UE8M0 scales and a pad byte each) of one or
@@ -1555,8 +1630,9 @@ if gluon is not None:
         QK reads the 512 columns, P V the same). 16-row quarters through the loader's registers, a whole tile
         ahead of the one stored (each row's address waits on its own entry: a tile's rows are gathered and the
         loader waits on the memory's latency, so as many rows as its registers hold are in flight), the entries
-        two tiles ahead; the scale bytes come with their rows. Needs rows on 16-byte boundaries and a bfloat16
-        query. Each tile's entries go to `entries_smem` [2 x STAGES, BLOCK_N] (tile t's at t % (2 x STAGES), written while tile t - 1 is stored:
+        two tiles ahead; the scale bytes come with their rows (WIDE: two groups a load, 16 bytes a thread, where
+        a split holds several tiles; else 8 bytes a thread, the faster for one tile: bench/RESULTS.md). Needs rows
+        on 16-byte boundaries and a bfloat16 query. Each tile's entries go to `entries_smem` [2 x STAGES, BLOCK_N] (tile t's at t % (2 x STAGES), written while tile t - 1 is stored:
         tile t + 1 - 2 x STAGES, their last reader, is done by then), where the softmax partition reads which
         positions count and whether one is bad (no list read there: its registers hold the accumulator)."""
         gl.static_assert(BLOCK_N == 64, "the V4 loader takes 64-token tiles in four 16-row quarters")
@@ -1565,7 +1641,8 @@ if gluon is not None:
                          "seven 64-value groups of 16 words, then 64 bfloat16 RoPE values")
         gl.static_assert(kv_smem.dtype == gl.bfloat16, "V4 rows are read with a bfloat16 query")
         P: gl.constexpr = 16
-        layout: gl.constexpr = _V4_PIECE_LAYOUT
+        layout: gl.constexpr = _v4_piece_layout(WIDE)
+        narrow: gl.constexpr = _V4_PIECE_LAYOUT
         words_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         Extra_cache, extra_first_slot, stride_extra_block = v4_args
         KV_words = KV_cache.to(gl.pointer_type(gl.int32), bitcast=True)
@@ -1580,10 +1657,10 @@ if gluon is not None:
         n1 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 16, P, layout)
         n2 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 32, P, layout)
         n3 = _v4_entries(block_table_row, lists, split_start + BLOCK_N, split_end, 48, P, layout)
-        a = _v4_quarter(e0, src, V4_PAGE, layout)
-        b = _v4_quarter(e1, src, V4_PAGE, layout)
-        c = _v4_quarter(e2, src, V4_PAGE, layout)
-        q3 = _v4_quarter(e3, src, V4_PAGE, layout)
+        a = _v4_quarter(e0, src, V4_PAGE, layout, narrow, WIDE)
+        b = _v4_quarter(e1, src, V4_PAGE, layout, narrow, WIDE)
+        c = _v4_quarter(e2, src, V4_PAGE, layout, narrow, WIDE)
+        q3 = _v4_quarter(e3, src, V4_PAGE, layout, narrow, WIDE)
         _v4_entries_store(entries_smem.index(0), e0, e1, e2, e3, P)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1600,14 +1677,14 @@ if gluon is not None:
             # the next tile's entries (see above)
             _v4_entries_store(entries_smem.index((tile + 1) % (2 * STAGES)), n0, n1, n2, n3, P)
             # each quarter stored, then the next tile's same quarter loaded into its registers
-            _v4_piece_store(kv_words, a, 0, P)
-            a = _v4_quarter(n0, src, V4_PAGE, layout)
-            _v4_piece_store(kv_words, b, 16, P)
-            b = _v4_quarter(n1, src, V4_PAGE, layout)
-            _v4_piece_store(kv_words, c, 32, P)
-            c = _v4_quarter(n2, src, V4_PAGE, layout)
-            _v4_piece_store(kv_words, q3, 48, P)
-            q3 = _v4_quarter(n3, src, V4_PAGE, layout)
+            _v4_quarter_store(kv_words, a, 0, P, layout, narrow, WIDE)
+            a = _v4_quarter(n0, src, V4_PAGE, layout, narrow, WIDE)
+            _v4_quarter_store(kv_words, b, 16, P, layout, narrow, WIDE)
+            b = _v4_quarter(n1, src, V4_PAGE, layout, narrow, WIDE)
+            _v4_quarter_store(kv_words, c, 32, P, layout, narrow, WIDE)
+            c = _v4_quarter(n2, src, V4_PAGE, layout, narrow, WIDE)
+            _v4_quarter_store(kv_words, q3, 48, P, layout, narrow, WIDE)
+            q3 = _v4_quarter(n3, src, V4_PAGE, layout, narrow, WIDE)
             n0 = m0
             n1 = m1
             n2 = m2
@@ -1794,7 +1871,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
         TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, v4_args=None,
-        v4_lists=None,
+        v4_lists=None, V4_WIDE: gl.constexpr = False,
     ):
         """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
@@ -1832,7 +1909,7 @@ if gluon is not None:
             _ws_load_v4(
                 kv_smem, ready_bars, empty_bars, KV_cache, v4_args, block_table_row, split_start, split_end,
                 num_tiles, stride_kv_block, KV_LORA_RANK, V4_PAGE, BLOCK_N, STAGES,
-                _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks), ds_scales,
+                _v4_list_args(v4_lists, batch, max_seq_len, num_cache_blocks), ds_scales, V4_WIDE,
             )
         elif KV_cache.dtype.element_ty == gl.uint8:
             _ws_load_ds_mla(
@@ -1867,7 +1944,7 @@ if gluon is not None:
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, Extra_cache=None, extra_first_slot=0,
         stride_extra_block=0, QK_ROPE: gl.constexpr = True, Sink=None, HAS_SINK: gl.constexpr = False,
         PDL: gl.constexpr = False, Extra_table=None, stride_extra_t=0, v4_topk=0, Topk_length=None,
-        Extra_topk_length=None,
+        Extra_topk_length=None, V4_WIDE: gl.constexpr = False,
     ):
         """Warp-specialised: a QK + softmax + PV warpgroup, a PV warpgroup, a loader (cp.async, or TMA for
         16-bit tiles inside one page; FP8 through registers, converted once into the 16-bit stages).
@@ -1878,7 +1955,7 @@ if gluon is not None:
         the first list (v4_topk wide, slots of KV_cache, -1 no token, entries past Topk_length[batch] do not
         count), Extra_table the second (its rows stride_extra_t apart, slots of Extra_cache, whose blocks lie
         stride_extra_block bytes apart, Extra_topk_length), Seq_lens both widths' sum and PAGE_SIZE 1; the
-        query 512 wide.
+        query 512 wide; V4_WIDE: the loader's wide pieces (`_ws_load_v4`).
         QK_ROPE False: the query's rotary part is zero (V4 rows laid out as 576-wide ones with a zero tail), its
         product is skipped. HAS_SINK (DIRECT_OUTPUT): the output times exp(lse) / (exp(lse) + exp(Sink[head]))
         (Sink float32 [num_heads]), the LSE without it. PDL: launched by programmatic dependent launch
@@ -1990,7 +2067,7 @@ if gluon is not None:
                             KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES, V4_PAGE,
                             (Extra_cache, extra_first_slot, stride_extra_block),
                             (Extra_table, stride_extra_t, v4_topk, Topk_length, Extra_topk_length,
-                             extra_first_slot))),
+                             extra_first_slot), V4_WIDE)),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
@@ -2089,11 +2166,13 @@ def tma_loader(config, fp8_cache: bool) -> bool:
 
 def _split_kernel_constexprs(*, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale, fp8_cache, direct,
                              tma: bool, masked_entries: bool = False, v4_page: int = 0, qk_rope: bool = True,
-                             sink: bool = False, pdl: dict | None = None) -> dict:
+                             sink: bool = False, pdl: dict | None = None, v4_wide: bool = False) -> dict:
     extra = {**(pdl or {}), "maxnreg": WS_MAXNREG, "ROWS_AS_M": config.kernel == "wgmma_rm",
              "RAW_STAGES": config.raw_stages, "MASKED_ENTRIES": masked_entries}
     if v4_page:
         extra["V4_PAGE"] = v4_page
+        if v4_wide:
+            extra["V4_WIDE"] = True
     if not qk_rope:
         extra["QK_ROPE"] = False
     if sink:
@@ -2130,7 +2209,7 @@ def tma_keywords(kv_cache, block_n: int, kv_lora_rank: int) -> dict:
 
 def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, page_size, config, has_k_scale,
                       fp8_cache, direct, allow_tma: bool = True, masked_entries: bool = False, v4_page: int = 0,
-                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None):
+                      qk_rope: bool = True, sink: bool = False, pdl: dict | None = None, v4_wide: bool = False):
     """The warp-specialised split kernel bound for a plan (`mla_multi.kernels.launch.BoundLaunch`), and whether it
     takes TMA descriptors of the cache (`tma_keywords`): the plan's key fixes everything
     `tma_cache_reason` reads. allow_tma=False keeps cp.async where the configuration asks for TMA
@@ -2138,13 +2217,14 @@ def bind_split_kernel(grid, device, kv_cache, *, q_len, kv_lora_rank, rope_dim, 
     (the warp-specialised kernel over one-token fp8_ds_mla pages). v4_page > 0: DeepSeek-V4 rows in pages of
     that many tokens, read in place (`V4_KEYWORDS` passed by name at every call). qk_rope=False: the query's
     rotary part is zero and its product is skipped. sink (direct only): the sink applied to the output (`Sink`
-    passed by name at every call). pdl: `launch.pdl_constexprs` of the device ({} or None: a plain launch)."""
+    passed by name at every call). pdl: `launch.pdl_constexprs` of the device ({} or None: a plain launch).
+    v4_wide: the V4 loader's wide pieces (`_ws_load_v4`: where a split holds several tiles)."""
     tma_ok = (allow_tma and not v4_page and tma_loader(config, fp8_cache)
               and not tma_cache_reason(kv_cache, config.block_n, kv_lora_rank))
     constexprs = _split_kernel_constexprs(
         q_len=q_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, page_size=page_size, config=config,
         has_k_scale=has_k_scale, fp8_cache=fp8_cache, direct=direct, tma=tma_ok, masked_entries=masked_entries,
-        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl,
+        v4_page=v4_page, qk_rope=qk_rope, sink=sink, pdl=pdl, v4_wide=v4_wide,
     )
     names = ("KV_desc", "KV_pe_desc") if tma_ok else V4_KEYWORDS if v4_page else ()
 
