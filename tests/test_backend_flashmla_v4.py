@@ -394,13 +394,13 @@ def test_a_schedule_made_by_the_op_inside_a_graph_capture_is_not_kept():
     arguments = (torch.zeros(1), torch.ones(1), None, None, None, None, 512, 0.1, "V4")
     call.call_op(op, True, *arguments)
     call.call_op(op, True, *arguments)
-    assert given == [None, None] and call.metadata is None
+    assert given == [None, None] and call.schedule_made is None
     out, lse = call.call_op(op, False, *arguments)
-    assert given[-1] is None and call.metadata is not None and torch.equal(out, torch.zeros(1))
-    kept = call.metadata
+    assert given[-1] is None and call.schedule_made is not None and torch.equal(out, torch.zeros(1))
+    kept = call.schedule_made[0]
     call.call_op(op, True, *arguments)
     call.call_op(op, False, *arguments)
-    assert given[-2:] == [kept, kept] and call.metadata is kept
+    assert given[-2:] == [kept, kept] and call.schedule_made[0] is kept
 
 
 def test_without_flashmla_s_op_the_interface_is_called(fake_flash_mla, monkeypatch):

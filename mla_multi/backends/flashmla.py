@@ -78,7 +78,7 @@ from mla_multi.backends.base import (
     SparseSelectorConfig,
     dtype_name,
 )
-from mla_multi.kernels import capturing
+from mla_multi.kernels import capturing, keep_unless_capturing
 from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
@@ -471,8 +471,8 @@ class _V4DecodeCall:
         self.device = device
         self.legacy = legacy
         self.schedule_meta = None  # FlashMLA's FlashMLASchedMeta, filled by its first (eager) call
-        # the schedule's metadata and split counts where the op is called directly, made by the first eager call
-        self.metadata = self.num_splits = None
+        # (the schedule's metadata, its split counts) where the op is called directly, made by the first eager call
+        self.schedule_made = None
 
     def sanitize(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length):
         """(the top-k list FlashMLA reads [T, width], the window's or None, the tokens marked bad)."""
@@ -498,11 +498,11 @@ class _V4DecodeCall:
         """FlashMLA's legacy op (`legacy_sparse_decode_op`) called with the kept schedule: none before the first
         call, which FlashMLA then schedules itself (on the device) and whose schedule is kept where made outside a
         capture (`capture`: as `schedule`'s). Returns (out, lse) as FlashMLA gives them."""
-        metadata, num_splits = self.metadata, self.num_splits
+        metadata, num_splits = self.schedule_made or (None, None)
         out, lse, made, splits = op(q, kv, listed, None, attn_sink, metadata, num_splits, extra_kv, extra_listed, None,
                                     width, scale, kv_format)
-        if metadata is None and not capture:
-            self.metadata, self.num_splits = made, splits
+        if metadata is None:
+            keep_unless_capturing(self, "schedule_made", (made, splits), capture)
         return out, lse
 
     def schedule(self, module):
@@ -510,10 +510,8 @@ class _V4DecodeCall:
         is written only when the graph replays, so it serves that capture alone)."""
         if self.schedule_meta is not None:
             return self.schedule_meta
-        sched, _ = module.get_mla_metadata()
-        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            self.schedule_meta = sched
-        return sched
+        capture = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return keep_unless_capturing(self, "schedule_meta", module.get_mla_metadata()[0], capture)
 
 
 def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:

@@ -32,7 +32,7 @@ from mla_multi.backends.base import (
     MLASparseBackend,
     MLASparseImpl,
 )
-from mla_multi.kernels import capturing, interpreter_active
+from mla_multi.kernels import capturing, interpreter_active, keep_unless_capturing
 from mla_multi.platforms import Platform, current_platform
 from mla_multi.workspace import still_shared
 
@@ -578,10 +578,9 @@ class _SparseInPlaceLaunch:
         scratch, device = self.impl._scratch, indices.device
         if self.masked:
             lens = self.full_lengths
-            if lens is None:  # made once, kept where made outside a CUDA-graph capture (`Scratch.constant`)
-                lens = scratch.constant("full lengths", (self.tokens,), self.topk, torch.int32, device)
-                if not capturing(indices):
-                    self.full_lengths = lens
+            if lens is None:  # made once (`Scratch.constant`)
+                lens = keep_unless_capturing(self, "full_lengths", scratch.constant(
+                    "full lengths", (self.tokens,), self.topk, torch.int32, device), capturing(indices))
             return indices, lens
         return (scratch.get("table", (self.tokens, max(self.topk, 1)), torch.int32, device),
                 scratch.get("lens", (self.tokens,), torch.int32, device))
@@ -628,10 +627,10 @@ class _V4InPlaceLaunch:
         kept = self.constants
         if kept is None:
             scratch = self.impl._scratch
-            kept = (_zero_rope(scratch, q), scratch.constant(f"v4 full lengths {self.width}", self.lens_shape,
-                                                              self.width, torch.int32, q.device))
-            if not capturing(q):
-                self.constants = kept
+            kept = keep_unless_capturing(self, "constants", (
+                _zero_rope(scratch, q),
+                scratch.constant(f"v4 full lengths {self.width}", self.lens_shape, self.width, torch.int32, q.device),
+            ), capturing(q))
         return kept
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,

@@ -32,6 +32,15 @@ def capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def keep_unless_capturing(owner, name: str, value, capture: bool):
+    """`value`, also kept as ``owner.<name>`` for later calls unless it was made while a CUDA graph was being
+    captured (`capture`, `capturing`): what a capture makes is written only when its graph replays, so it
+    belongs to that graph alone. The one rule of everything a bound launch makes once and keeps."""
+    if not capture:
+        setattr(owner, name, value)
+    return value
+
+
 def rows_of_heads(tensor) -> bool:
     """Whether each token's heads lie side by side inside its row: a [rows, heads, dim] tensor with the heads'
     stride at least dim and the row stride at least all of them (or [rows, dim] with the row stride at least
