@@ -496,8 +496,8 @@ class _V4DecodeCall:
     def call_op(self, op, capture: bool, q, kv, listed, attn_sink, extra_kv, extra_listed, width: int, scale: float,
                 kv_format):
         """FlashMLA's legacy op (`legacy_sparse_decode_op`) called with the kept schedule: none before the first
-        call, which FlashMLA then schedules itself (on the device) and whose schedule is kept where made outside a
-        capture (`capture`: as `schedule`'s). Returns (out, lse) as FlashMLA gives them."""
+        call, which FlashMLA then schedules itself (on the device) and whose schedule is kept unless made in a
+        capture (`keep_unless_capturing`, as `schedule`'s). Returns (out, lse) as FlashMLA gives them."""
         metadata, num_splits = self.schedule_made or (None, None)
         out, lse, made, splits = op(q, kv, listed, None, attn_sink, metadata, num_splits, extra_kv, extra_listed, None,
                                     width, scale, kv_format)

@@ -623,7 +623,7 @@ class _V4InPlaceLaunch:
 
     def _constants(self, q):
         """(the query's zero rotary part, `_zero_rope`; both lists' width for every token, the kernels' sequence
-        lengths): made once and kept where made outside a CUDA-graph capture (made inside one, that capture's)."""
+        lengths): made once and kept unless made inside a CUDA-graph capture (`keep_unless_capturing`)."""
         kept = self.constants
         if kept is None:
             scratch = self.impl._scratch
