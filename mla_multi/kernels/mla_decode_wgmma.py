@@ -1493,13 +1493,18 @@ if gluon is not None:
         return _V4_WIDE_LAYOUT if wide else _V4_PIECE_LAYOUT
 
     @gluon.jit
+    def _v4_row_words(data, valid, COLS: gl.constexpr, layout: gl.constexpr):
+        """Pointers to the first COLS words of the rows starting at `data` [PIECE, COLS] in `layout`, and the
+        mask of the `valid` rows."""
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        return data[:, None] + cols[None, :], valid[:, None]
+
+    @gluon.jit
     def _v4_piece_load(data, scales, valid, layout: gl.constexpr):
         """A piece of V4 rows as int32 words (zeros where not valid): the seven 64-value latent groups [PIECE,
         16] each, the rotary part in two halves [PIECE, 16] and each row's two words of UE8M0 scale bytes
         [PIECE]."""
-        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-        at = data[:, None] + cols[None, :]
-        mask = valid[:, None]
+        at, mask = _v4_row_words(data, valid, 16, layout)
         g0 = gl.load(at, mask=mask, other=0)
         g1 = gl.load(at + 16, mask=mask, other=0)
         g2 = gl.load(at + 32, mask=mask, other=0)
@@ -1518,17 +1523,15 @@ if gluon is not None:
         """A piece of V4 rows as int32 words (zeros where not valid): latent groups 0-1, 2-3 and 4-5 [PIECE, 32]
         each and the rotary part [PIECE, 32] in `layout` (four words a thread), group 6 [PIECE, 16] in `narrow`
         (two words a thread), each row's two words of UE8M0 scale bytes [PIECE]."""
-        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
-        at = data[:, None] + cols[None, :]
-        mask = valid[:, None]
+        at, mask = _v4_row_words(data, valid, 32, layout)
         g01 = gl.load(at, mask=mask, other=0)
         g23 = gl.load(at + 32, mask=mask, other=0)
         g45 = gl.load(at + 64, mask=mask, other=0)
         rope = gl.load(at + _V4_LATENT_WORDS, mask=mask, other=0)
-        narrow_data = gl.convert_layout(data, gl.SliceLayout(1, narrow))
-        narrow_valid = gl.convert_layout(valid, gl.SliceLayout(1, narrow))
-        narrow_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, narrow))
-        g6 = gl.load(narrow_data[:, None] + (narrow_cols[None, :] + 96), mask=narrow_valid[:, None], other=0)
+        # (the same rows in `narrow`: the layouts place rows alike, so the conversions move nothing)
+        at6, mask6 = _v4_row_words(gl.convert_layout(data, gl.SliceLayout(1, narrow)),
+                                   gl.convert_layout(valid, gl.SliceLayout(1, narrow)), 16, narrow)
+        g6 = gl.load(at6 + 96, mask=mask6, other=0)
         s0 = gl.load(scales, mask=valid, other=0)
         s1 = gl.load(scales + 1, mask=valid, other=0)
         return (g01, g23, g45, g6, rope, s0, s1)
