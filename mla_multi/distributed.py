@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mla_multi import checks, ops
 from mla_multi.backends.base import FP8_DTYPES
+from mla_multi.kernels import capturing_on
 from mla_multi.metadata import to_device
 
 __all__ = ["DecodeContextParallel", "correct_partial_outputs_reference"]
@@ -83,10 +84,6 @@ def correct_partial_outputs_reference(
     global_lse = torch.where(all_empty, torch.full_like(max_lse, float("-inf")), torch.log(total) + max_safe)
     own = slice(rank * num_local_heads, (rank + 1) * num_local_heads)
     return dest.contiguous(), global_lse[:, own].contiguous()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class DecodeContextParallel:
@@ -247,7 +244,7 @@ class DecodeContextParallel:
         """
         config = tuple(fields[name] for name in config_names)
         every_call = checks.data_checks_enabled()
-        if (config in self._checked_configs and not every_call) or _capturing(device):
+        if (config in self._checked_configs and not every_call) or capturing_on(device):
             return
         names = list(fields)
         values = [fields[name] for name in names]

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from mla_multi.kernels import capturing_on
+
 __all__ = [
     "BLOCK_INDEX",
     "SEQ_RANGE",
@@ -86,7 +88,7 @@ def error_flag(device) -> torch.Tensor:
     with _lock:
         flag = _flags.get(device)
         if flag is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing_on(device):
                 raise RuntimeError(
                     f"the error flag of {device} does not exist yet and the stream is being captured; "
                     "call mla_multi.errors.error_flag(device) (or run the ops once) before capturing"

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from mla_multi.errors import canonical_device
+from mla_multi.kernels import capturing_on
 
 _ALIGNMENT = 256  # bytes; keeps every view aligned for vector loads
 
@@ -123,7 +124,7 @@ class WorkspaceManager:
     def _ensure(self, nbytes: int) -> None:
         if nbytes <= self._buffer.numel():
             return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing_on(self.device):
             # growing inside a capture would allocate in the graph's pool and leave earlier views dangling
             raise WorkspaceLockedError(
                 f"the workspace of {self.device} holds {self._buffer.numel()} bytes and {nbytes} bytes were "

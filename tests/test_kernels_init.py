@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import types
 
-from mla_multi.kernels import keep_unless_capturing
+import torch
+
+from mla_multi.kernels import capturing, capturing_on, keep_unless_capturing
+
+
+def test_nothing_is_captured_off_cuda():
+    assert not capturing(torch.zeros(1)) and not capturing_on(torch.device("cpu"))
 
 
 def test_what_a_capture_makes_is_not_kept_what_an_eager_call_makes_is():

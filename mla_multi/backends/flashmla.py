@@ -78,7 +78,7 @@ from mla_multi.backends.base import (
     SparseSelectorConfig,
     dtype_name,
 )
-from mla_multi.kernels import capturing, keep_unless_capturing
+from mla_multi.kernels import capturing, capturing_on, keep_unless_capturing
 from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
@@ -510,8 +510,7 @@ class _V4DecodeCall:
         is written only when the graph replays, so it serves that capture alone)."""
         if self.schedule_meta is not None:
             return self.schedule_meta
-        capture = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        return keep_unless_capturing(self, "schedule_meta", module.get_mla_metadata()[0], capture)
+        return keep_unless_capturing(self, "schedule_meta", module.get_mla_metadata()[0], capturing_on(self.device))
 
 
 def _sparse_reasons(phase: str, config: SparseSelectorConfig) -> list[str]:

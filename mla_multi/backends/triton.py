@@ -394,7 +394,7 @@ class TritonDecodeLaunch(DecodeLaunch):
     def _shared_partials(self, device, capture: bool) -> torch.Tensor:
         """The split partials of a call without a workspace_manager or attn_logits: the view of the device's
         shared workspace kept from an earlier eager call while the workspace keeps its buffer (no lookup a
-        call), else `shared_split_partials`'s (kept where made outside a capture from the workspace)."""
+        call), else `shared_split_partials`'s (kept, `keep_unless_capturing`, where they are the workspace's)."""
         kept = self._shared
         if kept is not None and not capture:
             manager, buffer, key, view = kept
@@ -404,9 +404,10 @@ class TritonDecodeLaunch(DecodeLaunch):
         from mla_multi.kernels.mla_decode import shared_split_partials
 
         partials, owner = shared_split_partials(*self.partial_dims, device)
-        if owner is not None and not capture:
+        if owner is not None:
             manager, buffer, key = owner
-            self._shared = (weakref.ref(manager), weakref.ref(buffer), key, weakref.ref(partials))
+            keep_unless_capturing(self, "_shared", (weakref.ref(manager), weakref.ref(buffer), key,
+                                                    weakref.ref(partials)), capture)
         return partials
 
 

@@ -32,6 +32,13 @@ def capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def capturing_on(device) -> bool:
+    """`capturing` for a torch.device."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def keep_unless_capturing(owner, name: str, value, capture: bool):
     """`value`, also kept as ``owner.<name>`` for later calls unless it was made while a CUDA graph was being
     captured (`capture`, `capturing`): what a capture makes is written only when its graph replays, so it

@@ -68,7 +68,7 @@ from mla_multi.cache_formats import FP8_DS_MLA_V4
 from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES
 from mla_multi.ds_mla_cache import KV_LORA_RANK as DS_KV_LORA_RANK
 from mla_multi.ds_mla_cache import ROPE_DIM as DS_ROPE_DIM
-from mla_multi.kernels import capturing
+from mla_multi.kernels import capturing, capturing_on
 from mla_multi.kernels.launch import BoundLaunch, pdl_constexprs, pdl_enter
 from mla_multi.kernels.launch_config import (
     CompileSpec,
@@ -553,7 +553,7 @@ def shared_split_partials(num_rows: int, num_heads: int, num_kv_splits: int, kv_
     buffer of their own): while `mla_multi.workspace.still_shared` holds for these three the same call gets the
     same view back, which a caller may keep instead of asking again."""
     device = torch.device(device)
-    if num_kv_splits == 1 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if num_kv_splits == 1 or capturing_on(device):
         return split_partials(num_rows, num_heads, num_kv_splits, kv_lora_rank, device), None
     from mla_multi.workspace import WorkspaceLockedError, current_workspace_manager
 

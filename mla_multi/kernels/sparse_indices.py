@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mla_multi import errors
+from mla_multi.kernels import capturing_on
 from mla_multi.kernels.launch import bound_by_layout, layout_key, pdl_enter
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
@@ -180,7 +181,7 @@ class Scratch:
         self._buffers: dict = {}
 
     def get(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing_on(device):
             return torch.empty(shape, dtype=dtype, device=device)
         found = self._buffers.get(name)
         if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
@@ -190,7 +191,7 @@ class Scratch:
     def full(self, name: str, shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `value` everywhere, made once, that a call may write after the fill (a capture gets its
         own)."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing_on(device):
             return torch.full(shape, value, dtype=dtype, device=device)
         found = self._buffers.get(name)
         if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
@@ -203,7 +204,7 @@ class Scratch:
         found = self._buffers.get(name)
         if found is None or found.shape != shape or found.dtype != dtype or found.device != device:
             found = torch.full(shape, value, dtype=dtype, device=device)
-            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not capturing_on(device):
                 self._buffers[name] = found
         return found
 
