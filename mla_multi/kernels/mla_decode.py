@@ -489,10 +489,11 @@ def _mla_decode_reduce_kernel(
             base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
         )
         has_mass = split_lse > float("-inf")
-        # empty splits left their partial output unwritten: never read it
-        partial = tl.load(
-            base + splits[:, None] * stride_al_split + offs_d[None, :], mask=has_mass[:, None], other=0.0
-        )
+        # loaded beside the LSEs, not after them (one trip to memory, not two); an empty split left its partial
+        # output unwritten: whatever it holds is dropped
+        partial = tl.load(base + splits[:, None] * stride_al_split + offs_d[None, :],
+                          mask=(splits < num_kv_splits)[:, None], other=0.0)
+        partial = tl.where(has_mass[:, None], partial, 0.0)
         new_top = tl.maximum(top, tl.max(split_lse, 0))
         top_use = tl.where(new_top == float("-inf"), 0.0, new_top)
         rescale = tl.exp(top - top_use)
@@ -580,7 +581,8 @@ class V4Pages:
     topk] itself (slots ``block * page_size + offset`` of the main cache, -1 no token), each launch passes the
     second list (slots of the second cache) and both lengths (``lists=`` of `DecodeKernelPlan.launch`: entries
     past a token's topk_length do not count; one outside [-1, its cache's slots) makes the token's rows NaN
-    and sets `errors.SPARSE_INDEX`); ``seq_lens`` holds topk + extra_topk for every token. ``lists``: (topk,
+    and sets `errors.SPARSE_INDEX`); every token's length is topk + extra_topk: ``seq_lens`` holds it (the kernel
+    reads it only where it stands in for a length not given, clamped to its list). ``lists``: (topk,
     extra_topk, the second list's row stride). The query is 512 wide (``q_pe``: 64 columns the kernel does not
     read). Both caches start on 16 bytes (their blocks do, being multiples of 576 bytes): the loader's row
     addresses are known multiples of 16."""

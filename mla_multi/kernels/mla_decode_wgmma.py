@@ -243,12 +243,20 @@ if gluon is not None:
         return bad | bad_pe
 
     @gluon.jit
-    def _split_range(Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N: gl.constexpr):
+    def _split_range(Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N: gl.constexpr,
+                     FULL: gl.constexpr = False):
         """This split's cache positions [split_start, split_end) and tile count; a length outside the
-        block-table row reads as 0 (bad_seq_len: the request's rows become NaN)."""
-        seq_len = gl.load(Seq_lens + batch)
-        bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
-        seq_len = gl.where(bad_seq_len, 0, seq_len)
+        block-table row reads as 0 (bad_seq_len: the request's rows become NaN). FULL (V4 index lists read as
+        they are, whose lengths are all max_seq_len: `mla_decode.V4Pages`): Seq_lens is not read, so that the
+        loader's first load is the lists' entries, not a length they wait on (the loader's alone: the other
+        partitions' loads wait on nothing, and FULL there spilled under Triton 3.9)."""
+        if FULL:
+            seq_len = max_seq_len
+            bad_seq_len = max_seq_len < 0
+        else:
+            seq_len = gl.load(Seq_lens + batch)
+            bad_seq_len = (seq_len < 0) | (seq_len > max_seq_len)
+            seq_len = gl.where(bad_seq_len, 0, seq_len)
         tokens_per_split = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
         split_start = split * tokens_per_split
         split_end = gl.minimum(split_start + tokens_per_split, seq_len)
@@ -1890,7 +1898,7 @@ if gluon is not None:
         split = gl.program_id(1)
         batch = gl.program_id(2)
         seq_len, bad_seq_len, split_start, split_end, num_tiles = _split_range(
-            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N
+            Seq_lens, batch, split, num_kv_splits, max_seq_len, BLOCK_N, V4_PAGE > 0
         )
         block_table_row = Block_table + batch * stride_bt_b
         if _fp8_pv(RAW_STAGES, STAGES):
