@@ -300,10 +300,14 @@ if gluon is not None:
         q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
         stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
         Q_LEN: gl.constexpr, ROWS: gl.constexpr, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
-        num_warps: gl.constexpr, SCALE_ROWS: gl.constexpr = False,
+        num_warps: gl.constexpr, SCALE_ROWS: gl.constexpr = False, AT_ONCE: gl.constexpr = False,
     ):
         """Query rows [first_row, first_row + ROWS) (row = token * num_heads + head) into shared memory,
         128 columns at a time (a whole 64 x 512 tile would take 128 registers a thread on one warpgroup).
+        AT_ONCE (a 512-wide 16-bit query, no SCALE_ROWS): all four chunks loaded before the first is stored, one
+        trip to memory where the compiler made two: the DeepSeek-V4 kernels whose splits are one tile, which wait
+        on it (where a split holds several tiles, 128 heads x 64 tokens measured 1 % slower with it:
+        bench/RESULTS.md).
 
         SCALE_ROWS (a float16 query for an FP8 cache): the rows are multiplied by the power of two that
         puts their largest magnitude in [2^12, 2^13), so that nothing overflows float16 and every
@@ -334,6 +338,21 @@ if gluon is not None:
                 chunk = q_smem.slice(c * CHUNK, CHUNK, dim=1)
                 q = chunk.load(q_layout).to(Q_nope.dtype.element_ty, bitcast=True)
                 chunk.store((q.to(gl.float32) * up).to(q_smem.dtype))
+        elif AT_ONCE:
+            gl.static_assert(KV_LORA_RANK == 4 * CHUNK, "AT_ONCE loads four 128-column chunks")
+            cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, q_layout))
+            chunk = ptrs[:, None] + cols[None, :]
+            q_pe = gl.load(ptrs_pe, mask=mask_pe, other=0.0)
+            q0 = gl.load(chunk, mask=mask, other=0.0)
+            q1 = gl.load(chunk + CHUNK, mask=mask, other=0.0)
+            q2 = gl.load(chunk + 2 * CHUNK, mask=mask, other=0.0)
+            q3 = gl.load(chunk + 3 * CHUNK, mask=mask, other=0.0)
+            qpe_smem.store(q_pe)
+            q_smem.slice(0, CHUNK, dim=1).store(q0)
+            q_smem.slice(CHUNK, CHUNK, dim=1).store(q1)
+            q_smem.slice(2 * CHUNK, CHUNK, dim=1).store(q2)
+            q_smem.slice(3 * CHUNK, CHUNK, dim=1).store(q3)
+            down = 1.0
         else:
             qpe_smem.store(gl.load(ptrs_pe, mask=mask_pe, other=0.0))
             for c in gl.static_range(KV_LORA_RANK // CHUNK):
@@ -790,7 +809,7 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr,
         MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, QK_ROPE: gl.constexpr = True,
-        Sink=None, HAS_SINK: gl.constexpr = False,
+        Sink=None, HAS_SINK: gl.constexpr = False, QUERY_AT_ONCE: gl.constexpr = False,
     ):
         """QK, softmax, P and the rescale to the second warpgroup, PV for the first half of the columns.
         V4_PAGE > 0 (V4 rows, `_ws_load_v4`): QK of the 512 columns alone, the rotary stage unused; so too
@@ -837,7 +856,7 @@ if gluon is not None:
             q_down = _load_query(
                 q_smem, qpe_smem, Q_nope, Q_pe, batch, first_row, num_heads,
                 stride_qn_b, stride_qn_t, stride_qn_h, stride_qp_b, stride_qp_t, stride_qp_h,
-                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, FP8,
+                Q_LEN, BLOCK_H, KV_LORA_RANK, ROPE_DIM, 4, FP8, QUERY_AT_ONCE,
             )
         fence_async_shared()
         _cta_barrier()
@@ -2069,7 +2088,8 @@ if gluon is not None:
             [
                 (_ws_softmax_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                          BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
-                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK)),
+                                         RAW_STAGES, MASKED_ENTRIES, V4_PAGE, QK_ROPE, Sink, HAS_SINK,
+                                         V4_PAGE > 0 and not V4_WIDE)),
                 (_ws_pv_partition, (bufs, ptrs, scalars, strides, Q_LEN, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE,
                                     BLOCK_H, BLOCK_N, STAGES, HAS_K_SCALE, DIRECT_OUTPUT, ROWS_AS_M,
                                     RAW_STAGES)),
