@@ -264,7 +264,43 @@ def _interpreter_main() -> None:
         sink = torch.tensor(SINK)
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, attn_sink=sink)
         results[case_id] = _sink_errors(tensors, out, lse, scale, sink)
+    results["merge-drops-rows-of-splits-without-mass"] = _merge_poisoned_partials()
     print_results(results)
+
+
+def _merge_poisoned_partials():
+    """The split merge alone over partials whose splits without mass (LSE -inf) hold NaN and +inf rows (a
+    kernel may leave them unwritten): row 0 mixes such splits with finite ones, row 1 has no mass at all, row 2
+    holds a split of NaN LSE (bad index data). Against the merge in float64."""
+    from mla_multi.kernels.mla_decode import _mla_decode_reduce_kernel, attn_logits_width
+
+    rows, heads, splits, lora = 3, 2, 5, 64
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(rows, heads, splits, attn_logits_width(lora), generator=gen)
+    split_lse = logits[..., lora]
+    split_lse[0, :, 1] = float("-inf")
+    split_lse[0, :, 3] = float("-inf")
+    split_lse[1] = float("-inf")
+    split_lse[2, :, 4] = float("nan")
+    empty = split_lse == float("-inf")
+    partial = logits[..., :lora]
+    partial[empty] = float("nan")
+    partial[0, 1, 3] = float("inf")
+    out = torch.full((rows, heads, lora), float("nan"))
+    lse = torch.full((rows, heads), float("nan"))
+    _mla_decode_reduce_kernel[(rows, heads, 1)](
+        logits, out, lse, lse, splits, logits.stride(0), logits.stride(1), logits.stride(2), out.stride(0), 0,
+        out.stride(1), lse.stride(0), 0, lse.stride(1), Q_LEN=1, KV_LORA_RANK=lora, BLOCK_DV=lora, BLOCK_SPLITS=8,
+    )
+    weights = torch.softmax(split_lse[:2].double(), dim=-1).nan_to_num(0.0)
+    ref = (weights.unsqueeze(-1) * partial[:2].double().nan_to_num(0.0, posinf=0.0)).sum(-2)
+    ref_lse = torch.logsumexp(split_lse[:2].double(), dim=-1)
+    return {
+        "rel_err": float((out[0].double() - ref[0]).norm() / ref[0].norm()),
+        "lse_err": float((lse[0].double() - ref_lse[0]).abs().max()),
+        "empty_row": bool((out[1] == 0).all() and (lse[1] == float("-inf")).all()),
+        "bad_row_nan": bool(torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +320,13 @@ def test_decode_interpreter(interpreter_results, case_id):
     # float16 output and float16 products: ~1e-3 relative; FP8 values are exact in float16
     assert result["rel_err"] <= 3e-3, result
     assert result["lse_err"] <= 2e-3, result
+
+
+def test_merge_drops_the_rows_of_splits_without_mass(interpreter_results):
+    # splits of LSE -inf whose rows hold NaN / +inf: read beside their LSEs and dropped, never weighed
+    result = interpreter_results["merge-drops-rows-of-splits-without-mass"]
+    assert result["rel_err"] <= 1e-6 and result["lse_err"] <= 1e-5, result
+    assert result["empty_row"] and result["bad_row_nan"], result
 
 
 @pytest.mark.parametrize("case_id", ["fp8-query-beyond-float16-max", "fp8-query-below-float16-min"])
