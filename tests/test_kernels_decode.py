@@ -264,14 +264,16 @@ def _interpreter_main() -> None:
         sink = torch.tensor(SINK)
         out, lse = _run_decode(tensors, scale, splits, max_splits=splits + 1, attn_sink=sink)
         results[case_id] = _sink_errors(tensors, out, lse, scale, sink)
-    results["merge-drops-rows-of-splits-without-mass"] = _merge_poisoned_partials()
+    for beside in (False, True):
+        results[f"merge-drops-rows-of-splits-without-mass-{beside}"] = _merge_poisoned_partials(beside)
     print_results(results)
 
 
-def _merge_poisoned_partials():
+def _merge_poisoned_partials(beside: bool):
     """The split merge alone over partials whose splits without mass (LSE -inf) hold NaN and +inf rows (a
     kernel may leave them unwritten): row 0 mixes such splits with finite ones, row 1 has no mass at all, row 2
-    holds a split of NaN LSE (bad index data). Against the merge in float64."""
+    holds a split of NaN LSE (bad index data). Against the merge in float64. `beside`: the rows loaded with the
+    LSEs (PARTIALS_BESIDE_LSE, NVIDIA's way), else after them."""
     from mla_multi.kernels.mla_decode import _mla_decode_reduce_kernel, attn_logits_width
 
     rows, heads, splits, lora = 3, 2, 5, 64
@@ -291,6 +293,7 @@ def _merge_poisoned_partials():
     _mla_decode_reduce_kernel[(rows, heads, 1)](
         logits, out, lse, lse, splits, logits.stride(0), logits.stride(1), logits.stride(2), out.stride(0), 0,
         out.stride(1), lse.stride(0), 0, lse.stride(1), Q_LEN=1, KV_LORA_RANK=lora, BLOCK_DV=lora, BLOCK_SPLITS=8,
+        PARTIALS_BESIDE_LSE=beside,
     )
     weights = torch.softmax(split_lse[:2].double(), dim=-1).nan_to_num(0.0)
     ref = (weights.unsqueeze(-1) * partial[:2].double().nan_to_num(0.0, posinf=0.0)).sum(-2)
@@ -322,9 +325,11 @@ def test_decode_interpreter(interpreter_results, case_id):
     assert result["lse_err"] <= 2e-3, result
 
 
-def test_merge_drops_the_rows_of_splits_without_mass(interpreter_results):
-    # splits of LSE -inf whose rows hold NaN / +inf: read beside their LSEs and dropped, never weighed
-    result = interpreter_results["merge-drops-rows-of-splits-without-mass"]
+@pytest.mark.parametrize("beside", [False, True], ids=["after-the-lse", "beside-the-lse"])
+def test_merge_drops_the_rows_of_splits_without_mass(interpreter_results, beside):
+    # splits of LSE -inf whose rows hold NaN / +inf: never weighed, whether read beside their LSEs and dropped
+    # (NVIDIA) or not read (AMD)
+    result = interpreter_results[f"merge-drops-rows-of-splits-without-mass-{beside}"]
     assert result["rel_err"] <= 1e-6 and result["lse_err"] <= 1e-5, result
     assert result["empty_row"] and result["bad_row_nan"], result
 

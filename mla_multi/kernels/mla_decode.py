@@ -457,6 +457,7 @@ def _mla_decode_reduce_kernel(
     BLOCK_SPLITS: tl.constexpr,
     HAS_SINK: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    PARTIALS_BESIDE_LSE: tl.constexpr = False,
 ):
     """Merge the per-split partial outputs of one (query token, head) by LSE.
 
@@ -467,7 +468,10 @@ def _mla_decode_reduce_kernel(
     step (all of them in one step up to 64 splits) with a running maximum, so
     the merge is a few wide independent loads rather than a chain of small ones
     (`launch_config.decode_reduce_config` sizes the tile). PDL: launched by programmatic dependent launch
-    (`launch.pdl_enter`).
+    (`launch.pdl_enter`). PARTIALS_BESIDE_LSE (NVIDIA, `reduce_partials_beside_lse`): the partial rows loaded
+    with the split LSEs, not after them (one trip to memory, not two); a split without mass has whatever its
+    rows hold dropped. On AMD that load's split addresses spill scalar registers: there the rows of splits
+    with mass are loaded once their LSEs are in.
     """
     if PDL:
         pdl_enter()
@@ -489,11 +493,16 @@ def _mla_decode_reduce_kernel(
             base + splits * stride_al_split + KV_LORA_RANK, mask=splits < num_kv_splits, other=float("-inf")
         )
         has_mass = split_lse > float("-inf")
-        # loaded beside the LSEs, not after them (one trip to memory, not two); an empty split left its partial
-        # output unwritten: whatever it holds is dropped
-        partial = tl.load(base + splits[:, None] * stride_al_split + offs_d[None, :],
-                          mask=(splits < num_kv_splits)[:, None], other=0.0)
-        partial = tl.where(has_mass[:, None], partial, 0.0)
+        if PARTIALS_BESIDE_LSE:
+            # whatever the rows of a split without mass hold is dropped, never weighed
+            partial = tl.load(base + splits[:, None] * stride_al_split + offs_d[None, :],
+                              mask=(splits < num_kv_splits)[:, None], other=0.0)
+            partial = tl.where(has_mass[:, None], partial, 0.0)
+        else:
+            # a split without mass is never read
+            partial = tl.load(
+                base + splits[:, None] * stride_al_split + offs_d[None, :], mask=has_mass[:, None], other=0.0
+            )
         new_top = tl.maximum(top, tl.max(split_lse, 0))
         top_use = tl.where(new_top == float("-inf"), 0.0, new_top)
         rescale = tl.exp(top - top_use)
@@ -515,6 +524,14 @@ def _mla_decode_reduce_kernel(
     out_ptrs = Out + batch * stride_o_b + token * stride_o_t + head * stride_o_h
     tl.store(out_ptrs + offs_d, out.to(Out.dtype.element_ty))
     tl.store(Lse + batch * stride_lse_b + token * stride_lse_t + head * stride_lse_h, lse, mask=column_block == 0)
+
+
+def reduce_partials_beside_lse(platform) -> bool:
+    """Whether the split merge on `platform` loads its partial rows beside the split LSEs
+    (`_mla_decode_reduce_kernel`'s PARTIALS_BESIDE_LSE): NVIDIA (one trip to memory where there were two: 128
+    heads B = 1 S = 8192 decode 20.2 -> 19.6 µs on an H200, bench/RESULTS.md); on AMD the load's split addresses
+    spill scalar registers (gfx942 / gfx950, 7-19 of them), so not there."""
+    return platform.is_cuda()
 
 
 def ds_mla_decode_reason(platform, kv_cache=None) -> str:
@@ -987,6 +1004,7 @@ class DecodeKernelPlan:
                     BLOCK_DV=block_dv,
                     BLOCK_SPLITS=reduce_config.block_splits,
                     HAS_SINK=self.reduce_sink,
+                    PARTIALS_BESIDE_LSE=reduce_partials_beside_lse(platform),
                     **pdl,
                     **reduce_config.launch_options(),
                 ),
@@ -1268,6 +1286,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                         "BLOCK_DV": reduce_config.block_dv,
                         "BLOCK_SPLITS": reduce_config.block_splits,
                         "HAS_SINK": sink,
+                        "PARTIALS_BESIDE_LSE": reduce_partials_beside_lse(platform),
                         **({"PDL": True} if sink and pdl else {}),
                     },
                     options=reduce_config.launch_options(),
