@@ -598,8 +598,10 @@ class V4Pages:
     topk] itself (slots ``block * page_size + offset`` of the main cache, -1 no token), each launch passes the
     second list (slots of the second cache) and both lengths (``lists=`` of `DecodeKernelPlan.launch`: entries
     past a token's topk_length do not count; one outside [-1, its cache's slots) makes the token's rows NaN
-    and sets `errors.SPARSE_INDEX`); every token's length is topk + extra_topk: ``seq_lens`` holds it (the kernel
-    reads it only where it stands in for a length not given, clamped to its list). ``lists``: (topk,
+    and sets `errors.SPARSE_INDEX`); every token's length is topk + extra_topk, and ``seq_lens`` must hold it: the
+    kernel's loader takes every split's range from that width without reading ``seq_lens`` (which stands in
+    for a length not given, clamped to its list), its other partitions from ``seq_lens`` (the TRITON backend
+    passes a constant of the width, `_V4InPlaceLaunch`). ``lists``: (topk,
     extra_topk, the second list's row stride). The query is 512 wide (``q_pe``: 64 columns the kernel does not
     read). Both caches start on 16 bytes (their blocks do, being multiples of 576 bytes): the loader's row
     addresses are known multiples of 16."""
