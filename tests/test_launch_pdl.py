@@ -48,9 +48,9 @@ def test_a_kernel_launched_so_waits_first_and_lets_the_next_one_in():
     from mla_multi.kernels.mla_decode import _mla_decode_reduce_kernel, _reduce_kernel_signature
 
     def ptx(pdl: bool) -> str:
-        signature = dict(_reduce_kernel_signature(torch.bfloat16), PDL="constexpr")
+        signature = dict(_reduce_kernel_signature(torch.bfloat16), PDL="constexpr", PARTIALS_BESIDE_LSE="constexpr")
         constexprs = {"Q_LEN": 1, "KV_LORA_RANK": 512, "BLOCK_DV": 128, "BLOCK_SPLITS": 16, "HAS_SINK": False,
-                      "PDL": pdl}
+                      "PDL": pdl, "PARTIALS_BESIDE_LSE": True}
         source = ASTSource(fn=_mla_decode_reduce_kernel, signature=signature, constexprs=constexprs)
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
