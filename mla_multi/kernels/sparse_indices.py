@@ -52,12 +52,13 @@ def _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_
 @triton.jit
 def _sanitize_indices_kernel(
     Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
-    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, PDL: tl.constexpr = False,
-    SECOND: tl.constexpr = False, Indices2=None, Out2=None, Topk_length2=None, num_slots2=0, topk2=0,
-    stride_in2_t=0, stride_out2_t=0, HAS_LENGTH2: tl.constexpr = False,
+    Indices2, Out2, Topk_length2, num_slots2, topk2, stride_in2_t, stride_out2_t,
+    BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, SECOND: tl.constexpr,
+    HAS_LENGTH2: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program `token`: its list sanitised (and SECOND: its second list, DeepSeek-V4's window segment, in the
-    same program); Bad_rows[token] = whether either holds a bad index (BAD_IS_ERROR)."""
+    same program); Bad_rows[token] = whether either holds a bad index (BAD_IS_ERROR). Every runtime argument
+    is positional (a launch passes no keyword): without SECOND the second list's are the first's, unread."""
     if PDL:
         pdl_enter()
     token = tl.program_id(0)
@@ -270,10 +271,6 @@ _BLOCK = 1024
 _LIST_BLOCK = 4096
 
 
-# the second list's arguments of `_sanitize_indices_kernel` (a plan made with `second`), passed by name
-_PAIR_KEYWORDS = ("Indices2", "Out2", "Topk_length2", "num_slots2", "topk2", "stride_in2_t", "stride_out2_t")
-
-
 def _sanitized(indices, num_slots: int, topk_length, out):
     """`SparseIndexPlan.sanitize`'s contract in PyTorch (CPU tensors): (the clean list, its tokens holding a
     bad index, bool [T])."""
@@ -315,12 +312,12 @@ class SparseIndexPlan:
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             pdl = pdl_constexprs(device)
-            pair = {} if second is None else dict(SECOND=True, HAS_LENGTH2=second[1])
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
                 dict(_list_launch(max(topk, 0 if second is None else second[0])), BAD_IS_ERROR=bad_is_error,
-                     HAS_LENGTH=has_length, **pair, **pdl),
-                device, keyword_names=() if second is None else _PAIR_KEYWORDS)
+                     HAS_LENGTH=has_length, SECOND=second is not None, HAS_LENGTH2=second is not None and second[1],
+                     **pdl),
+                device)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
                 dict(BLOCK=_BLOCK, LSE_BLOCK=max(16, triton.next_power_of_2(heads)), HAS_BAD=bad_is_error,
@@ -377,16 +374,17 @@ class SparseIndexPlan:
         buffer) for a plan made with `second`."""
         if not self.tokens:
             return
-        args = (indices, clean, bad_rows if bad_rows is not None else clean, self.flag,
-                topk_length if self.has_length else clean, num_slots, self.topk, indices.stride(0), clean.stride(0))
+        length = topk_length if self.has_length else clean
+        stride_in, stride_out = indices.stride(0), clean.stride(0)
+        bad = bad_rows if bad_rows is not None else clean
         if second is None:
-            self._sanitize(*args)
+            self._sanitize(indices, clean, bad, self.flag, length, num_slots, self.topk, stride_in, stride_out,
+                           indices, clean, length, num_slots, self.topk, stride_in, stride_out)
             return
         second_indices, second_num_slots, second_length, second_clean = second
-        self._sanitize(*args, Indices2=second_indices, Out2=second_clean,
-                       Topk_length2=second_length if self.second[1] else second_clean, num_slots2=second_num_slots,
-                       topk2=self.second[0], stride_in2_t=second_indices.stride(0),
-                       stride_out2_t=second_clean.stride(0))
+        self._sanitize(indices, clean, bad, self.flag, length, num_slots, self.topk, stride_in, stride_out,
+                       second_indices, second_clean, second_length if self.second[1] else second_clean,
+                       second_num_slots, self.second[0], second_indices.stride(0), second_clean.stride(0))
 
     def finish(self, bad_rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
         """out [T, N, width] and lse [T, N] (contiguous rows) in place."""
@@ -411,19 +409,16 @@ def compile_specs(platform) -> list:
     for bad_is_error in (True, False):
         signature = {"Indices": "*i32", "Out": "*i32", "Bad_rows": "*i8", "Error_flag": "*i32", "Topk_length": "*i32",
                      "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
-                     "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr", "HAS_LENGTH": "constexpr"}
+                     "Indices2": "*i32", "Out2": "*i32", "Topk_length2": "*i32", "num_slots2": "i32", "topk2": "i32",
+                     "stride_in2_t": "i32", "stride_out2_t": "i32", "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr",
+                     "HAS_LENGTH": "constexpr", "SECOND": "constexpr", "HAS_LENGTH2": "constexpr"}
         # the decode's two lists in one launch (DeepSeek-V4: top-k 512 and the window segment)
         for pair in ((False, True) if bad_is_error else (False,)):
-            # (the second list's arguments where it is given; the compile check leaves the others at their defaults)
-            pair_signature = dict(signature, **({
-                "SECOND": "constexpr", "HAS_LENGTH2": "constexpr", "Indices2": "*i32", "Out2": "*i32",
-                "Topk_length2": "*i32", "num_slots2": "i32", "topk2": "i32", "stride_in2_t": "i32",
-                "stride_out2_t": "i32"} if pair else {}))
             constexprs = {"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True,
-                          **({"SECOND": True, "HAS_LENGTH2": True} if pair else {})}
+                          "SECOND": pair, "HAS_LENGTH2": pair}
             specs.append(CompileSpec(
                 name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',two lists' if pair else ''}]",
-                fn=_sanitize_indices_kernel, signature=pair_signature, constexprs=constexprs,
+                fn=_sanitize_indices_kernel, signature=signature, constexprs=constexprs,
                 options={"num_warps": list_2048["num_warps"]},
                 divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
             ))
