@@ -3,7 +3,9 @@
 # Carry .whl (FlashMLA, pytest-xdist, execnet) for FLASHMLA's tests and parallel workers; without them the
 # FLASHMLA tests skip with their reasons and the suite runs in one process. Six workers by default: with
 # twelve, workers held up to 28 GiB each and 35 prefill and memory tests ran out of an H200's memory (with six,
-# once, 7; the tests that fail among workers run again alone after the suite, gpu_rerun.log).
+# once, 7; with seven, 12, every one out of memory while the other workers held 18-33 GiB each; the tests that
+# fail among workers run again alone after the suite, gpu_rerun.log). Each worker hands its cached memory back
+# after every GPU test (tests/conftest.py). SUITE_S must leave the rerun its time: 450 s cut one run at 95 %.
 set -uo pipefail
 out=${1:-.}
 shift || true
