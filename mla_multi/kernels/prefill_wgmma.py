@@ -63,7 +63,7 @@ import functools
 import torch
 
 from mla_multi import errors
-from mla_multi.kernels import rows_of_heads
+from mla_multi.kernels import capturing_on, rows_of_heads
 from mla_multi.kernels.launch import BoundLaunch, alignment_key
 from mla_multi.kernels.prefill_inputs import check_inputs
 from mla_multi.kernels.mla_decode_wgmma import gluon, gluon_available
@@ -744,7 +744,7 @@ def _schedule_counter(device: torch.device) -> torch.Tensor | None:
         view = entry[1].get(stream)
         if view is not None:
             return view
-    elif torch.cuda.is_current_stream_capturing():
+    elif capturing_on(device):
         return None
     else:
         entry = _COUNTERS[device] = (torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device), {})
