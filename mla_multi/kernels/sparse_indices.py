@@ -31,9 +31,20 @@ _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
 
 @triton.jit
+def _clean_block(idx, offs, mask, count, num_slots, BAD_IS_ERROR: tl.constexpr):
+    """(entries of one block with every index outside [0, num_slots) and every one past `count` -1, 1 where a
+    lane holds a bad index (outside [-1, num_slots); BAD_IS_ERROR) else 0)."""
+    outside = (idx < 0) | (idx >= num_slots)
+    bad = tl.zeros(offs.shape, dtype=tl.int32)
+    if BAD_IS_ERROR:
+        bad = (mask & (idx != -1) & outside).to(tl.int32)
+    return tl.where(outside | (offs >= count), -1, idx), bad
+
+
+@triton.jit
 def _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_t, stride_out_t, BLOCK: tl.constexpr,
                    BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr):
-    """One token's list sanitised into Out; 1 where it holds a bad index (BAD_IS_ERROR), else 0."""
+    """One token's list sanitised into Out, block by block; 1 where it holds a bad index (BAD_IS_ERROR), else 0."""
     count = topk
     if HAS_LENGTH:
         count = tl.load(Topk_length + token)
@@ -42,10 +53,9 @@ def _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_
         offs = start + tl.arange(0, BLOCK)
         mask = offs < topk
         idx = tl.load(Indices + token * stride_in_t + offs, mask=mask, other=-1)
-        outside = (idx < 0) | (idx >= num_slots)
-        if BAD_IS_ERROR:
-            any_bad = any_bad | (mask & (idx != -1) & outside).to(tl.int32)
-        tl.store(Out + token * stride_out_t + offs, tl.where(outside | (offs >= count), -1, idx), mask=mask)
+        clean, bad = _clean_block(idx, offs, mask, count, num_slots, BAD_IS_ERROR)
+        any_bad = any_bad | bad
+        tl.store(Out + token * stride_out_t + offs, clean, mask=mask)
     return tl.max(any_bad, axis=0)
 
 
@@ -54,19 +64,41 @@ def _sanitize_indices_kernel(
     Indices, Out, Bad_rows, Error_flag, Topk_length, num_slots, topk, stride_in_t, stride_out_t,
     Indices2, Out2, Topk_length2, num_slots2, topk2, stride_in2_t, stride_out2_t,
     BLOCK: tl.constexpr, BAD_IS_ERROR: tl.constexpr, HAS_LENGTH: tl.constexpr, SECOND: tl.constexpr,
-    HAS_LENGTH2: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_LENGTH2: tl.constexpr, WHOLE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program `token`: its list sanitised (and SECOND: its second list, DeepSeek-V4's window segment, in the
-    same program); Bad_rows[token] = whether either holds a bad index (BAD_IS_ERROR). Every runtime argument
-    is positional (a launch passes no keyword): without SECOND the second list's are the first's, unread."""
+    same program); Bad_rows[token] = whether either holds a bad index (BAD_IS_ERROR). WHOLE: both lists fit one
+    BLOCK. Every runtime argument is positional (a launch passes no keyword): without SECOND the second list's
+    are the first's, unread."""
     if PDL:
         pdl_enter()
     token = tl.program_id(0)
-    bad = _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_t, stride_out_t, BLOCK,
-                         BAD_IS_ERROR, HAS_LENGTH)
-    if SECOND:
-        bad = bad | _sanitize_list(Indices2, Out2, Topk_length2, token, num_slots2, topk2, stride_in2_t,
-                                   stride_out2_t, BLOCK, BAD_IS_ERROR, HAS_LENGTH2)
+    if WHOLE:  # every entry and length loaded before the first store: one trip to memory, not one a list
+        offs = tl.arange(0, BLOCK)
+        mask = offs < topk
+        idx = tl.load(Indices + token * stride_in_t + offs, mask=mask, other=-1)
+        count = topk
+        if HAS_LENGTH:
+            count = tl.load(Topk_length + token)
+        if SECOND:
+            mask2 = offs < topk2
+            idx2 = tl.load(Indices2 + token * stride_in2_t + offs, mask=mask2, other=-1)
+            count2 = topk2
+            if HAS_LENGTH2:
+                count2 = tl.load(Topk_length2 + token)
+        clean, bad_lanes = _clean_block(idx, offs, mask, count, num_slots, BAD_IS_ERROR)
+        tl.store(Out + token * stride_out_t + offs, clean, mask=mask)
+        if SECOND:
+            clean2, bad_lanes2 = _clean_block(idx2, offs, mask2, count2, num_slots2, BAD_IS_ERROR)
+            tl.store(Out2 + token * stride_out2_t + offs, clean2, mask=mask2)
+            bad_lanes = bad_lanes | bad_lanes2
+        bad = tl.max(bad_lanes, axis=0)
+    else:
+        bad = _sanitize_list(Indices, Out, Topk_length, token, num_slots, topk, stride_in_t, stride_out_t, BLOCK,
+                             BAD_IS_ERROR, HAS_LENGTH)
+        if SECOND:
+            bad = bad | _sanitize_list(Indices2, Out2, Topk_length2, token, num_slots2, topk2, stride_in2_t,
+                                       stride_out2_t, BLOCK, BAD_IS_ERROR, HAS_LENGTH2)
     if BAD_IS_ERROR:
         tl.store(Bad_rows + token, bad.to(tl.int8))
         if bad > 0:
@@ -81,20 +113,19 @@ def _finish_rows_kernel(Bad_rows, Out, Lse, row_width, lse_width, stride_o_t, st
     token = tl.program_id(0)
     lse_offs = tl.arange(0, LSE_BLOCK)
     lse_mask = lse_offs < lse_width
+    # the LSE loaded beside the mark (one trip to memory) and stored under both outcomes
+    lse = tl.load(Lse + token * stride_lse_t + lse_offs, mask=lse_mask, other=0.0)
     if HAS_BAD:
         bad = tl.load(Bad_rows + token) != 0
     else:
         bad = token < 0  # never
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)
+    tl.store(Lse + token * stride_lse_t + lse_offs, tl.where(bad, float("nan"), lse), mask=lse_mask)
     if bad:
         for start in range(0, row_width, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             tl.store(Out + token * stride_o_t + offs, tl.full([BLOCK], float("nan"), tl.float32).to(
                 Out.dtype.element_ty), mask=offs < row_width)
-        tl.store(Lse + token * stride_lse_t + lse_offs, tl.full([LSE_BLOCK], float("nan"), tl.float32), mask=lse_mask)
-    else:
-        lse = tl.load(Lse + token * stride_lse_t + lse_offs, mask=lse_mask, other=0.0)
-        tl.store(Lse + token * stride_lse_t + lse_offs, tl.where(lse == float("inf"), float("-inf"), lse),
-                 mask=lse_mask)
 
 
 @triton.jit
@@ -312,11 +343,12 @@ class SparseIndexPlan:
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             pdl = pdl_constexprs(device)
+            longest = max(topk, 0 if second is None else second[0])
             self._sanitize = BoundLaunch(
                 _sanitize_indices_kernel, (tokens,),
-                dict(_list_launch(max(topk, 0 if second is None else second[0])), BAD_IS_ERROR=bad_is_error,
-                     HAS_LENGTH=has_length, SECOND=second is not None, HAS_LENGTH2=second is not None and second[1],
-                     **pdl),
+                dict(_list_launch(longest), BAD_IS_ERROR=bad_is_error, HAS_LENGTH=has_length,
+                     SECOND=second is not None, HAS_LENGTH2=second is not None and second[1],
+                     WHOLE=longest <= _LIST_BLOCK, **pdl),
                 device)
             self._finish = BoundLaunch(
                 _finish_rows_kernel, (tokens,),
@@ -411,13 +443,16 @@ def compile_specs(platform) -> list:
                      "num_slots": "i32", "topk": "i32", "stride_in_t": "i32", "stride_out_t": "i32",
                      "Indices2": "*i32", "Out2": "*i32", "Topk_length2": "*i32", "num_slots2": "i32", "topk2": "i32",
                      "stride_in2_t": "i32", "stride_out2_t": "i32", "BLOCK": "constexpr", "BAD_IS_ERROR": "constexpr",
-                     "HAS_LENGTH": "constexpr", "SECOND": "constexpr", "HAS_LENGTH2": "constexpr"}
-        # the decode's two lists in one launch (DeepSeek-V4: top-k 512 and the window segment)
-        for pair in ((False, True) if bad_is_error else (False,)):
+                     "HAS_LENGTH": "constexpr", "SECOND": "constexpr", "HAS_LENGTH2": "constexpr",
+                     "WHOLE": "constexpr"}
+        # the decode's two lists in one launch (DeepSeek-V4: top-k 512 and the window segment); lists longer
+        # than one block (blocks in turn) once
+        for pair, whole in ((False, True), (True, True), (False, False)) if bad_is_error else ((False, True),):
             constexprs = {"BLOCK": list_2048["BLOCK"], "BAD_IS_ERROR": bad_is_error, "HAS_LENGTH": True,
-                          "SECOND": pair, "HAS_LENGTH2": pair}
+                          "SECOND": pair, "HAS_LENGTH2": pair, "WHOLE": whole}
             specs.append(CompileSpec(
-                name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',two lists' if pair else ''}]",
+                name=f"sanitize_indices[{'decode' if bad_is_error else 'prefill'}{',two lists' if pair else ''}"
+                     f"{'' if whole else ',blocks in turn'}]",
                 fn=_sanitize_indices_kernel, signature=signature, constexprs=constexprs,
                 options={"num_warps": list_2048["num_warps"]},
                 divisible_by_16=("Indices", "Out", "stride_in_t", "stride_out_t"),
