@@ -469,30 +469,28 @@ def decode_reduce_config(
     """Tile of the split merge for `num_rows` (= B * Q * N) merged rows of `num_kv_splits` splits.
 
     A program merges `block_splits` splits (all of them up to 64) x `block_dv`
-    columns per step, a tile of at most 4096 float32 values (32 per thread on 4
-    warps).  Columns are split further while there are fewer than four programs
-    per compute unit, so a single request with hundreds of splits still spreads
-    over the device, and kept wide when there are many rows (131072 programs of
-    2 x 64 values each took 213 µs for B=128, N=128 on an H200, where whole rows
-    take a fraction of that).
+    columns per step, the widest tile of at most 4096 float32 values (32 a
+    thread on 4 warps) at every row count: fewer, wider programs finish sooner
+    even where they leave most of the device idle (H200, DeepSeek-V4 decode of
+    10 splits, 128 heads, one token: 13.7 µs with 1024 programs of 64 columns,
+    12.4 with 256 of 256; bench/RESULTS.md), and 131072 programs of 2 x 64
+    values took 213 µs for B=128, N=128 where whole rows take a fraction of
+    that. Tiles of 8192 (whole rows at 16 splits) were slower at 64 x 8192
+    tokens of 128 heads. `num_rows` and `platform` are kept for callers.
     """
     block_splits = min(_next_power_of_two(max(1, num_kv_splits)), REDUCE_MAX_SPLITS_PER_STEP)
-    block_dv = _widest_reduce_columns(block_splits, kv_lora_rank)
-    wanted_programs = 4 * max(1, platform.num_compute_units)
-    while block_dv > REDUCE_MIN_COLUMNS and num_rows * (kv_lora_rank // block_dv) < wanted_programs:
-        block_dv //= 2
-    return DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=4)
+    return DecodeReduceLaunchConfig(block_dv=_widest_reduce_columns(block_splits, kv_lora_rank),
+                                    block_splits=block_splits, num_warps=4)
 
 
 def all_decode_reduce_configs(platform, kv_lora_rank: int = 512) -> list[DecodeReduceLaunchConfig]:
-    """Every merge configuration `decode_reduce_config` can return (for the compile check)."""
+    """Every merge configuration `decode_reduce_config` can return (for the compile check): one a power of
+    two of splits a step."""
     configs = []
     block_splits = 1
     while block_splits <= REDUCE_MAX_SPLITS_PER_STEP:
-        block_dv = _widest_reduce_columns(block_splits, kv_lora_rank)
-        while block_dv >= REDUCE_MIN_COLUMNS:
-            configs.append(DecodeReduceLaunchConfig(block_dv=block_dv, block_splits=block_splits, num_warps=4))
-            block_dv //= 2
+        configs.append(DecodeReduceLaunchConfig(block_dv=_widest_reduce_columns(block_splits, kv_lora_rank),
+                                                block_splits=block_splits, num_warps=4))
         block_splits *= 2
     return configs
 
