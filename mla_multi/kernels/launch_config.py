@@ -463,10 +463,9 @@ REDUCE_MAX_SPLITS_PER_STEP = 64
 REDUCE_MIN_COLUMNS = 64
 
 
-def decode_reduce_config(
-    platform, num_rows: int = 1, num_kv_splits: int = REDUCE_MAX_SPLITS_PER_STEP, kv_lora_rank: int = 512
-) -> DecodeReduceLaunchConfig:
-    """Tile of the split merge for `num_rows` (= B * Q * N) merged rows of `num_kv_splits` splits.
+def decode_reduce_config(num_kv_splits: int = REDUCE_MAX_SPLITS_PER_STEP, kv_lora_rank: int = 512
+                         ) -> DecodeReduceLaunchConfig:
+    """Tile of the split merge of `num_kv_splits` splits, on every device and at every row count.
 
     A program merges `block_splits` splits (all of them up to 64) x `block_dv`
     columns per step, the widest tile of at most 4096 float32 values (32 a
@@ -476,14 +475,14 @@ def decode_reduce_config(
     12.4 with 256 of 256; bench/RESULTS.md), and 131072 programs of 2 x 64
     values took 213 µs for B=128, N=128 where whole rows take a fraction of
     that. Tiles of 8192 (whole rows at 16 splits) were slower at 64 x 8192
-    tokens of 128 heads. `num_rows` and `platform` are kept for callers.
+    tokens of 128 heads.
     """
     block_splits = min(_next_power_of_two(max(1, num_kv_splits)), REDUCE_MAX_SPLITS_PER_STEP)
     return DecodeReduceLaunchConfig(block_dv=_widest_reduce_columns(block_splits, kv_lora_rank),
                                     block_splits=block_splits, num_warps=4)
 
 
-def all_decode_reduce_configs(platform, kv_lora_rank: int = 512) -> list[DecodeReduceLaunchConfig]:
+def all_decode_reduce_configs(kv_lora_rank: int = 512) -> list[DecodeReduceLaunchConfig]:
     """Every merge configuration `decode_reduce_config` can return (for the compile check): one a power of
     two of splits a step."""
     configs = []

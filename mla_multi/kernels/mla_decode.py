@@ -995,7 +995,7 @@ class DecodeKernelPlan:
                 keyword_names=("Sink",) if self.split_sink else (),
             )
         if not direct:
-            reduce_config = decode_reduce_config(platform, batch * q_len * num_heads, num_kv_splits, kv_lora_rank)
+            reduce_config = decode_reduce_config(num_kv_splits, kv_lora_rank)
             block_dv = min(reduce_config.block_dv, kv_lora_rank)
             self.reduce = BoundLaunch(
                 _mla_decode_reduce_kernel,
@@ -1272,7 +1272,7 @@ def compile_specs(platform) -> list[CompileSpec]:
                         f"{'direct' if direct else 'partial'},pdl{',wide' if wide else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
     pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
-    for i, reduce_config in enumerate(all_decode_reduce_configs(platform)):
+    for i, reduce_config in enumerate(all_decode_reduce_configs()):
         # the sink's branch (sparse MLA's attention sink) compiled with the first configuration, and there
         # the programmatic dependent launch's wait where the device launches so (sm_90+)
         for sink in (False, True) if i == 0 else (False,):
