@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from mla_multi import envs, errors
+from mla_multi.kernels import capturing_on
 
 _CHECK_INPUTS = envs.ENV_VARS["MLA_MULTI_CHECK_INPUTS"]  # read on every forward: its variable, looked up once
 
@@ -155,8 +156,7 @@ def data_checks_enabled(device: torch.device | str | None = None) -> bool:
     if _CHECK_INPUTS.read():
         # a CUDA graph being captured cannot read tensors on the host: there the kernels' own masking stands
         # (bad indices give NaN rows and the error flag, reported by the next call that checks)
-        if (device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized()
-                and torch.cuda.is_current_stream_capturing()):
+        if device is not None and torch.cuda.is_initialized() and capturing_on(torch.device(device)):
             return False
         return True
     if device is None:

@@ -54,6 +54,7 @@ from mla_multi.backends.base import (
     PrefillSelectorConfig,
     dtype_name,
 )
+from mla_multi.kernels import capturing
 from mla_multi.metadata import pinned, to_device
 from mla_multi.platforms import Platform
 
@@ -555,7 +556,7 @@ class FlashInferDecodeImpl(MLADecodeImpl):
             if last is not None and last[1] == query_len and _unchanged(last[0], (seq_lens, block_table, k_scale)):
                 plan = last[2]
             else:
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                if capturing(q_nope):
                     raise RuntimeError(
                         "FLASHINFER decode needs a plan made before CUDA-graph capture "
                         "(MLAAttention.plan(metadata, cuda_graph=True))"
