@@ -289,3 +289,26 @@ def test_joined_query_is_a_view_of_adjacent_slices_and_a_copy_otherwise():
     assert joined.data_ptr() == q.data_ptr() and torch.equal(joined, q)
     apart = flashmla.joined_query(q[..., :512].contiguous(), q[..., 512:].contiguous())
     assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, q)
+
+
+def test_the_paged_view_is_made_once_a_cache_and_lets_its_memory_go():
+    """`_PagedView`: the same cache tensor at the same address gets the view made for it, another tensor (or the
+    same one moved to new memory) a new one; the view goes when the cache tensor goes, so it holds no memory."""
+    import gc
+
+    paged = flashmla._PagedView()
+    kv = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)
+    first = paged(kv)
+    assert first.shape == (2, 4, 1, 6) and first.data_ptr() == kv.data_ptr()
+    assert paged(kv) is first
+    other = kv.clone()
+    second = paged(other)
+    assert second is not first and second.data_ptr() == other.data_ptr()
+    other.set_(torch.zeros(2, 4, 6))  # the same tensor, new memory
+    third = paged(other)
+    assert third is not second and third.data_ptr() == other.data_ptr()
+    del second, third
+    assert paged._view is not None
+    del other
+    gc.collect()
+    assert paged._view is None and paged._source is None  # (with kv.unsqueeze(2) kept, `other` would live on)

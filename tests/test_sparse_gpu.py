@@ -464,3 +464,40 @@ def test_dense_paged_fp8_ds_mla_decode_matches_float64(heads, splits):
     live = [0, 1, 3]
     assert _rel(out[live], ref[live]) < BOUND
     torch.testing.assert_close(lse[live].cpu().double(), ref_lse[live].double(), rtol=2e-3, atol=1e-2)
+
+
+def test_flashmla_fp8_ds_mla_decode_later_eager_calls_reuse_the_first_calls_buffers():
+    """A bound FLASHMLA sparse decode (`bind`) called three times eagerly, new queries and lists each time
+    against float64: the later calls launch into the first call's kept buffers by their addresses; the third
+    passes another cache tensor and a bad index in token 2, whose rows and LSE become NaN, the flag set."""
+    from mla_multi.backends.flashmla import FlashMLASparseDecodeImpl
+
+    _need("sparse_decode", "FLASHMLA", 128, torch.uint8, 128)
+    generator = torch.Generator().manual_seed(78)
+    cache, rows, _ = _cache("fp8_ds_mla", 8, 64, generator)
+    tokens, heads, topk = 4, 128, 128
+
+    def inputs():
+        q = torch.randn(tokens, heads, LKV + ROPE, generator=generator).to(torch.bfloat16).cuda()
+        return q[..., :LKV], q[..., LKV:], _indices(generator, tokens, topk, list(range(512))).cuda()
+
+    q_nope, q_pe, indices = inputs()
+    launch = FlashMLASparseDecodeImpl(heads, LKV, ROPE, q_nope.device).bind(q_nope, q_pe, cache, indices)
+    errors.error_flag(q_nope.device).zero_()
+    for call in range(3):
+        if call:
+            q_nope, q_pe, indices = inputs()
+        if call == 2:
+            cache = cache.clone()
+            indices[2, 9] = 512  # past the cache
+        out, lse = launch(q_nope, q_pe, cache, indices, 0.06)
+        torch.cuda.synchronize()
+        assert launch.eager is not None
+        good = [0, 1, 3] if call == 2 else [0, 1, 2, 3]
+        ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1)[good].double().cpu(), rows,
+                                                     indices[good].cpu(), 0.06)
+        assert _rel(out[good], ref) < BOUND
+        assert bool(errors.error_flag(q_nope.device).item() & errors.SPARSE_INDEX) == (call == 2)
+        if call == 2:
+            assert bool(out[2].isnan().all()) and bool(lse[2].isnan().all())
+    errors.error_flag(q_nope.device).zero_()

@@ -330,3 +330,46 @@ def test_flashmla_backend_v4_decode_bad_indices_in_either_list_give_nan_rows_and
                                        extra_indices[good].unsqueeze(1), lengths[good], extra_lengths[good], sink)
     assert _rel(out[good], want[:, 0]) < 1e-2
     _check_lse(lse[good], want_lse[:, 0])
+
+
+def test_flashmla_backend_v4_decode_later_eager_calls_reuse_the_first_calls_buffers():
+    """A bound V4 decode (`bind_v4`) called three times eagerly: the first sanitises into the plan's scratch and
+    keeps it, the later ones launch into the kept buffers by their addresses (`SparseIndexPlan.launch_kept`),
+    each with new queries and lists against REFERENCE; the third passes another cache tensor (its paged view
+    made anew) and a bad index in token 1's window, whose rows and LSE become NaN, the flag set."""
+    from mla_multi import errors
+    from mla_multi.backends.flashmla import FlashMLASparseDecodeImpl
+
+    _need_flashmla("sparse_decode", 128, "fp8_ds_mla_v4", "fp8_ds_mla_v4")
+    generator = torch.Generator().manual_seed(77)
+    cache, extra, q, indices, extra_indices, lengths, extra_lengths, sink = _decode_inputs(
+        generator, 4, 1, 128, 128, 64)
+    impl = FlashMLASparseDecodeImpl(128, 448, 64, q.device)
+    launch = impl.bind_v4(q[:, 0], cache, indices[:, 0].contiguous(), kv_format="fp8_ds_mla_v4",
+                          topk_length=lengths, attn_sink=sink, extra_kv=extra,
+                          extra_indices=extra_indices[:, 0].contiguous(), extra_topk_length=extra_lengths,
+                          extra_kv_format="fp8_ds_mla_v4")
+    errors.error_flag(q.device).zero_()
+    for call in range(3):
+        if call:
+            q = torch.randn(q.shape, generator=generator).to(torch.bfloat16).cuda()
+            indices = _indices(generator, 4, 1, 128, 8 * 64)
+            extra_indices = _indices(generator, 4, 1, 64, 4 * 64)
+        if call == 2:
+            cache = cache.clone()
+            extra_indices[1, 0, 5] = 4 * 64  # past the window's cache
+        out, lse = launch(q[:, 0], cache, indices[:, 0].contiguous(), WIDTH ** -0.5, topk_length=lengths,
+                          attn_sink=sink, extra_kv=extra, extra_indices=extra_indices[:, 0].contiguous(),
+                          extra_topk_length=extra_lengths)
+        torch.cuda.synchronize()
+        assert launch.eager is not None
+        good = [0, 2, 3] if call == 2 else [0, 1, 2, 3]
+        want, want_lse = _reference_decode(q[good], cache, indices[good], extra, extra_indices[good], lengths[good],
+                                           extra_lengths[good], sink)
+        assert _rel(out[good], want[:, 0]) < 1e-2
+        _check_lse(lse[good], want_lse[:, 0])
+        flagged = int(errors.error_flag(q.device)) & errors.SPARSE_INDEX
+        assert bool(flagged) == (call == 2)
+        if call == 2:
+            assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
+    errors.error_flag(q.device).zero_()

@@ -65,6 +65,7 @@ import importlib
 import importlib.metadata
 import inspect
 import threading
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -432,6 +433,36 @@ def _padded_list(scratch, name: str, indices, topk: int, width: int):
     return indices, scratch.full(name, (indices.shape[0], width), -1, torch.int32, indices.device)
 
 
+class _PagedView:
+    """A paged cache [blocks, block_size, width] as FlashMLA's kernels take it, [blocks, block_size, 1, width]:
+    the view made once for the cache an engine passes on every call (the same tensor at the same address) and
+    given again, where making it costs a call of PyTorch (2.5 µs of host on a slow host). It holds the cache's
+    memory only while the tensor lives (a weak reference whose end drops the view)."""
+
+    __slots__ = ("_source", "_address", "_view", "__weakref__")
+
+    def __init__(self) -> None:
+        self._source = None
+        self._address = None
+        self._view = None
+
+    def __call__(self, kv: torch.Tensor) -> torch.Tensor:
+        source = self._source
+        if source is not None and source() is kv and kv.data_ptr() == self._address:
+            return self._view
+        view = kv.detach().unsqueeze(2)  # (a view of the tensor itself would keep it alive, and the weak
+        # reference with it: detach's tensor shares the memory, not the object)
+        holder = weakref.ref(self)
+
+        def dropped(_, holder=holder) -> None:
+            paged = holder()
+            if paged is not None:
+                paged._source = paged._view = None
+
+        self._source, self._address, self._view = weakref.ref(kv, dropped), kv.data_ptr(), view
+        return view
+
+
 class _V4PrefillList:
     """The index list of a V4 prefill: its bound sanitising launch and, where its length is not a multiple of
     FlashMLA's tile, the padded copy FlashMLA reads (`_padded_list`)."""
@@ -485,13 +516,14 @@ class _V4DecodeCall:
         return self.index_plan.sanitize_pair(indices, num_slots, topk_length, extra_indices, extra_slots,
                                              extra_topk_length, out=padded, second_out=extra_padded)
 
-    def launch(self, indices, num_slots: int, topk_length, extra_indices, extra_slots: int, extra_topk_length,
-               clean, extra_clean, bad_rows) -> None:
-        """`sanitize` into the buffers an earlier eager call returned (kept by the caller)."""
+    def launch(self, kept: tuple, indices, num_slots: int, topk_length, extra_indices, extra_slots: int,
+               extra_topk_length) -> None:
+        """`sanitize` into the buffers an earlier eager call returned, kept by the caller and described by
+        `kept` (`SparseIndexPlan.kept`)."""
         second = None
         if self.extra_topk is not None:
-            second = (_entries(extra_indices), extra_slots, extra_topk_length, extra_clean)
-        self.index_plan.launch(_entries(indices), num_slots, topk_length, clean, bad_rows, second)
+            second = (_entries(extra_indices), extra_slots, extra_topk_length)
+        self.index_plan.launch_kept(kept, _entries(indices), num_slots, topk_length, second)
 
     def call_op(self, op, capture: bool, q, kv, listed, attn_sink, extra_kv, extra_listed, width: int, scale: float,
                 kv_format):
@@ -592,29 +624,36 @@ class _SparseDecodeLaunch:
         self.query = _JoinedQuery(q_nope, q_pe, lead=(1,))
         self.head_dim_v = impl.kv_lora_rank
         self.out_shape, self.lse_shape = (tokens, heads, -1), (tokens, heads)
-        self.eager = None  # (clean, bad_rows, clean as FlashMLA reads it) of eager calls: the plan's scratch
+        self.paged = _PagedView()
+        # (clean, bad_rows, clean as FlashMLA reads it, the launch's ints for them, bad_rows' address) of eager
+        # calls: the plan's scratch
+        self.eager = None
 
     def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         call = self.call
+        # FlashMLA's shapes first: what the host does between the index launch and FlashMLA's own is time the
+        # device waits in an eager call
+        q = self.query(q_nope, q_pe, (1,))
+        paged = self.paged(kv)
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
         eager = q_nope.is_cuda and not capturing(q_nope)
         kept = self.eager
         if kept is not None and eager:
-            clean, bad_rows, listed = kept
-            call.index_plan.launch(indices, self.num_slots, topk_length, clean, bad_rows)
+            _, _, listed, ints, bad_rows = kept
+            call.index_plan.launch_kept(ints, indices, self.num_slots, topk_length)
         else:  # the first eager call, a capture, a CPU call
             clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
             listed = clean.unsqueeze(1)
             if eager:
-                self.eager = (clean, bad_rows, listed)
-        q = self.query(q_nope, q_pe, (1,))
+                ints = call.index_plan.kept(clean, bad_rows)
+                self.eager = (clean, bad_rows, listed, ints, None if bad_rows is None else ints[1])
         if self.op is not None:
             sched = call.sched
-            out, lse, _, _ = self.op(q, kv.unsqueeze(2), listed, None, attn_sink, sched.tile_scheduler_metadata,
+            out, lse, _, _ = self.op(q, paged, listed, None, attn_sink, sched.tile_scheduler_metadata,
                                      sched.num_splits, None, None, None, self.head_dim_v, float(scale), None)
         else:
             out, lse = self.module.flash_mla_with_kvcache(
-                q=q, k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.head_dim_v,
+                q=q, k_cache=paged, block_table=None, cache_seqlens=None, head_dim_v=self.head_dim_v,
                 tile_scheduler_metadata=call.sched, softmax_scale=float(scale), causal=False, is_fp8_kvcache=True,
                 indices=listed, attn_sink=attn_sink, topk_length=None, use_legacy=True,
             )
@@ -645,35 +684,42 @@ class _V4DecodeLaunch:
         self.width = width
         self.out_shape, self.lse_shape = (tokens, heads, width), (tokens, heads)
         self.kv_format = get_format(kv_format).flashmla_name if self.call.legacy else None
-        # (clean, the window's clean or None, bad_rows, both as FlashMLA reads them) of eager calls: the plan's
-        # scratch, found by the first eager call
+        self.paged, self.extra_paged = _PagedView(), _PagedView()
+        # (clean, the window's clean or None, bad_rows, both as FlashMLA reads them, the launch's ints for the
+        # three, bad_rows' address) of eager calls: the plan's scratch, found by the first eager call
         self.eager = None
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
         call = self.call
+        # FlashMLA's shapes first: what the host does between the index launch and FlashMLA's own is time the
+        # device waits in an eager call
+        if self.q_copy:
+            q = q.contiguous()
+        if self.sink_copy:
+            attn_sink = attn_sink.contiguous()
+        q_4d = q.unsqueeze(1)
+        paged = self.paged(kv)
+        extra_cache = None if extra_kv is None else self.extra_paged(extra_kv)
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
         capture = capturing(q)
         eager = q.is_cuda and not capture
         kept = self.eager
         if kept is not None and eager:
-            clean, extra_clean, bad_rows, listed, extra_listed = kept
-            call.launch(indices, self.num_slots, topk_length, extra_indices, self.extra_slots, extra_topk_length,
-                        clean, extra_clean, bad_rows)
+            _, _, _, listed, extra_listed, ints, bad_rows = kept
+            call.launch(ints, indices, self.num_slots, topk_length, extra_indices, self.extra_slots,
+                        extra_topk_length)
         else:  # the first eager call, a capture, a CPU call
             clean, extra_clean, bad_rows = call.sanitize(indices, self.num_slots, topk_length, extra_indices,
                                                          self.extra_slots, extra_topk_length)
             listed = clean.unsqueeze(1)
             extra_listed = None if extra_clean is None else extra_clean.unsqueeze(1)
             if eager:
-                self.eager = (clean, extra_clean, bad_rows, listed, extra_listed)
-        if self.q_copy:
-            q = q.contiguous()
-        if self.sink_copy:
-            attn_sink = attn_sink.contiguous()
-        extra_cache = None if extra_kv is None else extra_kv.unsqueeze(2)
+                ints = call.index_plan.kept(clean, bad_rows, extra_clean)
+                self.eager = (clean, extra_clean, bad_rows, listed, extra_listed, ints,
+                              None if bad_rows is None else ints[1])
         if self.op is not None:
-            out, lse = call.call_op(self.op, capture, q.unsqueeze(1), kv.unsqueeze(2), listed, attn_sink, extra_cache,
+            out, lse = call.call_op(self.op, capture, q_4d, paged, listed, attn_sink, extra_cache,
                                     extra_listed, self.width, float(scale), self.kv_format)
         else:
             extra = {}
@@ -681,7 +727,7 @@ class _V4DecodeLaunch:
                 extra = dict(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_listed)
             module = self.module
             out, lse = module.flash_mla_with_kvcache(
-                q=q.unsqueeze(1), k_cache=kv.unsqueeze(2), block_table=None, cache_seqlens=None, head_dim_v=self.width,
+                q=q_4d, k_cache=paged, block_table=None, cache_seqlens=None, head_dim_v=self.width,
                 tile_scheduler_metadata=call.schedule(module), softmax_scale=float(scale), causal=False,
                 is_fp8_kvcache=True, indices=listed, attn_sink=attn_sink, topk_length=None, extra_topk_length=None,
                 use_legacy=call.legacy, kv_format=self.kv_format, **extra,

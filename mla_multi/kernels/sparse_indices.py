@@ -418,8 +418,40 @@ class SparseIndexPlan:
                        second_indices, second_clean, second_length if self.second[1] else second_clean,
                        second_num_slots, self.second[0], second_indices.stride(0), second_clean.stride(0))
 
-    def finish(self, bad_rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """out [T, N, width] and lse [T, N] (contiguous rows) in place."""
+    def kept(self, clean: torch.Tensor, bad_rows: torch.Tensor | None,
+             second_clean: torch.Tensor | None = None) -> tuple:
+        """What `launch_kept` passes for the buffers a caller keeps for its eager calls (`launch`'s clean,
+        bad_rows, second clean): their addresses as ints, beside the error flag's, and their row strides. The
+        launcher takes an int pointer as it is, where it asks CUDA about every tensor's address (0.2-0.3 µs of
+        host a pointer); the caller keeps the tensors alive."""
+        if not (self.gpu and self.tokens):
+            return ()
+        address = clean.data_ptr()
+        bad = bad_rows.data_ptr() if bad_rows is not None else address
+        second = (address, clean.stride(0)) if second_clean is None else (second_clean.data_ptr(),
+                                                                          second_clean.stride(0))
+        return (address, bad, self.flag.data_ptr(), clean.stride(0)) + second
+
+    def launch_kept(self, kept: tuple, indices, num_slots: int, topk_length, second=None) -> None:
+        """`launch` into the buffers `kept` describes: second (indices, num_slots, topk_length) for a plan made
+        with `second`."""
+        if not self.tokens:
+            return
+        clean, bad, flag, stride_out, second_clean, second_stride_out = kept
+        length = topk_length if self.has_length else clean
+        stride_in = indices.stride(0)
+        if second is None:
+            self._sanitize(indices, clean, bad, flag, length, num_slots, self.topk, stride_in, stride_out,
+                           indices, clean, length, num_slots, self.topk, stride_in, stride_out)
+            return
+        second_indices, second_num_slots, second_length = second
+        self._sanitize(indices, clean, bad, flag, length, num_slots, self.topk, stride_in, stride_out,
+                       second_indices, second_clean, second_length if self.second[1] else second_clean,
+                       second_num_slots, self.second[0], second_indices.stride(0), second_stride_out)
+
+    def finish(self, bad_rows: torch.Tensor | int | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """out [T, N, width] and lse [T, N] (contiguous rows) in place; bad_rows as `launch` took it, or its
+        address (an eager call's kept buffer, `kept`)."""
         if not self.gpu:
             lse.masked_fill_(lse == float("inf"), float("-inf"))
             if bad_rows is not None:
