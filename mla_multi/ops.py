@@ -75,6 +75,11 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and interpreter_active()
 
 
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` where its rows are contiguous (what the cache writers' kernels read), else a contiguous copy."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def _scale_tensor(scale, device: torch.device):
     if scale is None or torch.is_tensor(scale):
         return scale
@@ -861,6 +866,11 @@ def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     checks.check_slot_data(slot_mapping, num_slots)
     if tokens == 0:  # a step without new tokens: nothing to write
         return None
+    if _use_triton(kv_c):  # one launch, no host synchronisation (CUDA graphs)
+        from mla_multi.kernels.cache_ops import concat_and_cache_quantized
+
+        concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, "fp8_ds_mla")
+        return None
     slots = slot_mapping.long()
     # a negative slot skips its token; a slot past the cache is skipped too and recorded
     errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)
@@ -1176,9 +1186,13 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
     format's block stride (`CacheFormat.allocate`); kv_format names the format
     to insist on (None: found from the width); slot_mapping [T] int64 (or
     int32): a negative slot skips its token; a slot named by several tokens
-    gets one of them. The bytes are the format's quantiser's
-    (`CacheFormat.quantize`). Without the data checks a slot past the cache is
-    skipped and recorded for `raise_pending_errors`. Zero tokens: nothing.
+    gets one of them on the CPU, and on a GPU bytes from one of them each
+    (concurrent writers, as in `concat_and_cache_mla`). The bytes are the
+    format's quantiser's (`CacheFormat.quantize`); on a GPU one launch
+    quantises and writes them (`mla_multi.kernels.cache_ops.
+    concat_and_cache_quantized`), free of host synchronisation. Without the
+    data checks a slot past the cache is skipped and recorded for
+    `raise_pending_errors`. Zero tokens: nothing.
     """
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_v4_traced(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
@@ -1197,6 +1211,11 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
     checks.report_pending_errors(device)
     checks.check_slot_data(slot_mapping, num_slots)
     if tokens == 0:
+        return None
+    if _use_triton(kv_c):  # one launch: the format's bytes quantised and written by the kernel
+        from mla_multi.kernels.cache_ops import concat_and_cache_quantized
+
+        concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, fmt.name)
         return None
     slots = slot_mapping.long()
     errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)

@@ -33,7 +33,8 @@ from mla_multi.kernels.launch import BoundLaunch, alignment_key, layout_key
 from mla_multi.kernels.launch_config import CompileSpec, cache_ops_config
 from mla_multi.kernels.mla_decode import _fp8_bits_to_float
 
-__all__ = ["concat_and_cache_mla", "gather_cache", "slot_mapping", "compile_specs", "FP8_MAX"]
+__all__ = ["concat_and_cache_mla", "concat_and_cache_quantized", "gather_cache", "slot_mapping", "compile_specs",
+           "FP8_MAX", "QUANTIZED_FORMATS"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -113,6 +114,108 @@ def _concat_and_cache_mla_kernel(
         k_pe = k_pe.to(KV_cache.dtype.element_ty)
     tl.store(row + offs_c, kv_c, mask=keep_c)
     tl.store(row + KV_LORA_RANK + offs_r, k_pe, mask=keep_r)
+
+
+# the quantising cache formats (`mla_multi.cache_formats`) as the writer kernel names them
+QUANTIZED_FORMATS = {"fp8_ds_mla": 0, "fp8_ds_mla_v4": 1, "fp8_ds_mla_v41": 2, "fp4_ds_mla_v41": 3}
+_FLT_MIN = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def _ue8m0_code(amax):
+    """The UE8M0 byte of 2^ceil(log2(max(amax / 448, 1e-4))): that power of two's float32 exponent field, from
+    the bits of the float32 quotient (one more where its mantissa is not zero)."""
+    x = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-4)
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> the bits of its bfloat16 (round to nearest even, as PyTorch's conversion; no NaN in a row)
+    as uint16: one rounding on every backend and under the interpreter, which truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _e2m1_code(x):
+    """float32 in [-6, 6] -> e2m1 codes 0..15 (nearest, ties to the even code; +0 for a zero result)."""
+    m = tl.abs(x)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+            + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    return tl.where((x < 0) & (code > 0), code + 8, code)
+
+
+@triton.jit
+def _quantized_row(KV_c, K_pe, token, stride_kv_c_t, stride_k_pe_t, LATENT: tl.constexpr, ROPE: tl.constexpr):
+    """A token's [kv_c | k_pe] as one float32 row of LATENT + ROPE (a power of two) values, and k_pe's values
+    (in their dtype) at the row's positions LATENT.. (0 elsewhere)."""
+    offs = tl.arange(0, LATENT + ROPE)
+    latent = tl.load(KV_c + token * stride_kv_c_t + offs, mask=offs < LATENT, other=0.0)
+    rope = tl.load(K_pe + token * stride_k_pe_t + (offs - LATENT), mask=offs >= LATENT, other=0.0)
+    return tl.where(offs < LATENT, latent.to(tl.float32), rope.to(tl.float32)), rope
+
+
+@triton.jit
+def _quantize_into_cache_kernel(
+    KV_c, K_pe, Cache, Slot_mapping, Error_flag, stride_kv_c_t, stride_k_pe_t, block_bytes, block_size, num_slots,
+    FORMAT: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+):
+    """Program `token`: its row quantised into the record of its slot in a byte cache of FORMAT
+    (`QUANTIZED_FORMATS`), each byte the format's reference quantiser's (`mla_multi.cache_formats`); a
+    negative slot writes nothing, a slot past the cache neither and sets the SLOT bit."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slot_mapping + token).to(tl.int64)
+    tl.atomic_or(Error_flag, SLOT_ERROR, mask=slot >= num_slots)
+    if (slot >= 0) & (slot < num_slots):
+        block_base = Cache + (slot // block_size) * block_bytes
+        offset = slot % block_size
+        if FORMAT == 0:  # fp8_ds_mla: 512 e4m3 | 4 float32 scales (amax / 448) | 64 bf16
+            offs = tl.arange(0, LATENT)
+            tiles = tl.reshape(tl.load(KV_c + token * stride_kv_c_t + offs).to(tl.float32), [4, LATENT // 4])
+            scales = tl.maximum(tl.math.div_rn(tl.max(tl.abs(tiles), axis=1), 448.0), _FLT_MIN)
+            codes = _float_to_fp8_bits(tl.math.div_rn(tiles, scales[:, None]), 7, 448.0)
+            record = block_base + offset * 656
+            tl.store(record + offs, tl.reshape(codes, [LATENT]))
+            tl.store((record + LATENT).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4), scales)
+            offs_r = tl.arange(0, ROPE)
+            rope = tl.load(K_pe + token * stride_k_pe_t + offs_r)
+            tl.store((record + LATENT + 16).to(tl.pointer_type(tl.uint16)) + offs_r, _bf16_bits(rope.to(tl.float32)))
+        elif FORMAT == 1:  # fp8_ds_mla_v4: 448 e4m3 (7 UE8M0 scales of 64) | 64 bf16; the scales in the block tail
+            row, rope = _quantized_row(KV_c, K_pe, token, stride_kv_c_t, stride_k_pe_t, LATENT, ROPE)
+            groups = tl.reshape(row, [8, 64])  # the eighth group: the RoPE values, kept bf16
+            code = _ue8m0_code(tl.max(tl.abs(groups), axis=1))
+            inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)  # 1 / 2^(code - 127), exactly
+            values = tl.reshape(_float_to_fp8_bits(groups * inverse[:, None], 7, 448.0), [LATENT + ROPE])
+            offs = tl.arange(0, LATENT + ROPE)
+            record = block_base + offset * 576
+            tl.store(record + offs, values, mask=offs < LATENT)
+            tl.store((record + LATENT).to(tl.pointer_type(tl.uint16)) + (offs - LATENT),
+                     _bf16_bits(rope.to(tl.float32)), mask=offs >= LATENT)
+            tl.store(block_base + block_size * 576 + offset * 8 + tl.arange(0, 8),
+                     tl.where(tl.arange(0, 8) < 7, code, 0).to(tl.uint8))
+        elif FORMAT == 2:  # fp8_ds_mla_v41: 512 e4m3 (RoPE too) | 16 UE8M0 scales of 32
+            row, _ = _quantized_row(KV_c, K_pe, token, stride_kv_c_t, stride_k_pe_t, LATENT, ROPE)
+            groups = tl.reshape(row, [16, 32])
+            code = _ue8m0_code(tl.max(tl.abs(groups), axis=1))
+            inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)
+            record = block_base + offset * 528
+            tl.store(record + tl.arange(0, 512),
+                     tl.reshape(_float_to_fp8_bits(groups * inverse[:, None], 7, 448.0), [512]))
+            tl.store(record + 512 + tl.arange(0, 16), code.to(tl.uint8))
+        else:  # fp4_ds_mla_v41: 512 e2m1, two a byte (the even value low) | 32 e4m3 scales of 16 (amax / 6)
+            row, _ = _quantized_row(KV_c, K_pe, token, stride_kv_c_t, stride_k_pe_t, LATENT, ROPE)
+            groups = tl.reshape(row, [32, 16])
+            scale_codes = _float_to_fp8_bits(tl.math.div_rn(tl.max(tl.abs(groups), axis=1), 6.0), 7, 448.0)
+            scales = _fp8_bits_to_float(scale_codes, 7)
+            positive = scales > 0
+            scaled = tl.math.div_rn(groups, tl.where(positive, scales, 1.0)[:, None])
+            scaled = tl.where(positive[:, None], tl.minimum(tl.maximum(scaled, -6.0), 6.0), 0.0)
+            low, high = tl.split(tl.reshape(_e2m1_code(scaled), [256, 2]))
+            record = block_base + offset * 288
+            tl.store(record + tl.arange(0, 256), (low | (high << 4)).to(tl.uint8))
+            tl.store(record + 256 + tl.arange(0, 32), scale_codes)
 
 
 @triton.jit
@@ -324,6 +427,61 @@ class ConcatAndCachePlan:
 _CONCAT_LAUNCHES: dict = {}
 
 
+def concat_and_cache_quantized(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, kv_format: str, *,
+                               error_flag: torch.Tensor | None = None) -> None:
+    """Quantise each token's ``[kv_c | k_pe]`` into its slot's record of a byte cache in `kv_format` (one of
+    `QUANTIZED_FORMATS`), one launch: the bytes of the format's reference quantiser
+    (`mla_multi.cache_formats.CacheFormat.quantize`), its padding byte 0; a negative slot is skipped, a slot
+    past the cache too and recorded in the error flag. The caller checked the tensors (`mla_multi.ops`):
+    kv_c [T, width - 64], k_pe [T, 64] of one float dtype with contiguous rows, kv_cache uint8 with the
+    format's strides, slot_mapping [T] int64 or int32.
+
+    The UE8M0 scales come from the float32 quotient's bits (2^ceil(log2(x)) exactly); the reference takes
+    `torch.log2`, whose float32 result for an x within a few units in the last place above a power of two
+    can round down to the integer: there the reference's scale is half this one (and the group's largest value
+    saturates to 448), a case the golden data and random rows do not meet."""
+    if kv_c.shape[0] == 0:
+        return
+    error_flag = _error_flag(error_flag, kv_cache.device)
+    key = (kv_format, layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
+           error_flag.data_ptr())
+    plan = _QUANTIZED_LAUNCHES.get(key)
+    if plan is None:
+        plan = QuantizedCacheWrite(kv_c, k_pe, kv_cache, slot_mapping, kv_format, error_flag)
+        if len(_QUANTIZED_LAUNCHES) >= 256:
+            _QUANTIZED_LAUNCHES.clear()
+        _QUANTIZED_LAUNCHES[key] = plan
+    plan.launch(kv_c, k_pe, kv_cache, slot_mapping)
+
+
+class QuantizedCacheWrite:
+    """The bound quantising cache writer of one layout (the token count included): `launch` only launches."""
+
+    def __init__(self, kv_c, k_pe, kv_cache, slot_mapping, kv_format: str, error_flag) -> None:
+        from mla_multi.cache_formats import get_format
+        from mla_multi.platforms import current_platform
+
+        fmt = get_format(kv_format)
+        block_size = kv_cache.shape[1]
+        self.error_flag = error_flag
+        self.ints = (kv_c.stride(0), k_pe.stride(0), fmt.block_bytes(block_size), block_size,
+                     kv_cache.shape[0] * block_size)
+        self.bound = BoundLaunch(
+            _quantize_into_cache_kernel, (kv_c.shape[0],),
+            dict(FORMAT=QUANTIZED_FORMATS[kv_format], LATENT=kv_c.shape[1], ROPE=k_pe.shape[1],
+                 **cache_ops_config(current_platform()).launch_options()),
+            kv_cache.device,
+        )
+
+    def launch(self, kv_c, k_pe, kv_cache, slot_mapping) -> None:
+        self.bound(kv_c, k_pe, kv_cache, slot_mapping, self.error_flag, *self.ints)
+
+
+# the plans of concat_and_cache_quantized, by format and the layout of its tensors (the token count included)
+_QUANTIZED_LAUNCHES: dict = {}
+
+
 def gather_cache(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -482,6 +640,17 @@ def compile_specs(platform) -> list[CompileSpec]:
         options={"num_warps": 4},
         divisible_by_16=("Query_start_loc", "Seq_lens", "Block_table", "Slots", "block_size"),
     )]
+    for kv_format, code in QUANTIZED_FORMATS.items():
+        specs.append(CompileSpec(
+            name=f"concat_and_cache_quantized[{config.name},{kv_format}]",
+            fn=_quantize_into_cache_kernel,
+            signature={"KV_c": "*bf16", "K_pe": "*bf16", "Cache": "*u8", "Slot_mapping": "*i64", "Error_flag": "*i32",
+                       "stride_kv_c_t": "i32", "stride_k_pe_t": "i32", "block_bytes": "i32", "block_size": "i32",
+                       "num_slots": "i32", "FORMAT": "constexpr", "LATENT": "constexpr", "ROPE": "constexpr"},
+            constexprs={"FORMAT": code, "LATENT": 512 if kv_format == "fp8_ds_mla" else 448, "ROPE": 64},
+            options=options,
+            divisible_by_16=("KV_c", "K_pe", "Cache", "Slot_mapping", "stride_kv_c_t", "stride_k_pe_t", "block_bytes"),
+        ))
     for fp8 in (False, True):
         cache_type = "*u8" if fp8 else "*bf16"
         specs.append(
