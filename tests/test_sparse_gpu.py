@@ -501,3 +501,50 @@ def test_flashmla_fp8_ds_mla_decode_later_eager_calls_reuse_the_first_calls_buff
         if call == 2:
             assert bool(out[2].isnan().all()) and bool(lse[2].isnan().all())
     errors.error_flag(q_nope.device).zero_()
+
+
+def test_a_sparse_layer_over_an_fp8_ds_mla_cache_replays_from_a_cuda_graph(monkeypatch):
+    """V3.2's sparse layer over its 656-byte cache, whose writer is one launch without a host synchronisation
+    (`concat_and_cache_quantized`; it selected the kept tokens on the host before, so such a step could not be
+    captured): a decode step captured, replayed with new queries, rows and top-k positions in the captured
+    tensors, gives the eager forward's output on a copy of the cache taken before the replay, and writes the
+    new tokens' records as the eager step does."""
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "0")  # the data checks read indices on the host
+    heads, batch, block = 16, 4, 64
+    dims = mm.MLADims.deepseek_v3(num_heads=heads)
+    generator = torch.Generator().manual_seed(21)
+    weight = (torch.randn(heads * 256, LKV, generator=generator) / LKV**0.5).to(torch.bfloat16).cuda()
+    layer = mm.MLAAttention(dims, dims.qk_head_dim**-0.5, weight, block_size=block, max_model_len=1024,
+                            max_num_seqs=batch, kv_cache_dtype="fp8_ds_mla", sparse_topk=64)
+    cache = layer.allocate_kv_cache(batch * 16)
+    rows = torch.randn(batch * 16 * block, LKV + ROPE, generator=generator).to(torch.bfloat16).cuda()
+    mm.ops.concat_and_cache_mla(rows[:, :LKV], rows[:, LKV:], cache, torch.arange(rows.shape[0], device="cuda"))
+    table = torch.arange(batch * 16, device="cuda", dtype=torch.int32).view(batch, 16)
+    seq_lens = [300, 1000, 64, 700]
+    md = mm.CommonAttentionMetadata.from_lengths([1] * batch, seq_lens, table, block)
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        positions = torch.stack([torch.randint(-1, n, (64,), generator=g) for n in seq_lens]).to(torch.int32)
+        return (torch.randn(batch, heads, dims.qk_head_dim, generator=g).to(torch.bfloat16).cuda(),
+                torch.randn(batch, LKV, generator=g).to(torch.bfloat16).cuda(),
+                torch.randn(batch, ROPE, generator=g).to(torch.bfloat16).cuda(), positions.cuda())
+
+    static = inputs(1)
+    out = torch.empty(batch, heads * dims.v_head_dim, device="cuda", dtype=torch.bfloat16)
+    layer.plan(md, cuda_graph=True)
+
+    def step():
+        layer.forward(static[0], static[1], static[2], cache, md, output=out, topk_indices=static[3])
+
+    graph = capture_graph(step)
+    fresh = inputs(2)
+    for tensor, value in zip(static, fresh):
+        tensor.copy_(value)
+    before = cache.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = layer.forward(fresh[0], fresh[1], fresh[2], before, md, topk_indices=fresh[3])
+    assert _rel(out, expected) < 1e-3
+    assert torch.equal(cache, before)  # the replay wrote the new tokens' records the eager step wrote
