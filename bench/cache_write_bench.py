@@ -7,27 +7,15 @@ synchronisation), the captured column says so.
     PYTHONPATH=. python3 bench/cache_write_bench.py [--formats fp8_ds_mla_v4,...] [--tokens 1,64,4096]
 """
 import argparse
-import time
 
 import torch
 
 import mla_multi as mm
 from mla_multi import cache_formats as cf
-from mla_multi.benchmarks import graph_time
+from mla_multi.benchmarks import best_host_time, graph_time
 
 
-def host_us(call) -> float:
-    for _ in range(10):
-        call()
-    best = float("inf")
-    for _ in range(40):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            call()
-        best = min(best, (time.perf_counter() - start) / 10 * 1e6)
-    torch.cuda.synchronize()
-    return best
+host_us = best_host_time
 
 
 def main() -> None:

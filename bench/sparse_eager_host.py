@@ -8,28 +8,16 @@ such measurements taken in turn over the columns, and the call's time replayed f
     PYTHONPATH=. python3 bench/sparse_eager_host.py [--backends default,TRITON,FLASHMLA] [--v4-only]
 """
 import argparse
-import time
 
 import torch
 
 import mla_multi as mm
-from mla_multi.benchmarks import graph_time
+from mla_multi.benchmarks import best_host_time, graph_time
 from mla_multi.benchmarks.sparse import random_v4_cache
 from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
 
 
-def host_us(call) -> float:
-    for _ in range(20):
-        call()
-    best = float("inf")
-    for _ in range(40):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            call()
-        best = min(best, (time.perf_counter() - start) / 10 * 1e6)
-    torch.cuda.synchronize()
-    return best
+host_us = best_host_time
 
 
 def flash_mla():

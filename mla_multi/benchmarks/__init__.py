@@ -39,6 +39,26 @@ def graph_time(fn, reps: int = 20) -> float:
     return do_bench(graph.replay, return_mode="median") * 1000 / reps
 
 
+def best_host_time(fn, batches: int = 40, calls: int = 10) -> float:
+    """µs of host time per call of `fn`: the best of `batches` batches of `calls` calls in a row (the GPU
+    waited for before each batch; a noisy host's spikes left out), after 20 calls of warm-up."""
+    import time
+
+    import torch
+
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
 def host_time(fn, calls: int = 300) -> float:
     """µs of host time per call of `fn` over `calls` calls in a row (after one call, with the GPU waited for
     before and after but not between: the host path alone while the GPU queue fills)."""

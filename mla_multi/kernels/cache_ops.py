@@ -380,13 +380,19 @@ def concat_and_cache_mla(
     error_flag = _error_flag(error_flag, kv_cache.device)
     key = (layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
            None if scale is None else layout_key(scale), error_flag.data_ptr())
-    plan = _CONCAT_LAUNCHES.get(key)
-    if plan is None:
-        plan = ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale, error_flag)
-        if len(_CONCAT_LAUNCHES) >= 256:
-            _CONCAT_LAUNCHES.clear()
-        _CONCAT_LAUNCHES[key] = plan
+    plan = _plan_of_layout(_CONCAT_LAUNCHES, key,
+                           lambda: ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale, error_flag))
     plan.launch(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+def _plan_of_layout(plans: dict, key, make):
+    """The plan of `key` in `plans` (a bounded cache: emptied at 256 entries), made by `make()` the first time."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 256:
+            plans.clear()
+        plan = plans[key] = make()
+    return plan
 
 
 class ConcatAndCachePlan:
@@ -446,12 +452,8 @@ def concat_and_cache_quantized(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache:
     error_flag = _error_flag(error_flag, kv_cache.device)
     key = (kv_format, layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
            error_flag.data_ptr())
-    plan = _QUANTIZED_LAUNCHES.get(key)
-    if plan is None:
-        plan = QuantizedCacheWrite(kv_c, k_pe, kv_cache, slot_mapping, kv_format, error_flag)
-        if len(_QUANTIZED_LAUNCHES) >= 256:
-            _QUANTIZED_LAUNCHES.clear()
-        _QUANTIZED_LAUNCHES[key] = plan
+    plan = _plan_of_layout(_QUANTIZED_LAUNCHES, key,
+                           lambda: QuantizedCacheWrite(kv_c, k_pe, kv_cache, slot_mapping, kv_format, error_flag))
     plan.launch(kv_c, k_pe, kv_cache, slot_mapping)
 
 
