@@ -814,7 +814,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     checks.check_tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), shape=(tokens, None), device=device,
                         shape_from="kv_c's tokens")
     if torch.is_tensor(kv_cache) and kv_cache.dtype == torch.uint8:
-        return _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
+        return _concat_and_cache_fp8_ds_mla(key, kv_c, k_pe, kv_cache, slot_mapping, scale)
     width = kv_c.shape[1] + k_pe.shape[1]
     checks.check_tensor("kv_cache", kv_cache, ndim=3, dtypes=CACHE_DTYPES, shape=(None, None, width), device=device,
                         shape_from=_width_source("kv_c", kv_c, "k_pe", k_pe))
@@ -844,7 +844,34 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
 
-def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+class _QuantizedWritePlan:
+    """A write into a byte-format cache planned for one layout, as `concat_and_cache_mla`'s plans are (its
+    caller runs the data checks where they were on when planned): the kernel's bound launch
+    (`QuantizedCacheWrite`)."""
+
+    __slots__ = ("write", "device", "data_checks", "scale")
+
+    def __init__(self, write, device: torch.device) -> None:
+        self.write = write
+        self.device = device
+        self.data_checks = checks.data_checks_enabled(device)
+        self.scale = None
+
+    def launch(self, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+        self.write.launch(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping)
+
+
+def _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, kv_format: str) -> None:
+    """The byte-format write by the kernel (`concat_and_cache_quantized`), its plan kept under `key` for the
+    next call of this layout on a GPU (the checks then skipped but the data checks)."""
+    from mla_multi.kernels.cache_ops import concat_and_cache_quantized
+
+    write = concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, kv_format)
+    if key is not None and write is not None and kv_cache.device.type == "cuda":
+        _remember(key, _QuantizedWritePlan(write, kv_cache.device))
+
+
+def _concat_and_cache_fp8_ds_mla(key, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
     """concat_and_cache_mla into a uint8 [num_blocks, block_size, 656] cache (FlashMLA's fp8_ds_mla layout:
     `mla_multi.ds_mla_cache`), tile scales from the data."""
     from mla_multi.ds_mla_cache import FP8_DS_MLA_BYTES, KV_LORA_RANK, ROPE_DIM, quantize_fp8_ds_mla
@@ -867,9 +894,7 @@ def _concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_cache, slot_mapping, scale) -> N
     if tokens == 0:  # a step without new tokens: nothing to write
         return None
     if _use_triton(kv_c):  # one launch, no host synchronisation (CUDA graphs)
-        from mla_multi.kernels.cache_ops import concat_and_cache_quantized
-
-        concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, "fp8_ds_mla")
+        _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, "fp8_ds_mla")
         return None
     slots = slot_mapping.long()
     # a negative slot skips its token; a slot past the cache is skipped too and recorded
@@ -1196,6 +1221,18 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
     """
     if torch.compiler.is_compiling():
         return library.concat_and_cache_mla_v4_traced(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
+    try:
+        key = ("concat_and_cache_mla_v4", _layout(kv_c), _layout(k_pe), _layout(kv_cache), _layout(slot_mapping),
+               kv_format, envs.snapshot())
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
+        key = plan = None
+    if plan is not None:  # checked when planned; the data checks run on every call where they are on
+        if checks.planned_checks_run(plan.data_checks, plan.device):
+            checks.report_pending_errors(plan.device)
+            checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+        plan.launch(kv_c, k_pe, kv_cache, slot_mapping, None)
+        return None
     from mla_multi import cache_formats
 
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
@@ -1213,9 +1250,7 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
     if tokens == 0:
         return None
     if _use_triton(kv_c):  # one launch: the format's bytes quantised and written by the kernel
-        from mla_multi.kernels.cache_ops import concat_and_cache_quantized
-
-        concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, fmt.name)
+        _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, fmt.name)
         return None
     slots = slot_mapping.long()
     errors.error_flag(device).bitwise_or_((slots >= num_slots).any().to(torch.int32) * errors.SLOT)

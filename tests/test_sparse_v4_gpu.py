@@ -407,3 +407,39 @@ def test_flashmla_backend_v4_decode_later_eager_calls_reuse_the_first_calls_buff
         if call == 2:
             assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
     errors.error_flag(q.device).zero_()
+
+
+@pytest.mark.parametrize("name", list(cf.FORMATS))
+def test_the_writers_plan_once_a_layout_and_still_check_the_slots(name, monkeypatch):
+    """The byte-format writers keep a plan a layout, as `concat_and_cache_mla` does: a second call of the
+    layout runs no tensor check (one plan in `ops._PLANS`) and writes its new rows' bytes (the CPU's); with
+    the data checks on, a planned call given a slot past the cache still raises ValueError naming
+    slot_mapping."""
+    from mla_multi import checks, ops
+
+    monkeypatch.setenv("MLA_MULTI_CHECK_INPUTS", "1")
+    monkeypatch.setattr(ops, "_PLANS", {})
+    tensor_checks = []
+    original = checks.check_tensor
+    monkeypatch.setattr(checks, "check_tensor", lambda *a, **k: tensor_checks.append(a[0]) or original(*a, **k))
+    fmt = cf.get_format(name)
+    latent = fmt.width - fmt.rope_dims
+    writer, op_name = ((mm.ops.concat_and_cache_mla, "concat_and_cache_mla") if name == "fp8_ds_mla"
+                       else (mm.ops.concat_and_cache_mla_v4, "concat_and_cache_mla_v4"))
+    cache = fmt.allocate(2, 64, "cuda")
+    for call in range(2):
+        generator = torch.Generator().manual_seed(30 + call)
+        rows = (torch.randn(16, fmt.width, generator=generator) * 2).to(torch.bfloat16)
+        slots = torch.randperm(128, generator=generator)[:16]
+        checked = len(tensor_checks)
+        writer(rows[:, :latent].cuda(), rows[:, latent:].cuda(), cache, slots.cuda())
+        assert (len(tensor_checks) > checked) == (call == 0), tensor_checks
+        assert len([key for key in ops._PLANS if key[0] == op_name]) == 1
+        on_cpu = fmt.allocate(2, 64)
+        fmt.write_records(on_cpu, slots, fmt.quantize(rows))
+        back = fmt.allocate(2, 64)
+        back.copy_(cache)
+        assert torch.equal(fmt.read_records(back, slots), fmt.read_records(on_cpu, slots))
+    slots[3] = 128
+    with pytest.raises(ValueError, match="slot_mapping"):
+        writer(rows[:, :latent].cuda(), rows[:, latent:].cuda(), cache, slots.cuda())

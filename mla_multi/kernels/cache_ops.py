@@ -435,7 +435,7 @@ _CONCAT_LAUNCHES: dict = {}
 
 def concat_and_cache_quantized(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                                slot_mapping: torch.Tensor, kv_format: str, *,
-                               error_flag: torch.Tensor | None = None) -> None:
+                               error_flag: torch.Tensor | None = None) -> "QuantizedCacheWrite | None":
     """Quantise each token's ``[kv_c | k_pe]`` into its slot's record of a byte cache in `kv_format` (one of
     `QUANTIZED_FORMATS`), one launch: the bytes of the format's reference quantiser
     (`mla_multi.cache_formats.CacheFormat.quantize`), its padding byte 0; a negative slot is skipped, a slot
@@ -446,15 +446,17 @@ def concat_and_cache_quantized(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache:
     The UE8M0 scales come from the float32 quotient's bits (2^ceil(log2(x)) exactly); the reference takes
     `torch.log2`, whose float32 result for an x within a few units in the last place above a power of two
     can round down to the integer: there the reference's scale is half this one (and the group's largest value
-    saturates to 448), a case the golden data and random rows do not meet."""
+    saturates to 448), a case the golden data and random rows do not meet. Returns the bound write it
+    launched (`QuantizedCacheWrite`: tensors of this layout launch it and nothing else), None for no token."""
     if kv_c.shape[0] == 0:
-        return
+        return None
     error_flag = _error_flag(error_flag, kv_cache.device)
     key = (kv_format, layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
            error_flag.data_ptr())
     plan = _plan_of_layout(_QUANTIZED_LAUNCHES, key,
                            lambda: QuantizedCacheWrite(kv_c, k_pe, kv_cache, slot_mapping, kv_format, error_flag))
     plan.launch(kv_c, k_pe, kv_cache, slot_mapping)
+    return plan
 
 
 class QuantizedCacheWrite:
