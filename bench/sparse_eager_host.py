@@ -17,7 +17,6 @@ from mla_multi.benchmarks.sparse import random_v4_cache
 from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
 
 
-host_us = best_host_time
 
 
 def flash_mla():
@@ -42,7 +41,7 @@ def report(label: str, columns: dict, rounds: int = 3) -> None:
     best = dict.fromkeys(runnable, float("inf"))
     for _ in range(rounds):
         for name, call in runnable.items():
-            best[name] = min(best[name], host_us(call))
+            best[name] = min(best[name], best_host_time(call))
     for name, call in runnable.items():
         print(f"{label} {name}: host {best[name]:.1f} µs a call, captured {graph_time(call):.1f} µs", flush=True)
 
@@ -56,7 +55,7 @@ def main() -> None:
     module = flash_mla()
     torch.manual_seed(0)
     t = torch.zeros(16, device="cuda")
-    print(f"host: t.add_ {host_us(lambda: t.add_(1)):.1f} µs a call", flush=True)
+    print(f"host: t.add_ {best_host_time(lambda: t.add_(1)):.1f} µs a call", flush=True)
     if not args.v4_only:
         latent = torch.randn(4096 * 64, 512, device="cuda")
         rope = torch.randn(4096 * 64, 64, device="cuda")

@@ -801,13 +801,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
     if plan is not None:
-        # checked when planned; the data checks run on every call where they are on
-        if checks.planned_checks_run(plan.data_checks, plan.device):
-            checks.report_pending_errors(plan.device)
-            checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
-            checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
-        plan.launch(kv_c, k_pe, kv_cache, slot_mapping, plan.scale if plan.scale is not None else scale)
-        return None
+        return _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, scale)
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     tokens = kv_c.shape[0]
@@ -836,39 +830,41 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
             from mla_multi.kernels.cache_ops import ConcatAndCachePlan
 
             plan = ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale_tensor, errors.error_flag(device))
-            plan.device = device
-            plan.data_checks = checks.data_checks_enabled(device)
-            plan.scale = None if torch.is_tensor(scale) else scale_tensor
-            _remember(key, plan)
+            _remember_write(key, plan, device, None if torch.is_tensor(scale) else scale_tensor)
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
 
-class _QuantizedWritePlan:
-    """A write into a byte-format cache planned for one layout, as `concat_and_cache_mla`'s plans are (its
-    caller runs the data checks where they were on when planned): the kernel's bound launch
-    (`QuantizedCacheWrite`)."""
+def _remember_write(key, plan, device: torch.device, scale) -> None:
+    """Keep a cache write's bound kernel (`ConcatAndCachePlan`, `QuantizedCacheWrite`) under `key` with what
+    `_planned_write` reads: its device, whether the data checks ran when it was planned, the scale tensor it
+    launches with (None: the call's)."""
+    plan.device = device
+    plan.data_checks = checks.data_checks_enabled(device)
+    plan.scale = scale
+    _remember(key, plan)
 
-    __slots__ = ("write", "device", "data_checks", "scale")
 
-    def __init__(self, write, device: torch.device) -> None:
-        self.write = write
-        self.device = device
-        self.data_checks = checks.data_checks_enabled(device)
-        self.scale = None
-
-    def launch(self, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
-        self.write.launch(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping)
+def _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+    """A cache write of a layout planned before (`_remember_write`): checked then, the data checks run again
+    where they were on, then only the launch."""
+    if checks.planned_checks_run(plan.data_checks, plan.device):
+        checks.report_pending_errors(plan.device)
+        checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
+        checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+    plan.launch(kv_c, k_pe, kv_cache, slot_mapping, plan.scale if plan.scale is not None else scale)
 
 
 def _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, kv_format: str) -> None:
-    """The byte-format write by the kernel (`concat_and_cache_quantized`), its plan kept under `key` for the
-    next call of this layout on a GPU (the checks then skipped but the data checks)."""
+    """The byte-format write by the kernel (`concat_and_cache_quantized`), kept under `key` for the next call
+    of this layout on a GPU where the rows are contiguous (the checks then skipped but the data checks)."""
     from mla_multi.kernels.cache_ops import concat_and_cache_quantized
 
-    write = concat_and_cache_quantized(_rows(kv_c), _rows(k_pe), kv_cache, slot_mapping, kv_format)
-    if key is not None and write is not None and kv_cache.device.type == "cuda":
-        _remember(key, _QuantizedWritePlan(write, kv_cache.device))
+    rows_c, rows_pe = _rows(kv_c), _rows(k_pe)
+    write = concat_and_cache_quantized(rows_c, rows_pe, kv_cache, slot_mapping, kv_format)
+    if (key is not None and write is not None and kv_cache.device.type == "cuda" and rows_c is kv_c
+            and rows_pe is k_pe):
+        _remember_write(key, write, kv_cache.device, None)
 
 
 def _concat_and_cache_fp8_ds_mla(key, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
@@ -1227,12 +1223,8 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
-    if plan is not None:  # checked when planned; the data checks run on every call where they are on
-        if checks.planned_checks_run(plan.data_checks, plan.device):
-            checks.report_pending_errors(plan.device)
-            checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
-        plan.launch(kv_c, k_pe, kv_cache, slot_mapping, None)
-        return None
+    if plan is not None:
+        return _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, None)
     from mla_multi import cache_formats
 
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)

@@ -478,7 +478,8 @@ class QuantizedCacheWrite:
             kv_cache.device,
         )
 
-    def launch(self, kv_c, k_pe, kv_cache, slot_mapping) -> None:
+    def launch(self, kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+        """(`scale`: unused, the formats' scales come from the data; taken as every cache write's plan takes it)"""
         self.bound(kv_c, k_pe, kv_cache, slot_mapping, self.error_flag, *self.ints)
 
 

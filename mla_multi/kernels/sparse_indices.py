@@ -406,17 +406,9 @@ class SparseIndexPlan:
         buffer) for a plan made with `second`."""
         if not self.tokens:
             return
-        length = topk_length if self.has_length else clean
-        stride_in, stride_out = indices.stride(0), clean.stride(0)
-        bad = bad_rows if bad_rows is not None else clean
-        if second is None:
-            self._sanitize(indices, clean, bad, self.flag, length, num_slots, self.topk, stride_in, stride_out,
-                           indices, clean, length, num_slots, self.topk, stride_in, stride_out)
-            return
-        second_indices, second_num_slots, second_length, second_clean = second
-        self._sanitize(indices, clean, bad, self.flag, length, num_slots, self.topk, stride_in, stride_out,
-                       second_indices, second_clean, second_length if self.second[1] else second_clean,
-                       second_num_slots, self.second[0], second_indices.stride(0), second_clean.stride(0))
+        second_clean = None if second is None else second[3]
+        self.launch_kept(self.kept(clean, bad_rows, second_clean), indices, num_slots, topk_length,
+                         None if second is None else second[:3])
 
     def kept(self, clean: torch.Tensor, bad_rows: torch.Tensor | None,
              second_clean: torch.Tensor | None = None) -> tuple:
