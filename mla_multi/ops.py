@@ -801,7 +801,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
     if plan is not None:
-        return _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, scale)
+        return plan.run(kv_c, k_pe, kv_cache, slot_mapping, scale)
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     tokens = kv_c.shape[0]
@@ -825,34 +825,34 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> N
         from mla_multi.kernels.cache_ops import concat_and_cache_mla as cache_kernel
 
         scale_tensor = _scale_tensor(scale, kv_cache.device)
-        cache_kernel(kv_c, k_pe, kv_cache, slot_mapping.long(), scale_tensor)
+        write = cache_kernel(kv_c, k_pe, kv_cache, slot_mapping.long(), scale_tensor)
         if key is not None and kv_cache.device.type == "cuda" and slot_mapping.dtype == torch.int64:
-            from mla_multi.kernels.cache_ops import ConcatAndCachePlan
-
-            plan = ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale_tensor, errors.error_flag(device))
-            _remember_write(key, plan, device, None if torch.is_tensor(scale) else scale_tensor)
+            _remember(key, _WritePlan(write, device, None if torch.is_tensor(scale) else scale_tensor))
         return None
     reference.concat_and_cache_mla_reference(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
 
-def _remember_write(key, plan, device: torch.device, scale) -> None:
-    """Keep a cache write's bound kernel (`ConcatAndCachePlan`, `QuantizedCacheWrite`) under `key` with what
-    `_planned_write` reads: its device, whether the data checks ran when it was planned, the scale tensor it
-    launches with (None: the call's)."""
-    plan.device = device
-    plan.data_checks = checks.data_checks_enabled(device)
-    plan.scale = scale
-    _remember(key, plan)
+class _WritePlan:
+    """A cache write planned for one layout, kept in `_PLANS`: the kernel module's bound write of that layout
+    (`ConcatAndCachePlan`, `QuantizedCacheWrite`), its device, whether the data checks ran when it was planned
+    (a key of its own for each environment: the bound write is shared), the scale tensor it launches with
+    (None: the call's)."""
 
+    __slots__ = ("write", "device", "data_checks", "scale")
 
-def _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
-    """A cache write of a layout planned before (`_remember_write`): checked then, the data checks run again
-    where they were on, then only the launch."""
-    if checks.planned_checks_run(plan.data_checks, plan.device):
-        checks.report_pending_errors(plan.device)
-        checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
-        checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
-    plan.launch(kv_c, k_pe, kv_cache, slot_mapping, plan.scale if plan.scale is not None else scale)
+    def __init__(self, write, device: torch.device, scale) -> None:
+        self.write = write
+        self.device = device
+        self.data_checks = checks.data_checks_enabled(device)
+        self.scale = scale
+
+    def run(self, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
+        """Checked when planned: the data checks again where they were on, then only the launch."""
+        if checks.planned_checks_run(self.data_checks, self.device):
+            checks.report_pending_errors(self.device)
+            checks.check_scale("scale", scale, required=kv_cache.dtype in FP8_DTYPES, refuse_unused=True)
+            checks.check_slot_data(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+        self.write.launch(kv_c, k_pe, kv_cache, slot_mapping, self.scale if self.scale is not None else scale)
 
 
 def _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, kv_format: str) -> None:
@@ -864,7 +864,7 @@ def _write_quantized(key, kv_c, k_pe, kv_cache, slot_mapping, kv_format: str) ->
     write = concat_and_cache_quantized(rows_c, rows_pe, kv_cache, slot_mapping, kv_format)
     if (key is not None and write is not None and kv_cache.device.type == "cuda" and rows_c is kv_c
             and rows_pe is k_pe):
-        _remember_write(key, write, kv_cache.device, None)
+        _remember(key, _WritePlan(write, kv_cache.device, None))
 
 
 def _concat_and_cache_fp8_ds_mla(key, kv_c, k_pe, kv_cache, slot_mapping, scale) -> None:
@@ -1224,7 +1224,7 @@ def concat_and_cache_mla_v4(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format=Non
     except (AttributeError, TypeError):  # not tensors: the checks below say what was wrong
         key = plan = None
     if plan is not None:
-        return _planned_write(plan, kv_c, k_pe, kv_cache, slot_mapping, None)
+        return plan.run(kv_c, k_pe, kv_cache, slot_mapping, None)
     from mla_multi import cache_formats
 
     checks.check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)

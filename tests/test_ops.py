@@ -798,3 +798,29 @@ def test_fast_tensor_match_never_accepts_what_check_tensor_rejects(case):
     assert not fast or accepted
     assert fast == (accepted and type(value) is torch.Tensor)
     assert not checks.matches(value, shape, torch.float32, torch.device("meta"))
+
+
+def test_a_planned_cache_write_checks_the_new_slots_then_launches_only():
+    """`ops._WritePlan`, what a cache write of a seen layout runs (GPUs): the data checks again where they ran
+    when it was planned (a slot past the cache is a ValueError naming slot_mapping, nothing launched), then the
+    bound write alone, with the plan's scale tensor or the call's."""
+    from mla_multi import ops as ops_module
+
+    launched = []
+
+    class Write:
+        def launch(self, *args):
+            launched.append(args)
+
+    cache = torch.zeros(2, 4, 584, dtype=torch.uint8)
+    kv_c, k_pe = torch.zeros(2, 448), torch.zeros(2, 64)
+    plan = ops_module._WritePlan(Write(), cache.device, None)
+    assert plan.data_checks  # the CPU always checks data
+    with pytest.raises(ValueError, match="slot_mapping"):
+        plan.run(kv_c, k_pe, cache, torch.tensor([0, 8]), None)
+    assert launched == []
+    plan.run(kv_c, k_pe, cache, torch.tensor([0, 7]), None)
+    assert len(launched) == 1 and launched[0][4] is None
+    scale = torch.ones(1)
+    ops_module._WritePlan(Write(), cache.device, scale).run(kv_c, k_pe, cache, torch.tensor([1, -1]), None)
+    assert launched[1][4] is scale

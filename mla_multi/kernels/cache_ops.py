@@ -339,8 +339,9 @@ def concat_and_cache_mla(
     scale: torch.Tensor | None = None,
     *,
     error_flag: torch.Tensor | None = None,
-) -> None:
-    """Write ``[kv_c | k_pe]`` of each token into its cache slot.
+) -> "ConcatAndCachePlan | None":
+    """Write ``[kv_c | k_pe]`` of each token into its cache slot; returns the bound write it launched
+    (tensors of this layout launch it and nothing else), None for no token.
 
     Args:
         kv_c: [T, Lkv] float16/bfloat16/float32.
@@ -376,13 +377,14 @@ def concat_and_cache_mla(
     _check_scale(kv_cache, scale)
     num_tokens = kv_c.shape[0]
     if num_tokens == 0:
-        return
+        return None
     error_flag = _error_flag(error_flag, kv_cache.device)
     key = (layout_key(kv_c), layout_key(k_pe), layout_key(kv_cache), layout_key(slot_mapping),
            None if scale is None else layout_key(scale), error_flag.data_ptr())
     plan = _plan_of_layout(_CONCAT_LAUNCHES, key,
                            lambda: ConcatAndCachePlan(kv_c, k_pe, kv_cache, slot_mapping, scale, error_flag))
     plan.launch(kv_c, k_pe, kv_cache, slot_mapping, scale)
+    return plan
 
 
 def _plan_of_layout(plans: dict, key, make):
