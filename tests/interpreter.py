@@ -92,14 +92,16 @@ def memcheck():
             return interpreter.TensorHandle(active & inside, mask.dtype)
         return mask
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        return original["create_masked_load"](self, ptrs, checked("load", ptrs, mask), other, cache_policy, is_volatile)
+    # The builder's trailing arguments (cache and eviction policies, volatility) differ between Triton
+    # releases; they pass through untouched.
+    def masked_load(self, ptrs, mask, other, *policies):
+        return original["create_masked_load"](self, ptrs, checked("load", ptrs, mask), other, *policies)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
-        return original["create_masked_store"](self, ptrs, value, checked("store", ptrs, mask), cache_policy)
+    def masked_store(self, ptrs, value, mask, *policies):
+        return original["create_masked_store"](self, ptrs, value, checked("store", ptrs, mask), *policies)
 
-    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
-        return original["create_atomic_rmw"](self, rmw_op, ptr, val, checked("atomic", ptr, mask), sem, scope)
+    def atomic_rmw(self, rmw_op, ptr, val, mask, *ordering):
+        return original["create_atomic_rmw"](self, rmw_op, ptr, val, checked("atomic", ptr, mask), *ordering)
 
     interpreter.GridExecutor._init_args_hst = init
     builder.create_masked_load = masked_load
