@@ -15,8 +15,6 @@ from mla_multi import cache_formats as cf
 from mla_multi.benchmarks import best_host_time, graph_time
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", default=",".join(cf.FORMATS))

@@ -17,8 +17,6 @@ from mla_multi.benchmarks.sparse import random_v4_cache
 from mla_multi.ds_mla_cache import quantize_fp8_ds_mla
 
 
-
-
 def flash_mla():
     try:
         import flash_mla
