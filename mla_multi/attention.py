@@ -1045,9 +1045,13 @@ class MLAAttentionV4(torch.nn.Module):
         window_kv_format: the window cache's format (None: kv_format; "fp4_ds_mla_v41" beside "fp8_ds_mla_v41").
         dtype: the compute dtype of q, kv and the output (float32 / float64 / bfloat16 / float16).
         device: where the sink parameter lives (the caches and inputs must be there too).
-        workspace_tokens: prefill top-k rows dequantised at a time (a chunk of tokens' top-k rows; the window
-            rows of a step's prefills are read once, one span per request).
-        decode_backend, prefill_backend: force the sparse_decode / sparse_prefill backend by name.
+        workspace_tokens: entries (top-k and window together) of prefill tokens attended by one op call: the
+            prefill tokens go in chunks of workspace_tokens // (topk + window_size) tokens (default 1M entries;
+            a backend that dequantises the named rows first, REFERENCE, holds a chunk's).
+        decode_backend, prefill_backend: force the backend of the decode / prefill tokens by name. Prefill
+            tokens too are read from the quantised caches by the sparse decode kernels, each token its own
+            query (`mla_sparse_decode_v4`): nothing is dequantised into rows first, and the rows a request's
+            tokens share are not copied once per token. Both are sparse_decode backends.
     """
 
     def __init__(
@@ -1105,8 +1109,8 @@ class MLAAttentionV4(torch.nn.Module):
         self.kv_format = kv_format
         self.window_kv_format = window_kv_format
         self.dtype = dtype
-        # prefill top-k rows dequantised at a time: at least one token's
-        self.workspace_tokens = max(workspace_tokens or 16 * 1024, topk or 1)
+        # entries of prefill tokens attended a call: at least one token's
+        self.workspace_tokens = max(workspace_tokens or 1 << 20, (topk or 0) + window_size, 1)
         self._forced_backends = (decode_backend, prefill_backend)
         self.attn_sink = torch.nn.Parameter(
             torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device), requires_grad=False
@@ -1121,37 +1125,33 @@ class MLAAttentionV4(torch.nn.Module):
     def device(self) -> torch.device:
         return self.attn_sink.device
 
-    def _segments(self, phase: str) -> tuple[str, str | None]:
-        """(kv_format, extra_kv_format) of the op calls of `phase`: the top-k segment first (the window the
-        second), or the window alone."""
-        if phase == "sparse_prefill":
-            both = self.topk is not None and self.window_size > 0
-            return "rows", ("rows" if both else None)
+    def _segments(self) -> tuple[str, str | None]:
+        """(kv_format, extra_kv_format) of the op calls: the top-k segment first (the window the second), or the
+        window alone."""
         if self.topk is None:
             return self.window_kv_format, None
         return self.kv_format, (self.window_kv_format if self.window_size > 0 else None)
 
     def _bind(self) -> None:
-        """The backends of both phases for the layer's dtype and device (again after `.to()`)."""
+        """The backends of the decode and the prefill tokens for the layer's dtype and device (again after
+        `.to()`): both sparse_decode backends over the quantised caches."""
         from mla_multi.registry import select_sparse_backend
 
         dims = MLADims(self.num_heads, kv_lora_rank=V4_WIDTH - V4_ROPE, qk_rope_head_dim=V4_ROPE)
         entries = (self.topk or 0) + self.window_size
-        selected = {}
-        for phase, forced in zip(("sparse_decode", "sparse_prefill"), self._forced_backends):
-            kv_format, extra = self._segments(phase)
-            kv_dtype = torch.uint8 if phase == "sparse_decode" else self.dtype
-            selected[phase] = select_sparse_backend(
-                phase, dims, self.dtype, kv_dtype, entries, backend=forced, with_lengths=True, kv_format=kv_format,
-                extra_kv_format=extra, with_sink=True, platform=None,
-            )
-        self.decode_backend = selected["sparse_decode"]
-        self.prefill_backend = selected["sparse_prefill"]
+        kv_format, extra = self._segments()
+        self.decode_backend, self.prefill_backend = (
+            select_sparse_backend("sparse_decode", dims, self.dtype, torch.uint8, entries, backend=forced,
+                                  with_lengths=True, kv_format=kv_format, extra_kv_format=extra, with_sink=True,
+                                  platform=None)
+            for forced in self._forced_backends
+        )
         ops.error_flag(self.device)  # exists before a graph captures its address
 
     def backends(self) -> dict[str, str]:
-        """{"sparse_decode_v4": name, "sparse_prefill_v4": name}: the registry's choice for this layer's
-        configuration (each call is planned by the ops, which may choose by its token count)."""
+        """{"sparse_decode_v4": name, "sparse_prefill_v4": name}: the registry's choice (sparse_decode
+        backends) for this layer's decode and prefill tokens (each call is planned by the ops, which may choose
+        by its token count)."""
         return {"sparse_decode_v4": self.decode_backend.name, "sparse_prefill_v4": self.prefill_backend.name}
 
     def _apply(self, fn, recurse=True):
@@ -1236,7 +1236,6 @@ class MLAAttentionV4(torch.nn.Module):
         requests = torch.repeat_interleave(torch.arange(len(query_lens)), lengths)
         starts = torch.tensor(list(itertools.accumulate(query_lens, initial=0))[:-1], dtype=torch.int64)
         positions = torch.arange(tokens) - starts[requests] + torch.tensor(computed, dtype=torch.int64)[requests]
-        requests_host, positions_host = requests, positions
         packed = to_device(torch.cat([requests, positions]), device)
         requests, positions = packed[:tokens], packed[tokens:]
         table = metadata.block_table.long()
@@ -1252,31 +1251,8 @@ class MLAAttentionV4(torch.nn.Module):
             slots = blocks * self.block_size + safe % self.block_size
             step["window_indices"] = torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
             step["window_lengths"] = (positions + 1).clamp(max=width).to(torch.int32)
-        if num_prefills > 0 and width > 0:
-            # the prefills' window rows, read once a step: each prefill request's span of positions from
-            # max(0, context - window_size + 1) to its last token (vLLM's gather); a prefill token at position
-            # p of a span that starts at `first`, at row `base` of the rows, reads rows base + p - first - j
-            first = [max(0, c - width + 1) for c in computed[num_decodes:]]
-            spans = [c + n - f for c, n, f in zip(computed[num_decodes:], query_lens[num_decodes:], first)]
-            span_requests = torch.repeat_interleave(torch.arange(num_decodes, len(query_lens)),
-                                                    torch.tensor(spans, dtype=torch.int64))
-            offsets = torch.tensor(list(itertools.accumulate(spans, initial=0)), dtype=torch.int64)
-            span_index = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(torch.tensor(spans))
-            span_positions = span_index + torch.tensor(first, dtype=torch.int64).repeat_interleave(torch.tensor(spans))
-            # each prefill token's row in the span: its request's offset + (its position - the span's first)
-            prefill_requests = requests_host[num_decode_tokens:] - num_decodes
-            token_rows = (offsets[:-1][prefill_requests] + positions_host[num_decode_tokens:]
-                          - torch.tensor(first, dtype=torch.int64)[prefill_requests])
-            packed = to_device(torch.cat([span_requests, span_positions, token_rows]), device)
-            rows = span_requests.numel()
-            span_requests, span_positions, token_rows = packed[:rows], packed[rows: 2 * rows], packed[2 * rows:]
-            blocks = table[span_requests, span_positions // self.block_size]
-            step["prefill_window_slots"] = blocks * self.block_size + span_positions % self.block_size
-            local = token_rows.unsqueeze(1) - torch.arange(width, device=device)
-            step["prefill_window_rows"] = torch.where(
-                valid[num_decode_tokens:], local, torch.full_like(local, -1)).to(torch.int32)
-        # prefill tokens in chunks whose top-k rows fit workspace_tokens
-        per_chunk = max(1, self.workspace_tokens // self.topk) if self.topk is not None else max(1, tokens)
+        # prefill tokens in chunks whose entries fit workspace_tokens
+        per_chunk = max(1, self.workspace_tokens // ((self.topk or 0) + width))
         step["prefill_chunks"] = tuple(
             (start, min(start + per_chunk, tokens)) for start in range(num_decode_tokens, tokens, per_chunk)
         )
@@ -1412,12 +1388,11 @@ class MLAAttentionV4(torch.nn.Module):
         out = output.view(tokens, n, V4_WIDTH)
         decode_tokens = step["num_decode_tokens"]
         if decode_tokens > 0:
-            self._decode(q, kv_cache, window_cache, step, topk_indices, topk_length, 0, decode_tokens,
-                         out[:decode_tokens])
-        if step["prefill_chunks"]:
-            window = self._prefill_window(window_cache, step)
-            for start, end in step["prefill_chunks"]:
-                self._prefill(q, kv_cache, window, step, topk_indices, topk_length, start, end, out[start:end])
+            self._attend(q, kv_cache, window_cache, step, topk_indices, topk_length, 0, decode_tokens,
+                         out[:decode_tokens], self._forced_backends[0])
+        for start, end in step["prefill_chunks"]:
+            self._attend(q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out[start:end],
+                         self._forced_backends[1])
         return output
 
     def _segment_args(self, kv_cache, window_cache, step, topk_indices, topk_length, start, end) -> list:
@@ -1431,9 +1406,11 @@ class MLAAttentionV4(torch.nn.Module):
                              step["window_lengths"][start:end]))
         return segments
 
-    def _decode(self, q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out) -> None:
-        """Decode tokens start .. end (each token its own query: MTP tokens of a request included), read from
-        the quantised caches by `mla_sparse_decode_v4`."""
+    def _attend(self, q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out,
+                backend: str | None) -> None:
+        """Tokens start .. end (each token its own query: MTP and prefill tokens of a request included), read
+        from the quantised caches by `mla_sparse_decode_v4` (`backend`: forced, or the op's choice). A slot
+        outside its cache gives the token NaN rows and the SPARSE_INDEX error flag, never a read outside it."""
         segments = self._segment_args(kv_cache, window_cache, step, topk_indices, topk_length, start, end)
         (cache, fmt, indices, lengths), extra = segments[0], segments[1:]
         keywords = {}
@@ -1443,59 +1420,6 @@ class MLAAttentionV4(torch.nn.Module):
                             extra_kv_format=extra_fmt)
         result = ops.mla_sparse_decode_v4(
             q[start:end], cache, indices, self.scale, kv_format=fmt, topk_length=lengths, attn_sink=self.attn_sink,
-            backend=self._forced_backends[0], **keywords,
+            backend=backend, **keywords,
         )
         out.copy_(result)
-
-    def _prefill_window(self, window_cache, step):
-        """(rows, bad) of the step's prefill window spans, dequantised once (512 wide, the layer's dtype): bad
-        marks the rows whose slot lies outside the cache (read as slot 0); None without a window."""
-        from mla_multi import cache_formats
-
-        if self.window_size == 0:
-            return None
-        slots = step["prefill_window_slots"]
-        num_slots = window_cache.shape[0] * window_cache.shape[1]
-        bad = (slots < 0) | (slots >= num_slots)
-        rows = cache_formats.get_format(self.window_kv_format).read_rows(
-            window_cache, self.dtype, torch.where(bad, torch.zeros_like(slots), slots))
-        return rows, bad
-
-    def _prefill(self, q, kv_cache, window, step, topk_indices, topk_length, start, end, out) -> None:
-        """Prefill tokens start .. end: their top-k rows dequantised (512 wide, the layer's dtype) beside the
-        step's window rows, attended by `mla_sparse_prefill_v4`. A slot outside its cache gives that token NaN
-        rows and the SPARSE_INDEX error flag (the decode op's policy), never a read outside the cache."""
-        from mla_multi import cache_formats, errors
-
-        tokens = end - start
-        first = step["num_decode_tokens"]
-        bad_tokens = torch.zeros(tokens, dtype=torch.bool, device=out.device)
-        segments = []  # (rows, indices, lengths)
-        if self.topk is not None:
-            num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-            slots = topk_indices[start:end].long()
-            inside = (slots >= 0) & (slots < num_slots)
-            bad_tokens |= ((slots < -1) | (slots >= num_slots)).any(dim=1)
-            rows = cache_formats.get_format(self.kv_format).read_rows(
-                kv_cache, self.dtype, torch.where(inside, slots, torch.zeros_like(slots)).reshape(-1))
-            width = slots.shape[1]
-            local = torch.arange(tokens * width, device=slots.device, dtype=torch.int64).view(tokens, width)
-            local = torch.where(inside, local, torch.full_like(local, -1)).to(torch.int32)
-            segments.append((rows, local, None if topk_length is None else topk_length[start:end]))
-        if window is not None:
-            rows, bad_rows = window
-            local = step["prefill_window_rows"][start - first:end - first]
-            bad_tokens |= (bad_rows[local.clamp(min=0).long()] & (local >= 0)).any(dim=1)
-            segments.append((rows, local, step["window_lengths"][start:end]))
-        (rows, local, lengths), extra = segments[0], segments[1:]
-        keywords = {}
-        if extra:
-            extra_rows, extra_local, extra_lengths = extra[0]
-            keywords = dict(extra_kv=extra_rows, extra_indices=extra_local, extra_topk_length=extra_lengths)
-        result = ops.mla_sparse_prefill_v4(
-            q[start:end], rows, local, self.scale, topk_length=lengths, attn_sink=self.attn_sink,
-            backend=self._forced_backends[1], **keywords,
-        )
-        flag = errors.error_flag(out.device)
-        flag.bitwise_or_(bad_tokens.any().to(torch.int32) * errors.SPARSE_INDEX)
-        out.copy_(torch.where(bad_tokens.view(tokens, 1, 1), torch.full_like(result, math.nan), result))

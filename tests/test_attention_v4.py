@@ -267,7 +267,7 @@ def test_the_sink():
 
 
 def test_prefill_in_chunks_matches_one_chunk():
-    """workspace_tokens bounds the prefill rows dequantised at a time: several chunks give the same rows."""
+    """workspace_tokens bounds the prefill entries attended by one call: several chunks give the same rows."""
     small = scene_with_history(workspace_tokens=1)  # one token a chunk
     large = scene_with_history()
     requests, threshold = STEPS["mixed"]

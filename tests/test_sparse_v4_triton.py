@@ -288,6 +288,27 @@ def _last_slots() -> dict:
     return found
 
 
+def _in_parts() -> dict:
+    """A gathered decode of more entries than V4_GATHERED_ROWS: run two tokens at a time (16 + 6 entries a
+    token), the same rows as one call."""
+    from mla_multi.backends import triton as triton_backend
+
+    impl, saved = triton_backend.TritonSparseDecodeImpl, triton_backend.V4_GATHERED_ROWS
+    original, parts = impl._v4_scratch, []
+
+    def counted(self, q, tokens, width, rows):
+        parts.append(tokens)
+        return original(self, q, tokens, width, rows)
+
+    triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = 44, counted
+    try:
+        result = _decode_pair("fp8_ds_mla_v41", "fp4_ds_mla_v41", seed=5)
+    finally:
+        triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = saved, original
+    result["parts"] = parts
+    return result
+
+
 def _interpreter_main() -> None:
     results = {}
     for main, extra in PAIRS:
@@ -296,6 +317,7 @@ def _interpreter_main() -> None:
     results["decode heads 64"] = _decode_pair("fp8_ds_mla_v4", "fp8_ds_mla_v4", heads=64, tokens=3, seed=11)
     results["decode heads 128"] = _decode_pair("fp8_ds_mla_v41", "fp4_ds_mla_v41", heads=128, tokens=3, seed=12)
     results["mtp"] = _mtp_layout()
+    results["in parts"] = _in_parts()
     results["empty"] = _empty_lists()
     results["prefill"] = _prefill()
     results["prefill heads 64"] = _prefill(heads=64)
@@ -324,6 +346,14 @@ def test_decode_matches_reference_on_every_format(results, main, extra):
     assert result["sink_inf_zero"], result  # a sink of +inf takes every row's mass
     if extra is None:
         assert result["nothing"], result
+
+
+@pytest.mark.interpreter
+def test_a_gathered_decode_of_many_entries_runs_in_parts(results):
+    result = results["in parts"]
+    _close(result)
+    assert result["parts"] == [2, 2, 1], result
+    assert result["sink_inf_zero"] and result["nothing"], result
 
 
 @pytest.mark.interpreter

@@ -644,9 +644,6 @@ class _SparseDecodeLaunch:
         else:  # the first eager call, a capture, a CPU call
             clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
             listed = clean.unsqueeze(1)
-            if eager:
-                ints = call.index_plan.kept(clean, bad_rows)
-                self.eager = (clean, bad_rows, listed, ints, None if bad_rows is None else ints[1])
         if self.op is not None:
             sched = call.sched
             out, lse, _, _ = self.op(q, paged, listed, None, attn_sink, sched.tile_scheduler_metadata,
@@ -660,6 +657,9 @@ class _SparseDecodeLaunch:
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
         call.index_plan.finish(bad_rows, out, lse)
+        if eager and kept is None:  # kept once both index launches are bound (`SparseIndexPlan.kept`)
+            ints = call.index_plan.kept(clean, bad_rows)
+            self.eager = (clean, bad_rows, listed, ints, None if bad_rows is None else ints[1])
         return out, lse
 
 
@@ -714,10 +714,6 @@ class _V4DecodeLaunch:
                                                          self.extra_slots, extra_topk_length)
             listed = clean.unsqueeze(1)
             extra_listed = None if extra_clean is None else extra_clean.unsqueeze(1)
-            if eager:
-                ints = call.index_plan.kept(clean, bad_rows, extra_clean)
-                self.eager = (clean, extra_clean, bad_rows, listed, extra_listed, ints,
-                              None if bad_rows is None else ints[1])
         if self.op is not None:
             out, lse = call.call_op(self.op, capture, q_4d, paged, listed, attn_sink, extra_cache,
                                     extra_listed, self.width, float(scale), self.kv_format)
@@ -735,6 +731,10 @@ class _V4DecodeLaunch:
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
         call.index_plan.finish(bad_rows, out, lse)
+        if eager and kept is None:  # kept once both index launches are bound (`SparseIndexPlan.kept`)
+            ints = call.index_plan.kept(clean, bad_rows, extra_clean)
+            self.eager = (clean, extra_clean, bad_rows, listed, extra_listed, ints,
+                          None if bad_rows is None else ints[1])
         return out, lse
 
 

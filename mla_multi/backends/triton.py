@@ -643,6 +643,11 @@ class _V4InPlaceLaunch:
                           lists=(extra_indices, topk_length, extra_topk_length))
 
 
+# the most 576-wide rows a V4 decode call gathers at once (`TritonSparseDecodeImpl.forward_v4`: 75 MB in bf16); a
+# call of more tokens runs in parts
+V4_GATHERED_ROWS = 1 << 16
+
+
 class TritonSparseDecodeImpl(_SparseThroughDense):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
@@ -695,6 +700,19 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
             return launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
                           extra_indices=extra_indices, extra_topk_length=extra_topk_length)
         width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        per_call = max(1, V4_GATHERED_ROWS // width)
+        if tokens > per_call:  # the gathered rows of at most V4_GATHERED_ROWS entries at a time
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            for start in range(0, tokens, per_call):
+                part = slice(start, min(tokens, start + per_call))
+                out[part], lse[part] = self.forward_v4(
+                    q[part], kv, indices[part], scale, kv_format=kv_format, attn_sink=attn_sink, extra_kv=extra_kv,
+                    topk_length=None if topk_length is None else topk_length[part],
+                    extra_indices=None if extra_indices is None else extra_indices[part],
+                    extra_topk_length=None if extra_topk_length is None else extra_topk_length[part],
+                    extra_kv_format=extra_kv_format)
+            return out, lse
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)

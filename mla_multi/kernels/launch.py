@@ -212,6 +212,12 @@ class BoundLaunch:
         if run is None and self.device_index is not None and not direct_launch_reason():
             self._bind(compiled, args, keywords)
 
+    @property
+    def bound(self) -> bool:
+        """Whether calls launch the kernel directly (made by the first call on a GPU), which takes an int
+        address for a pointer argument as it is; Triton's own launch types an int as an integer."""
+        return self._run is not None
+
     def _bind(self, compiled, args, keywords) -> None:
         try:
             device = self.device_index

@@ -407,22 +407,27 @@ class SparseIndexPlan:
         if not self.tokens:
             return
         second_clean = None if second is None else second[3]
-        self.launch_kept(self.kept(clean, bad_rows, second_clean), indices, num_slots, topk_length,
-                         None if second is None else second[:3])
+        # the tensors themselves: the plan's first launch compiles through Triton, which types a pointer
+        # parameter by its argument (an int would be typed int64)
+        self.launch_kept(self.kept(clean, bad_rows, second_clean, addresses=False), indices, num_slots,
+                         topk_length, None if second is None else second[:3])
 
     def kept(self, clean: torch.Tensor, bad_rows: torch.Tensor | None,
-             second_clean: torch.Tensor | None = None) -> tuple:
+             second_clean: torch.Tensor | None = None, *, addresses: bool = True) -> tuple:
         """What `launch_kept` passes for the buffers a caller keeps for its eager calls (`launch`'s clean,
         bad_rows, second clean): their addresses as ints, beside the error flag's, and their row strides. The
-        launcher takes an int pointer as it is, where it asks CUDA about every tensor's address (0.2-0.3 µs of
-        host a pointer); the caller keeps the tensors alive."""
+        bound launcher takes an int pointer as it is, where it asks CUDA about every tensor's address (0.2-0.3
+        µs of host a pointer); the caller keeps the tensors alive. Addresses only after the plan's first launch
+        (`launch`, which passes the tensors: `addresses=False`) has bound the kernel."""
         if not (self.gpu and self.tokens):
             return ()
-        address = clean.data_ptr()
-        bad = bad_rows.data_ptr() if bad_rows is not None else address
-        second = (address, clean.stride(0)) if second_clean is None else (second_clean.data_ptr(),
-                                                                          second_clean.stride(0))
-        return (address, bad, self.flag.data_ptr(), clean.stride(0)) + second
+        # a kernel Triton launches itself (not bound: `launch.direct_launch_reason`) takes only the tensors
+        addresses = addresses and self._sanitize.bound and self._finish.bound
+        ref = torch.Tensor.data_ptr if addresses else (lambda tensor: tensor)
+        address = ref(clean)
+        bad = ref(bad_rows) if bad_rows is not None else address
+        second = (address, clean.stride(0)) if second_clean is None else (ref(second_clean), second_clean.stride(0))
+        return (address, bad, ref(self.flag), clean.stride(0)) + second
 
     def launch_kept(self, kept: tuple, indices, num_slots: int, topk_length, second=None) -> None:
         """`launch` into the buffers `kept` describes: second (indices, num_slots, topk_length) for a plan made
