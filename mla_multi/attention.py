@@ -1409,7 +1409,8 @@ class MLAAttentionV4(torch.nn.Module):
     def _attend(self, q, kv_cache, window_cache, step, topk_indices, topk_length, start, end, out,
                 backend: str | None) -> None:
         """Tokens start .. end (each token its own query: MTP and prefill tokens of a request included), read
-        from the quantised caches by `mla_sparse_decode_v4` (`backend`: forced, or the op's choice). A slot
+        from the quantised caches by `mla_sparse_decode_v4` into `out` (`ops.sparse_decode_v4_into`;
+        `backend`: forced, or the op's choice). A slot
         outside its cache gives the token NaN rows and the SPARSE_INDEX error flag, never a read outside it."""
         segments = self._segment_args(kv_cache, window_cache, step, topk_indices, topk_length, start, end)
         (cache, fmt, indices, lengths), extra = segments[0], segments[1:]
@@ -1418,8 +1419,11 @@ class MLAAttentionV4(torch.nn.Module):
             extra_cache, extra_fmt, extra_indices, extra_lengths = extra[0]
             keywords = dict(extra_kv_cache=extra_cache, extra_indices=extra_indices, extra_topk_length=extra_lengths,
                             extra_kv_format=extra_fmt)
-        result = ops.mla_sparse_decode_v4(
-            q[start:end], cache, indices, self.scale, kv_format=fmt, topk_length=lengths, attn_sink=self.attn_sink,
-            backend=backend, **keywords,
+        # written in place by a backend that takes the output buffer (`v4_takes_out`), else copied there
+        target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        ops.sparse_decode_v4_into(
+            target, q[start:end], cache, indices, self.scale, kv_format=fmt, topk_length=lengths,
+            attn_sink=self.attn_sink, backend=backend, **keywords,
         )
-        out.copy_(result)
+        if target is not out:
+            out.copy_(target)

@@ -1105,7 +1105,7 @@ def _check_v4_plan_data(plan, decode, indices, topk_length, extra_indices, extra
 
 
 def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,
-                   extra_topk_length, extra_kv_format, backend, return_lse, *, kv_name, extra_name):
+                   extra_topk_length, extra_kv_format, backend, return_lse, *, kv_name, extra_name, out=None):
     scale = checks.check_positive_float("scale", scale)
     try:
         key = (op, _layout(q), _layout(kv), _layout(indices), kv_format, _optional_layout(topk_length),
@@ -1136,9 +1136,18 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
                                    extra_topk_length=extra_topk_length, extra_kv_format=plan.extra_kv_format)
         if key is not None:
             plan.launch = launch
-    out, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
-                      extra_indices=extra_indices, extra_topk_length=extra_topk_length)
-    return _sparse_result(plan, out, lse, heads, return_lse)
+    if out is None:
+        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                             extra_indices=extra_indices, extra_topk_length=extra_topk_length)
+    elif plan.impl.v4_takes_out:  # written where the caller wants it (`sparse_decode_v4_into`)
+        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                             extra_indices=extra_indices, extra_topk_length=extra_topk_length, out=out)
+    else:
+        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                             extra_indices=extra_indices, extra_topk_length=extra_topk_length)
+        out.copy_(result)
+        result = out
+    return _sparse_result(plan, result, lse, heads, return_lse)
 
 
 def mla_sparse_decode_v4(q, kv_cache, indices, scale, *, kv_format=None, topk_length=None, attn_sink=None,
@@ -1174,6 +1183,20 @@ def mla_sparse_decode_v4(q, kv_cache, indices, scale, *, kv_format=None, topk_le
     return _run_sparse_v4("mla_sparse_decode_v4", "sparse_decode", q, kv_cache, indices, scale, kv_format,
                           topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format,
                           backend, return_lse, kv_name="kv_cache", extra_name="extra_kv_cache")
+
+
+def sparse_decode_v4_into(out, q, kv_cache, indices, scale, *, kv_format=None, topk_length=None, attn_sink=None,
+                          extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_kv_format=None,
+                          backend=None) -> torch.Tensor:
+    """`mla_sparse_decode_v4` of q [T, N, 512] written into `out` (contiguous [T, N, 512], q's dtype, on q's
+    device; checked here): by the kernels where the backend declares `v4_takes_out`, else copied. Returns out.
+    What `MLAAttentionV4` calls for its tokens (eager, or inside its own registered op)."""
+    checks.check_tensor("out", out, ndim=3, dtypes=(q.dtype,), shape=tuple(q.shape), device=q.device)
+    if not out.is_contiguous():
+        raise ValueError(f"out has strides {tuple(out.stride())}; accepted: a contiguous [T, N, 512] tensor")
+    return _run_sparse_v4("mla_sparse_decode_v4", "sparse_decode", q, kv_cache, indices, scale, kv_format,
+                          topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format,
+                          backend, False, kv_name="kv_cache", extra_name="extra_kv_cache", out=out)
 
 
 def mla_sparse_prefill_v4(q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None,

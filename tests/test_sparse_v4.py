@@ -103,6 +103,26 @@ def test_decode_matches_the_float64_oracle(main, extra):
         assert bool((lse[2] == -math.inf).all()) and not bool(out[2].any())
 
 
+def test_decode_into_a_given_buffer_copies_where_the_backend_writes_its_own():
+    """`ops.sparse_decode_v4_into` (the V4 layer's way in): REFERENCE declares no `v4_takes_out`, so its result is
+    copied into the caller's buffer, which the call returns; a buffer of the wrong shape or strides is refused."""
+    gen = torch.Generator().manual_seed(4)
+    cache, rows = _cache("fp8_ds_mla_v4", 3, 8, gen)
+    q = torch.randn(3, HEADS, 512, generator=gen, dtype=torch.float64)
+    indices = _indices(gen, 3, 16, 24)
+    sink = torch.tensor([0.5, -math.inf, 1.0, -2.0], dtype=torch.float32)
+    out = torch.full((3, HEADS, 512), math.nan, dtype=torch.float64)
+    assert not mm.backends.reference.ReferenceSparseDecodeImpl.v4_takes_out
+    result = mm.ops.sparse_decode_v4_into(out, q, cache, indices, SCALE, attn_sink=sink)
+    assert result is out
+    torch.testing.assert_close(out, oracle(q, [(rows, indices, None)], SCALE, sink)[0], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="out"):
+        mm.ops.sparse_decode_v4_into(torch.empty(3, HEADS, 511, dtype=torch.float64), q, cache, indices, SCALE)
+    with pytest.raises(ValueError, match="out has strides"):
+        mm.ops.sparse_decode_v4_into(torch.empty(3, HEADS, 1024, dtype=torch.float64)[..., :512], q, cache,
+                                     indices, SCALE)
+
+
 def test_decode_batch_and_query_length_layout():
     gen = torch.Generator().manual_seed(2)
     cache, rows = _cache("fp8_ds_mla_v4", 2, 64, gen)

@@ -290,7 +290,7 @@ def _last_slots() -> dict:
 
 def _in_parts() -> dict:
     """A gathered decode of more entries than V4_GATHERED_ROWS: run two tokens at a time (16 + 6 entries a
-    token), the same rows as one call."""
+    token), the same rows as one call; then into a given buffer (`ops.sparse_decode_v4_into`), in parts too."""
     from mla_multi.backends import triton as triton_backend
 
     impl, saved = triton_backend.TritonSparseDecodeImpl, triton_backend.V4_GATHERED_ROWS
@@ -303,10 +303,32 @@ def _in_parts() -> dict:
     triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = 44, counted
     try:
         result = _decode_pair("fp8_ds_mla_v41", "fp4_ds_mla_v41", seed=5)
+        result["parts"] = list(parts)
+        parts.clear()
+        result["into"] = _into_a_buffer()
+        result["into parts"] = parts
     finally:
         triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = saved, original
-    result["parts"] = parts
     return result
+
+
+def _into_a_buffer() -> dict:
+    """TRITON (`v4_takes_out`) writes the decode into the caller's NaN-poisoned buffer, which it returns: the rows
+    of the op's own call."""
+    import mla_multi as mm
+
+    gen = torch.Generator().manual_seed(6)
+    cache, extra = _cache("fp8_ds_mla_v41", 3, 8, gen), _cache("fp4_ds_mla_v41", 2, 5, gen)
+    q = torch.randn(5, 4, 512, generator=gen).half()
+    kwargs = dict(topk_length=torch.tensor([16, 3, 0, 16, 9], dtype=torch.int32),
+                  attn_sink=torch.tensor([0.5, -math.inf, 1.0, -2.0]), extra_kv_cache=extra,
+                  extra_indices=_indices(gen, 5, 6, 10), extra_topk_length=torch.tensor([6, 0, 0, 2, 6], dtype=torch.int32))
+    indices = _indices(gen, 5, 16, 24)
+    out = torch.full((5, 4, 512), math.nan, dtype=torch.float16)
+    result = mm.ops.sparse_decode_v4_into(out, q, cache, indices, SCALE, backend="TRITON", **kwargs)
+    want = mm.ops.mla_sparse_decode_v4(q, cache, indices, SCALE, backend="TRITON", **kwargs)
+    return {"same_buffer": result.data_ptr() == out.data_ptr(), "equal": bool(torch.equal(out, want)),
+            "takes_out": mm.backends.triton.TritonSparseDecodeImpl.v4_takes_out}
 
 
 def _interpreter_main() -> None:
@@ -353,6 +375,8 @@ def test_a_gathered_decode_of_many_entries_runs_in_parts(results):
     result = results["in parts"]
     _close(result)
     assert result["parts"] == [2, 2, 1], result
+    assert result["into"] == {"same_buffer": True, "equal": True, "takes_out": True}, result
+    assert result["into parts"] == [2, 2, 1] * 2, result  # the buffer's call and the op's own
     assert result["sink_inf_zero"] and result["nothing"], result
 
 

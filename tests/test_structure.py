@@ -62,6 +62,7 @@ def test_every_registered_backend_declares_its_capabilities(phase, name):
         assert backend.max_query_len >= 1 and isinstance(backend.supports_cuda_graphs, bool)
     else:
         assert backend.max_topk >= 1 and backend.max_query_len >= 1
+        assert _declared_flag(MLASparseImpl, "v4_takes_out") and _declared_flag(impl_cls, "v4_takes_out"), name
 
 
 def test_the_default_bind_is_a_launch_through_forward_mqa():

@@ -540,6 +540,11 @@ class SparseSelectorConfig:
 class MLASparseImpl(ABC):
     """Sparse MLA in the latent space: every query token attends to the cached rows its indices name."""
 
+    # What the ops and layers may ask of an impl, declared here (False: not offered) and overridden by the
+    # backends that offer it; `MLAAttentionV4` reads it and names no backend.
+    # `bind_v4`'s launch takes `out=` (a contiguous [T, N, 512] buffer in q's dtype) and writes the output there:
+    v4_takes_out: bool = False
+
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, device=None) -> None:
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank

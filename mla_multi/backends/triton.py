@@ -510,7 +510,7 @@ class _SparseThroughDense(MLASparseImpl):
             pages, table = dequantize_named_rows(table, lens, kv, q_nope.dtype)
         return self._decode_pages("pages", q_nope, q_pe, pages, table, lens, scale, k_scale, attn_sink=attn_sink)
 
-    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink):
+    def _v4_pages(self, q, pages, table, lens, scale: float, attn_sink, out=None):
         """The V4 attention of q [T, N, 512] over one-token `pages` [P, 1, 576] (zero tails) through `table` /
         `lens` on the dense kernels: the query's rotary part is zero (a stride-0 view of 64 zeros kept by the
         scratch), so the scores and values are the 512-wide rows'; the zero rotary product is skipped where the
@@ -519,7 +519,7 @@ class _SparseThroughDense(MLASparseImpl):
         q_pe = _zero_rope(self._scratch, q)
         attn_sink = _sink_rows(attn_sink)
         launch = self._dense_launch("v4", q, q_pe, pages, table, lens, None, zero_rope=True, sink=attn_sink)
-        return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink)
+        return launch(q, q_pe, pages, table, lens, scale, attn_sink=attn_sink, out=out)
 
     def _v4_scratch(self, q, tokens: int, width: int, rows: int):
         """The compacted table [T, width], the lengths [T] and the 576-wide rows [rows, 576] in q's dtype."""
@@ -635,12 +635,12 @@ class _V4InPlaceLaunch:
         return kept
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
-                 extra_topk_length=None):
+                 extra_topk_length=None, out=None):
         if self.sink_copy:
             attn_sink = attn_sink.contiguous()
         q_pe, lens = self._constants(q)
         return self.dense(q, q_pe, kv, indices, lens, scale, extra_cache=extra_kv, attn_sink=attn_sink,
-                          lists=(extra_indices, topk_length, extra_topk_length))
+                          lists=(extra_indices, topk_length, extra_topk_length), out=out)
 
 
 # the most 576-wide rows a V4 decode call gathers at once (`TritonSparseDecodeImpl.forward_v4`: 75 MB in bf16); a
@@ -658,6 +658,7 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
     # V4 caches read in place where `_v4_in_place_reason` allows (False: always gathered first; for comparison)
     read_v4_in_place: bool = True
+    v4_takes_out = True
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         launch = self.bind(q_nope, q_pe, kv, indices, k_scale=k_scale, topk_length=topk_length, attn_sink=attn_sink)
@@ -683,10 +684,11 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
                                 extra_topk_length)
 
     def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
-                   extra_indices=None, extra_topk_length=None, extra_kv_format=None):
-        """The V4 contract (`MLASparseImpl.forward_v4`). fp8_ds_mla_v4 caches on sm_90 (`_v4_in_place_reason`):
-        the warp-specialised kernel's V4 loader reads both index lists as they are and the rows they name in
-        place (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout; no launch but the dense kernels').
+                   extra_indices=None, extra_topk_length=None, extra_kv_format=None, out=None):
+        """The V4 contract (`MLASparseImpl.forward_v4`; `out`: `v4_takes_out`). fp8_ds_mla_v4 caches on sm_90
+        (`_v4_in_place_reason`): the warp-specialised kernel's V4 loader reads both index lists as they are and
+        the rows they name in place (`_V4InPlaceLaunch`, which `bind_v4` keeps for a layout; no launch but the
+        dense kernels').
         Elsewhere every token's named rows of both segments dequantised (one launch, `sparse_v4.gather_rows`)
         into its stretch of 576-wide rows in q's dtype, then the dense kernels over them as one-token pages."""
         from mla_multi.kernels.sparse_v4 import PAGE_WIDTH, gather_rows
@@ -698,25 +700,26 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
             launch = _V4InPlaceLaunch(self, q, kv, indices, topk_length, attn_sink, extra_kv, extra_indices,
                                       extra_topk_length)
             return launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
-                          extra_indices=extra_indices, extra_topk_length=extra_topk_length)
+                          extra_indices=extra_indices, extra_topk_length=extra_topk_length, out=out)
         width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
         per_call = max(1, V4_GATHERED_ROWS // width)
         if tokens > per_call:  # the gathered rows of at most V4_GATHERED_ROWS entries at a time
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if out is None:
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
             for start in range(0, tokens, per_call):
                 part = slice(start, min(tokens, start + per_call))
-                out[part], lse[part] = self.forward_v4(
+                _, lse[part] = self.forward_v4(
                     q[part], kv, indices[part], scale, kv_format=kv_format, attn_sink=attn_sink, extra_kv=extra_kv,
                     topk_length=None if topk_length is None else topk_length[part],
                     extra_indices=None if extra_indices is None else extra_indices[part],
                     extra_topk_length=None if extra_topk_length is None else extra_topk_length[part],
-                    extra_kv_format=extra_kv_format)
+                    extra_kv_format=extra_kv_format, out=out[part])
             return out, lse
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
-        return self._v4_pages(q, rows.view(-1, 1, PAGE_WIDTH), table, lens, scale, attn_sink)
+        return self._v4_pages(q, rows.view(-1, 1, PAGE_WIDTH), table, lens, scale, attn_sink, out=out)
 
     def _v4_in_place_reason(self, q, kv, kv_format, extra_kv, extra_kv_format) -> str:
         """Why the V4 caches cannot be read in place ("" where they can): fp8_ds_mla_v4 caches (both, the
