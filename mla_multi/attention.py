@@ -1047,7 +1047,8 @@ class MLAAttentionV4(torch.nn.Module):
         device: where the sink parameter lives (the caches and inputs must be there too).
         workspace_tokens: entries (top-k and window together) of prefill tokens attended by one op call: the
             prefill tokens go in chunks of workspace_tokens // (topk + window_size) tokens (default 1M entries;
-            a backend that dequantises the named rows first, REFERENCE, holds a chunk's).
+            the backends that gather or dequantise the named rows first, TRITON off sm_90 and REFERENCE, run a
+            call in parts of at most 64K rows).
         decode_backend, prefill_backend: force the backend of the decode / prefill tokens by name. Prefill
             tokens too are read from the quantised caches by the sparse decode kernels, each token its own
             query (`mla_sparse_decode_v4`): nothing is dequantised into rows first, and the rows a request's

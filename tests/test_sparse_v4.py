@@ -123,6 +123,33 @@ def test_decode_into_a_given_buffer_copies_where_the_backend_writes_its_own():
                                      indices, SCALE)
 
 
+def test_reference_decode_of_many_entries_runs_in_parts(monkeypatch):
+    """REFERENCE dequantises every named row of a call at once: past V4_DEQUANTISED_ROWS entries it runs the
+    tokens in parts (here two of 16 + 6 entries a part), each token's lengths and window its own."""
+    from mla_multi.backends import reference
+
+    gen = torch.Generator().manual_seed(7)
+    cache, rows = _cache("fp8_ds_mla_v41", 3, 8, gen)
+    extra_cache, extra_rows = _cache("fp4_ds_mla_v41", 2, 5, gen)
+    q = torch.randn(5, HEADS, 512, generator=gen, dtype=torch.float64)
+    indices, extra_indices = _indices(gen, 5, 16, 24), _indices(gen, 5, 6, 10)
+    lengths = torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+    extra_lengths = torch.tensor([6, 0, 0, 2, 6], dtype=torch.int32)
+    sink = torch.tensor([0.5, -math.inf, 1.0, -2.0], dtype=torch.float32)
+    parts = []
+    whole = reference._forward_v4
+    monkeypatch.setattr(reference, "_forward_v4", lambda q, *rest, **kw: parts.append(q.shape[0]) or whole(q, *rest, **kw))
+    monkeypatch.setattr(reference, "V4_DEQUANTISED_ROWS", 44)
+    out, lse = mm.ops.mla_sparse_decode_v4(q, cache, indices, SCALE, topk_length=lengths, attn_sink=sink,
+                                           extra_kv_cache=extra_cache, extra_indices=extra_indices,
+                                           extra_topk_length=extra_lengths, backend="REFERENCE", return_lse=True)
+    assert parts == [2, 2, 1]
+    want_out, want_lse = oracle(q, [(rows, indices, lengths), (extra_rows, extra_indices, extra_lengths)], SCALE, sink)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-12)
+    assert lse.dtype == torch.float64
+
+
 def test_decode_batch_and_query_length_layout():
     gen = torch.Generator().manual_seed(2)
     cache, rows = _cache("fp8_ds_mla_v4", 2, 64, gen)

@@ -588,6 +588,31 @@ class MLASparseImpl(ABC):
         return launch
 
 
+def forward_v4_in_parts(forward_v4, q, kv, indices, scale, per_call: int, *, out=None, topk_length=None,
+                        extra_indices=None, extra_topk_length=None, takes_out: bool = False, **fixed):
+    """`forward_v4` (an impl's, the V4 contract) over q's tokens `per_call` at a time, the token-indexed arguments
+    sliced, into `out` (made where None; passed down where `takes_out`, else each part copied in) and an LSE of
+    the parts' dtype: what an impl that holds every named row of a call at once (gathered, dequantised) runs
+    for a call of many entries, so that its scratch stays bounded. Returns (out, lse)."""
+    tokens = q.shape[0]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    for start in range(0, tokens, per_call):
+        part = slice(start, min(tokens, start + per_call))
+        result, part_lse = forward_v4(
+            q[part], kv, indices[part], scale, topk_length=None if topk_length is None else topk_length[part],
+            extra_indices=None if extra_indices is None else extra_indices[part],
+            extra_topk_length=None if extra_topk_length is None else extra_topk_length[part],
+            **fixed, **({"out": out[part]} if takes_out else {}))
+        if not takes_out:
+            out[part] = result
+        if lse is None:
+            lse = torch.empty(q.shape[:2], dtype=part_lse.dtype, device=q.device)
+        lse[part] = part_lse
+    return out, lse
+
+
 class MLASparseBackend(_BackendDeclarations, ABC):
     """A sparse MLA implementation (one phase) and the declaration of what it can run."""
 

@@ -25,6 +25,7 @@ from mla_multi.backends.base import (
     FP8_DTYPES,
     DecodeLaunch,
     dtype_name,
+    forward_v4_in_parts,
     MLADecodeBackend,
     MLADecodeImpl,
     MLAPrefillBackend,
@@ -704,18 +705,10 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
         width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
         per_call = max(1, V4_GATHERED_ROWS // width)
         if tokens > per_call:  # the gathered rows of at most V4_GATHERED_ROWS entries at a time
-            if out is None:
-                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            for start in range(0, tokens, per_call):
-                part = slice(start, min(tokens, start + per_call))
-                _, lse[part] = self.forward_v4(
-                    q[part], kv, indices[part], scale, kv_format=kv_format, attn_sink=attn_sink, extra_kv=extra_kv,
-                    topk_length=None if topk_length is None else topk_length[part],
-                    extra_indices=None if extra_indices is None else extra_indices[part],
-                    extra_topk_length=None if extra_topk_length is None else extra_topk_length[part],
-                    extra_kv_format=extra_kv_format, out=out[part])
-            return out, lse
+            return forward_v4_in_parts(self.forward_v4, q, kv, indices, scale, per_call, out=out, takes_out=True,
+                                       topk_length=topk_length, extra_indices=extra_indices,
+                                       extra_topk_length=extra_topk_length, kv_format=kv_format,
+                                       attn_sink=attn_sink, extra_kv=extra_kv, extra_kv_format=extra_kv_format)
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
