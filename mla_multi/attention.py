@@ -1209,7 +1209,8 @@ class MLAAttentionV4(torch.nn.Module):
         self._step(metadata)
 
     def _step(self, metadata: CommonAttentionMetadata) -> dict:
-        """The step's V4 plan, made once per (step, window_size, rows a prefill chunk may hold)."""
+        """The step's V4 plan, made once per (step, window_size, block_size, topk, entries a prefill chunk may
+        hold)."""
         key = ("v4 step", self.window_size, self.block_size, self.topk, self.workspace_tokens)
         found = metadata.backend_plans.get(key)
         if found is not None:
@@ -1411,8 +1412,8 @@ class MLAAttentionV4(torch.nn.Module):
                 backend: str | None) -> None:
         """Tokens start .. end (each token its own query: MTP and prefill tokens of a request included), read
         from the quantised caches by `mla_sparse_decode_v4` into `out` (`ops.sparse_decode_v4_into`;
-        `backend`: forced, or the op's choice). A slot
-        outside its cache gives the token NaN rows and the SPARSE_INDEX error flag, never a read outside it."""
+        `backend`: forced, or the op's choice). A slot outside its cache gives the token NaN rows and the
+        SPARSE_INDEX error flag, never a read outside it."""
         segments = self._segment_args(kv_cache, window_cache, step, topk_indices, topk_length, start, end)
         (cache, fmt, indices, lengths), extra = segments[0], segments[1:]
         keywords = {}
