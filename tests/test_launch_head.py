@@ -58,3 +58,15 @@ def test_a_launcher_without_the_fields_goes_through_the_launcher():
     bare = Bare()
     run, head = launch._launch_head(bare, ("metadata",))
     assert run is bare and head == (("metadata",), None, None, None)
+
+
+def test_launches_directly_follows_the_launch_hooks(monkeypatch):
+    """A bound launch takes int addresses only while it launches directly: not while a Triton launch hook (a
+    profiler's) is installed, when it goes back to Triton's own launch (the FLASHMLA adapters then pass tensors)."""
+    from triton import knobs
+
+    from mla_multi.kernels.launch import launches_directly
+
+    assert launches_directly()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
+    assert not launches_directly()

@@ -628,6 +628,9 @@ class _SparseDecodeLaunch:
         # (clean, bad_rows, clean as FlashMLA reads it, the launch's ints for them, bad_rows' address) of eager
         # calls: the plan's scratch
         self.eager = None
+        from mla_multi.kernels.launch import launches_directly  # (Triton: imported where a launch is bound)
+
+        self.launches_directly = launches_directly
 
     def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         call = self.call
@@ -638,7 +641,7 @@ class _SparseDecodeLaunch:
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
         eager = q_nope.is_cuda and not capturing(q_nope)
         kept = self.eager
-        if kept is not None and eager:
+        if kept is not None and eager and self.launches_directly():  # (a launch hook: the tensors, below)
             _, _, listed, ints, bad_rows = kept
             call.index_plan.launch_kept(ints, indices, self.num_slots, topk_length)
         else:  # the first eager call, a capture, a CPU call
@@ -688,6 +691,9 @@ class _V4DecodeLaunch:
         # (clean, the window's clean or None, bad_rows, both as FlashMLA reads them, the launch's ints for the
         # three, bad_rows' address) of eager calls: the plan's scratch, found by the first eager call
         self.eager = None
+        from mla_multi.kernels.launch import launches_directly  # (Triton: imported where a launch is bound)
+
+        self.launches_directly = launches_directly
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
@@ -705,7 +711,7 @@ class _V4DecodeLaunch:
         capture = capturing(q)
         eager = q.is_cuda and not capture
         kept = self.eager
-        if kept is not None and eager:
+        if kept is not None and eager and self.launches_directly():  # (a launch hook: the tensors, below)
             _, _, _, listed, extra_listed, ints, bad_rows = kept
             call.launch(ints, indices, self.num_slots, topk_length, extra_indices, self.extra_slots,
                         extra_topk_length)

@@ -153,6 +153,12 @@ def _hooks_installed(runtime) -> bool:
     return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
 
 
+def launches_directly() -> bool:
+    """Whether a bound `BoundLaunch` launches its kernel directly now (no Triton launch hook installed, as a
+    profiler may install one): only then may it be given int addresses for pointer arguments."""
+    return not _hooks_installed(_runtime_knobs())
+
+
 def layout_key(tensor: torch.Tensor) -> tuple:
     """Shape, strides, dtype, device and 16-byte alignment of `tensor`: what a bound launch's validity and
     the checks made when it was planned depend on."""
