@@ -1136,17 +1136,12 @@ def _run_sparse_v4(op, phase, q, kv, indices, scale, kv_format, topk_length, att
                                    extra_topk_length=extra_topk_length, extra_kv_format=plan.extra_kv_format)
         if key is not None:
             plan.launch = launch
-    if out is None:
-        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
-                             extra_indices=extra_indices, extra_topk_length=extra_topk_length)
-    elif plan.impl.v4_takes_out:  # written where the caller wants it (`sparse_decode_v4_into`)
-        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
-                             extra_indices=extra_indices, extra_topk_length=extra_topk_length, out=out)
-    else:
-        result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
-                             extra_indices=extra_indices, extra_topk_length=extra_topk_length)
-        out.copy_(result)
-        result = out
+    # `out` (`sparse_decode_v4_into`): written by the kernels where the impl takes it, else copied there
+    given = {"out": out} if out is not None and plan.impl.v4_takes_out else {}
+    result, lse = launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                         extra_indices=extra_indices, extra_topk_length=extra_topk_length, **given)
+    if out is not None and result is not out:
+        result = out.copy_(result)
     return _sparse_result(plan, result, lse, heads, return_lse)
 
 

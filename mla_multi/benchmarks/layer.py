@@ -216,7 +216,7 @@ def bench_step(text: str, heads: int, decode_backend: str | None, prefill_backen
     if kind == "decode":
         md = metadata()
         layer.plan(md, cuda_graph=True)
-        shared = v4 is None  # the V4 layer dequantises into buffers of its own: no shared workspace to lock
+        shared = v4 is None  # the V4 layer holds no shared workspace (a capture's calls get buffers of their own)
         if shared:
             layer.lock_workspace()
         try:
