@@ -466,10 +466,13 @@ def test_dense_paged_fp8_ds_mla_decode_matches_float64(heads, splits):
     torch.testing.assert_close(lse[live].cpu().double(), ref_lse[live].double(), rtol=2e-3, atol=1e-2)
 
 
-def test_flashmla_fp8_ds_mla_decode_later_eager_calls_reuse_the_first_calls_buffers():
-    """A bound FLASHMLA sparse decode (`bind`) called three times eagerly, new queries and lists each time
+def test_flashmla_fp8_ds_mla_decode_later_eager_calls_reuse_the_first_calls_buffers(monkeypatch):
+    """A bound FLASHMLA sparse decode (`bind`) called four times eagerly, new queries and lists each time
     against float64: the later calls launch into the first call's kept buffers by their addresses; the third
-    passes another cache tensor and a bad index in token 2, whose rows and LSE become NaN, the flag set."""
+    passes another cache tensor and a bad index in token 2, whose rows and LSE become NaN, the flag set; the
+    fourth does so again under a Triton launch hook (a profiler's), which takes the kept tensors instead."""
+    from triton import knobs
+
     from mla_multi.backends.flashmla import FlashMLASparseDecodeImpl
 
     _need("sparse_decode", "FLASHMLA", 128, torch.uint8, 128)
@@ -484,23 +487,27 @@ def test_flashmla_fp8_ds_mla_decode_later_eager_calls_reuse_the_first_calls_buff
     q_nope, q_pe, indices = inputs()
     launch = FlashMLASparseDecodeImpl(heads, LKV, ROPE, q_nope.device).bind(q_nope, q_pe, cache, indices)
     errors.error_flag(q_nope.device).zero_()
-    for call in range(3):
+    for call in range(4):
         if call:
             q_nope, q_pe, indices = inputs()
-        if call == 2:
+        if call >= 2:
             cache = cache.clone()
             indices[2, 9] = 512  # past the cache
+        if call == 3:
+            assert isinstance(launch.call.index_plan.eager_kept()[0], int)
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
+            assert isinstance(launch.call.index_plan.eager_kept()[0], torch.Tensor)
         out, lse = launch(q_nope, q_pe, cache, indices, 0.06)
         torch.cuda.synchronize()
         assert launch.eager is not None
-        good = [0, 1, 3] if call == 2 else [0, 1, 2, 3]
+        good = [0, 1, 3] if call >= 2 else [0, 1, 2, 3]
         ref, ref_lse, _ = sparse_attention_reference(torch.cat([q_nope, q_pe], -1)[good].double().cpu(), rows,
                                                      indices[good].cpu(), 0.06)
         assert _rel(out[good], ref) < BOUND
-        assert bool(errors.error_flag(q_nope.device).item() & errors.SPARSE_INDEX) == (call == 2)
-        if call == 2:
+        assert bool(errors.error_flag(q_nope.device).item() & errors.SPARSE_INDEX) == (call >= 2)
+        errors.error_flag(q_nope.device).zero_()
+        if call >= 2:
             assert bool(out[2].isnan().all()) and bool(lse[2].isnan().all())
-    errors.error_flag(q_nope.device).zero_()
 
 
 def test_a_sparse_layer_over_an_fp8_ds_mla_cache_replays_from_a_cuda_graph(monkeypatch):

@@ -366,11 +366,14 @@ def test_flashmla_backend_v4_decode_bad_indices_in_either_list_give_nan_rows_and
     _check_lse(lse[good], want_lse[:, 0])
 
 
-def test_flashmla_backend_v4_decode_later_eager_calls_reuse_the_first_calls_buffers():
+def test_flashmla_backend_v4_decode_later_eager_calls_reuse_the_first_calls_buffers(monkeypatch):
     """A bound V4 decode (`bind_v4`) called three times eagerly: the first sanitises into the plan's scratch and
-    keeps it, the later ones launch into the kept buffers by their addresses (`SparseIndexPlan.launch_kept`),
-    each with new queries and lists against REFERENCE; the third passes another cache tensor (its paged view
-    made anew) and a bad index in token 1's window, whose rows and LSE become NaN, the flag set."""
+    keeps it (`SparseIndexPlan.keep`), the later ones launch into the kept buffers by their addresses
+    (`SparseIndexPlan.eager_kept`), each with new queries and lists against REFERENCE; the third passes another
+    cache tensor (its paged view made anew) and a bad index in token 1's window, whose rows and LSE become NaN,
+    the flag set; a fourth call under a Triton launch hook passes the kept tensors."""
+    from triton import knobs
+
     from mla_multi import errors
     from mla_multi.backends.flashmla import FlashMLASparseDecodeImpl
 
@@ -407,6 +410,23 @@ def test_flashmla_backend_v4_decode_later_eager_calls_reuse_the_first_calls_buff
         if call == 2:
             assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all())
     errors.error_flag(q.device).zero_()
+    # a Triton launch hook (a profiler's) sends bound launches through Triton's own launch: the kept buffers go
+    # as tensors then (an int would be typed as an integer), and the call still gives REFERENCE's result
+    plan = launch.call.index_plan
+    assert isinstance(plan.eager_kept()[0], int)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
+    assert isinstance(plan.eager_kept()[0], torch.Tensor)
+    q = torch.randn(q.shape, generator=generator).to(torch.bfloat16).cuda()
+    indices = _indices(generator, 4, 1, 128, 8 * 64)
+    extra_indices = _indices(generator, 4, 1, 64, 4 * 64)
+    out, lse = launch(q[:, 0], cache, indices[:, 0].contiguous(), WIDTH ** -0.5, topk_length=lengths,
+                      attn_sink=sink, extra_kv=extra, extra_indices=extra_indices[:, 0].contiguous(),
+                      extra_topk_length=extra_lengths)
+    torch.cuda.synchronize()
+    want, want_lse = _reference_decode(q, cache, indices, extra, extra_indices, lengths, extra_lengths, sink)
+    assert _rel(out, want[:, 0]) < 1e-2
+    _check_lse(lse, want_lse[:, 0])
+    assert not int(errors.error_flag(q.device)) & errors.SPARSE_INDEX
 
 
 @pytest.mark.parametrize("name", list(cf.FORMATS))

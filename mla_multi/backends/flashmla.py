@@ -518,8 +518,8 @@ class _V4DecodeCall:
 
     def launch(self, kept: tuple, indices, num_slots: int, topk_length, extra_indices, extra_slots: int,
                extra_topk_length) -> None:
-        """`sanitize` into the buffers an earlier eager call returned, kept by the caller and described by
-        `kept` (`SparseIndexPlan.kept`)."""
+        """`sanitize` into the buffers an earlier eager call kept in the index plan, as `kept` gives them
+        (`SparseIndexPlan.eager_kept`)."""
         second = None
         if self.extra_topk is not None:
             second = (_entries(extra_indices), extra_slots, extra_topk_length)
@@ -625,12 +625,9 @@ class _SparseDecodeLaunch:
         self.head_dim_v = impl.kv_lora_rank
         self.out_shape, self.lse_shape = (tokens, heads, -1), (tokens, heads)
         self.paged = _PagedView()
-        # (clean, bad_rows, clean as FlashMLA reads it, the launch's ints for them, bad_rows' address) of eager
-        # calls: the plan's scratch
+        # the sanitised list as FlashMLA reads it, of the buffers the first eager call kept in the index plan
+        # (`SparseIndexPlan.keep`): later eager calls launch into them
         self.eager = None
-        from mla_multi.kernels.launch import launches_directly  # (Triton: imported where a launch is bound)
-
-        self.launches_directly = launches_directly
 
     def __call__(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
         call = self.call
@@ -640,10 +637,11 @@ class _SparseDecodeLaunch:
         paged = self.paged(kv)
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
         eager = q_nope.is_cuda and not capturing(q_nope)
-        kept = self.eager
-        if kept is not None and eager and self.launches_directly():  # (a launch hook: the tensors, below)
-            _, _, listed, ints, bad_rows = kept
-            call.index_plan.launch_kept(ints, indices, self.num_slots, topk_length)
+        plan = call.index_plan
+        kept = plan.eager_kept() if eager and self.eager is not None else None
+        if kept is not None:
+            listed, bad_rows = self.eager, kept[1] if plan.bad_is_error else None
+            plan.launch_kept(kept, indices, self.num_slots, topk_length)
         else:  # the first eager call, a capture, a CPU call
             clean, bad_rows = call.index_plan.sanitize(indices, self.num_slots, topk_length)
             listed = clean.unsqueeze(1)
@@ -659,10 +657,10 @@ class _SparseDecodeLaunch:
             )
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
-        call.index_plan.finish(bad_rows, out, lse)
-        if eager and kept is None:  # kept once both index launches are bound (`SparseIndexPlan.kept`)
-            ints = call.index_plan.kept(clean, bad_rows)
-            self.eager = (clean, bad_rows, listed, ints, None if bad_rows is None else ints[1])
+        plan.finish(bad_rows, out, lse)
+        if eager and kept is None:  # (both index launches bound now: `SparseIndexPlan.keep`)
+            plan.keep(clean, bad_rows)
+            self.eager = listed
         return out, lse
 
 
@@ -688,12 +686,9 @@ class _V4DecodeLaunch:
         self.out_shape, self.lse_shape = (tokens, heads, width), (tokens, heads)
         self.kv_format = get_format(kv_format).flashmla_name if self.call.legacy else None
         self.paged, self.extra_paged = _PagedView(), _PagedView()
-        # (clean, the window's clean or None, bad_rows, both as FlashMLA reads them, the launch's ints for the
-        # three, bad_rows' address) of eager calls: the plan's scratch, found by the first eager call
+        # (the top-k list, the window's or None) as FlashMLA reads them, of the buffers the first eager call kept
+        # in the index plan (`SparseIndexPlan.keep`): later eager calls launch into them
         self.eager = None
-        from mla_multi.kernels.launch import launches_directly  # (Triton: imported where a launch is bound)
-
-        self.launches_directly = launches_directly
 
     def __call__(self, q, kv, indices, scale, *, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                  extra_topk_length=None):
@@ -710,10 +705,11 @@ class _V4DecodeLaunch:
         # an eager GPU call (the index launches' kept buffers; a capture gets its own, a CPU call runs PyTorch)
         capture = capturing(q)
         eager = q.is_cuda and not capture
-        kept = self.eager
-        if kept is not None and eager and self.launches_directly():  # (a launch hook: the tensors, below)
-            _, _, _, listed, extra_listed, ints, bad_rows = kept
-            call.launch(ints, indices, self.num_slots, topk_length, extra_indices, self.extra_slots,
+        plan = call.index_plan
+        kept = plan.eager_kept() if eager and self.eager is not None else None
+        if kept is not None:
+            (listed, extra_listed), bad_rows = self.eager, kept[1]  # (a V4 decode marks bad tokens)
+            call.launch(kept, indices, self.num_slots, topk_length, extra_indices, self.extra_slots,
                         extra_topk_length)
         else:  # the first eager call, a capture, a CPU call
             clean, extra_clean, bad_rows = call.sanitize(indices, self.num_slots, topk_length, extra_indices,
@@ -736,11 +732,10 @@ class _V4DecodeLaunch:
             )
         out = out.view(self.out_shape)
         lse = lse.view(self.lse_shape)
-        call.index_plan.finish(bad_rows, out, lse)
-        if eager and kept is None:  # kept once both index launches are bound (`SparseIndexPlan.kept`)
-            ints = call.index_plan.kept(clean, bad_rows, extra_clean)
-            self.eager = (clean, extra_clean, bad_rows, listed, extra_listed, ints,
-                          None if bad_rows is None else ints[1])
+        plan.finish(bad_rows, out, lse)
+        if eager and kept is None:  # (both index launches bound now: `SparseIndexPlan.keep`)
+            plan.keep(clean, bad_rows, extra_clean)
+            self.eager = (listed, extra_listed)
         return out, lse
 
 

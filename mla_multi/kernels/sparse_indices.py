@@ -25,7 +25,7 @@ import triton.language as tl
 
 from mla_multi import errors
 from mla_multi.kernels import capturing_on
-from mla_multi.kernels.launch import bound_by_layout, layout_key, pdl_enter
+from mla_multi.kernels.launch import bound_by_layout, launches_directly, layout_key, pdl_enter
 
 _SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
 
@@ -340,6 +340,8 @@ class SparseIndexPlan:
         self.second = second
         self.gpu = device.type == "cuda"
         self.scratch = Scratch()  # the sanitised copy and the marks, reused by eager calls
+        # (the tensors, their addresses or None) of the buffers an eager caller keeps (`keep`, `eager_kept`)
+        self._eager = None
         if self.gpu and tokens:
             self.flag = errors.error_flag(device)
             pdl = pdl_constexprs(device)
@@ -414,10 +416,10 @@ class SparseIndexPlan:
 
     def kept(self, clean: torch.Tensor, bad_rows: torch.Tensor | None,
              second_clean: torch.Tensor | None = None, *, addresses: bool = True) -> tuple:
-        """What `launch_kept` passes for the buffers a caller keeps for its eager calls (`launch`'s clean,
-        bad_rows, second clean): their addresses as ints, beside the error flag's, and their row strides. The
+        """What `launch_kept` passes for the buffers kept for eager calls (`keep`: `launch`'s clean, bad_rows,
+        second clean): their addresses as ints, beside the error flag's, and their row strides. The
         bound launcher takes an int pointer as it is, where it asks CUDA about every tensor's address (0.2-0.3
-        µs of host a pointer); the caller keeps the tensors alive. Addresses only after the plan's first launch
+        µs of host a pointer); `keep` holds the tensors alive. Addresses only after the plan's first launch
         (`launch`, which passes the tensors: `addresses=False`) has bound the kernel."""
         if not (self.gpu and self.tokens):
             return ()
@@ -428,6 +430,29 @@ class SparseIndexPlan:
         bad = ref(bad_rows) if bad_rows is not None else address
         second = (address, clean.stride(0)) if second_clean is None else (ref(second_clean), second_clean.stride(0))
         return (address, bad, ref(self.flag), clean.stride(0)) + second
+
+    def keep(self, clean: torch.Tensor, bad_rows: torch.Tensor | None, second_clean: torch.Tensor | None = None
+             ) -> None:
+        """Keep an eager call's buffers (`sanitize`'s clean, bad_rows, second clean; after its `finish`) for
+        the plan's later eager calls (`eager_kept`). The caller keeps the tensors alive; a call being captured
+        keeps nothing (its buffers belong to its graph)."""
+        if not (self.gpu and self.tokens) or capturing_on(self.device):
+            return
+        tensors = self.kept(clean, bad_rows, second_clean, addresses=False)
+        addresses = self.kept(clean, bad_rows, second_clean)
+        self._eager = (tensors, addresses if addresses[0] is not tensors[0] else None)
+
+    def eager_kept(self) -> tuple | None:
+        """The kept buffers (`keep`) as this call's launches take them (`launch_kept`, then `finish` with its
+        element 1 where bad_is_error): their addresses while the bound launches go direct, the tensors while a
+        Triton launch hook (a profiler's) sends them through Triton's own launch, which would type an int as an
+        integer (`launch.launches_directly`); None before `keep`."""
+        if self._eager is None:
+            return None
+        tensors, addresses = self._eager
+        if addresses is not None and launches_directly():
+            return addresses
+        return tensors
 
     def launch_kept(self, kept: tuple, indices, num_slots: int, topk_length, second=None) -> None:
         """`launch` into the buffers `kept` describes: second (indices, num_slots, topk_length) for a plan made
