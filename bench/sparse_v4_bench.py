@@ -106,12 +106,15 @@ def bench_decode(heads: int, batch: int, rounds: int = 3, only: tuple[str, ...] 
     def dense(i):
         return impl._v4_pages(q, rows_buf.view(-1, 1, 576), table, lens, scale, sink)
 
-    def gathered(i):  # TRITON with the rows gathered first, where it reads the caches in place
-        TritonSparseDecodeImpl.read_v4_in_place = False
-        try:
-            return triton_call(i)
-        finally:
-            TritonSparseDecodeImpl.read_v4_in_place = True
+    # TRITON with the rows gathered first, where it reads the caches in place: an impl of its own with
+    # `read_v4_in_place` off, called directly (the op's plan for the layout keeps the in-place launch it bound)
+    gathering = TritonSparseDecodeImpl(heads, 448, 64, q.device)
+    gathering.read_v4_in_place = False
+
+    def gathered(i):
+        return gathering.forward_v4(q, cache, indices[i], scale, kv_format="fp8_ds_mla_v4", topk_length=lengths,
+                                    attn_sink=sink, extra_kv=window_cache, extra_indices=window[i],
+                                    extra_topk_length=extra_lengths, extra_kv_format="fp8_ds_mla_v4")
 
     runs["TRITON rows gathered"] = gathered
     runs["TRITON gather"] = gather

@@ -102,29 +102,50 @@ def _reads_v4_in_place() -> bool:
     return not ds_mla_decode_reason(current_platform())
 
 
-@pytest.mark.parametrize("extra", ["fp8_ds_mla_v4", None])
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_decode_in_place_matches_reference_and_the_gathered_rows(monkeypatch, extra, heads):
-    """Caches of one page size: read in place on sm_90 (the V4 loader of the warp-specialised kernel reading the
-    index lists as they are), the same answer as REFERENCE in float64 and as the rows gathered first
-    (`read_v4_in_place = False`): -1 entries, entries past topk_length, duplicates, empty tokens, the sink; 40
-    tokens (two splits at 128 heads, one at 16 and 64)."""
+def _impl(heads, gathered=False):
+    """A TRITON sparse impl whose V4 calls read fp8_ds_mla_v4 caches its default way, or (`gathered`) with the
+    rows dequantised first: an instance attribute, so that no plan the op keeps for the layout (`ops._PLANS`,
+    whose launch is bound once) stands in for it."""
     from mla_multi.backends.triton import TritonSparseDecodeImpl
 
+    impl = TritonSparseDecodeImpl(heads, 448, 64, "cuda")
+    if gathered:
+        impl.read_v4_in_place = False
+    return impl
+
+
+def _forward(impl, q, cache, indices, kwargs):
+    """`impl.forward_v4` with the op's keywords (every call binds anew: no plan shared with other calls)."""
+    given = {("extra_kv" if k == "extra_kv_cache" else k): v for k, v in kwargs.items()}
+    extra = given.get("extra_kv")
+    return impl.forward_v4(q, cache, indices, SCALE, kv_format="fp8_ds_mla_v4",
+                           extra_kv_format=None if extra is None else "fp8_ds_mla_v4", **given)
+
+
+@pytest.mark.parametrize("extra", ["fp8_ds_mla_v4", None])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_decode_in_place_matches_reference_and_the_gathered_rows(extra, heads):
+    """Caches of one page size: read in place on sm_90 (the V4 loader of the warp-specialised kernel reading the
+    index lists as they are), the same answer as REFERENCE in float64 and as the rows gathered first (an impl
+    with `read_v4_in_place` off, called directly: the op's plan for the layout would keep the in-place launch):
+    -1 entries, entries past topk_length, duplicates, empty tokens, the sink; 40 tokens (two splits at 128
+    heads, one at 16 and 64)."""
     _skip_without_fp8("fp8_ds_mla_v4")
     q, cache, cache_cpu, indices, kwargs, cpu_kwargs = _decode_case("fp8_ds_mla_v4", extra, heads, 40, 1,
                                                                     seed=50 + heads, extra_block_size=64)
-    impl = TritonSparseDecodeImpl(heads, 448, 64, "cuda")
+    impl, gathered_impl = _impl(heads), _impl(heads, gathered=True)
     reason = impl._v4_in_place_reason(q.cuda(), cache, "fp8_ds_mla_v4", kwargs.get("extra_kv_cache"), extra)
     assert (reason == "") == _reads_v4_in_place(), reason
-    out, lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
-                                           return_lse=True, **kwargs)
+    assert gathered_impl._v4_in_place_reason(q.cuda(), cache, "fp8_ds_mla_v4", kwargs.get("extra_kv_cache"), extra)
+    out, lse = _forward(impl, q.cuda(), cache, indices.cuda(), kwargs)
     want, want_lse = mm.ops.mla_sparse_decode_v4(q.double(), cache_cpu, indices, SCALE, backend="REFERENCE",
                                                  return_lse=True, **cpu_kwargs)
     _check(out, lse, want, want_lse)
-    monkeypatch.setattr(TritonSparseDecodeImpl, "read_v4_in_place", False)
-    gathered, gathered_lse = mm.ops.mla_sparse_decode_v4(q.cuda(), cache, indices.cuda(), SCALE, backend="TRITON",
-                                                         return_lse=True, **kwargs)
+    gathers = []
+    real = gathered_impl._v4_pages
+    gathered_impl._v4_pages = lambda *args, **keywords: gathers.append(1) or real(*args, **keywords)
+    gathered, gathered_lse = _forward(gathered_impl, q.cuda(), cache, indices.cuda(), kwargs)
+    assert gathers  # the rows were gathered first
     torch.testing.assert_close(out, gathered, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, gathered_lse, rtol=1e-3, atol=1e-3)
 
