@@ -158,7 +158,7 @@ def max_partial_rows(
 
 
 def gathered_tile_splits(platform, batch_size: int, num_heads: int, max_seq_len: int, *,
-                         kv_cache_dtype: torch.dtype = torch.uint8, q_len: int = 1, warpgroup: bool = True) -> int:
+                         kv_cache_dtype: torch.dtype = torch.uint8, q_len: int = 1) -> int:
     """The number of KV splits for a decode whose tiles are gathered row by row (DeepSeek-V4 caches read in
     place: every row's address waits on its own index, so a tile costs the memory's latency several times
     over, far more than a streamed tile, and the partial rows of a split are cheap beside it): the count that
@@ -166,20 +166,13 @@ def gathered_tile_splits(platform, batch_size: int, num_heads: int, max_seq_len:
     `max_seq_len`. Measured on an H200 (bench/RESULTS.md, V4 top-k 512 + a 128 window): at 64 heads B = 64 and
     128 heads B = 32 two splits take 42.8 and 40.5 µs against 51.8 and 50.6 for one; at 128 heads B = 64 / 128
     one split 56.5 / 106.5 against 73.7 / 142.7 for two; at one token the most splits. ``MLA_MULTI_NUM_KV_SPLITS``
-    overrides it. warpgroup=False: the portable kernel's tiles read them (`V4Pages.warpgroup`), whose
-    configuration is `launch_config.v4_decode_config`'s wherever the sm_90 kernel's is not taken."""
+    overrides it."""
     for name, value in (("batch_size", batch_size), ("num_heads", num_heads), ("q_len", q_len)):
         check_positive_int(name, value)
     forced = _env_override()
     if forced is not None:
         return max(1, int(forced))
     config, head_blocks, slots = _occupancy(platform, num_heads, q_len, kv_cache_dtype)
-    if not (warpgroup and config.warpgroup):
-        from mla_multi.kernels.launch_config import v4_decode_config
-
-        config = v4_decode_config(platform, num_heads, q_len)
-        head_blocks = -(-(num_heads * q_len) // config.block_h)
-        slots = max(1, platform.num_compute_units * config.programs_per_cu)
     tiles = max(1, -(-max_seq_len // config.block_n))
     return max(1, min(tiles, slots // (batch_size * q_len * head_blocks)))
 

@@ -487,8 +487,7 @@ class _SparseThroughDense(MLASparseImpl):
             from mla_multi.heuristics import gathered_tile_splits
 
             width = v4.lists[0] + v4.lists[1]  # the entries a token's row holds: both index lists'
-            num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, width,
-                                                 warpgroup=v4.warpgroup)
+            num_kv_splits = gathered_tile_splits(current_platform(), q_nope.shape[0], self.num_heads, width)
         launch = impl.bind(q_nope, q_pe, pages, table, lens, k_scale=k_scale, masked_entries=masked_entries,
                            min_tokens_per_split=min_tokens_per_split, v4=v4, num_kv_splits=num_kv_splits,
                            zero_rope=zero_rope, sink=sink is not None, max_seq_len=width)
@@ -619,8 +618,7 @@ class _V4InPlaceLaunch:
         self.constants = None
         v4 = V4Pages(kv.shape[1], num_slots, num_slots + extra_slots,
                      kv.stride(0) if extra_kv is None else extra_kv.stride(0),
-                     (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)),
-                     warpgroup=impl._v4_warpgroup(q, kv, extra_kv))
+                     (topk, extra_topk, 0 if extra_indices is None else extra_indices.stride(0)))
         q_pe, lens = self._constants(q)
         self.dense = impl._dense_launch("v4 in place", q, q_pe, kv, indices, lens, None, v4=v4,
                                         min_tokens_per_split=_SPARSE_MIN_TOKENS_PER_SPLIT, sink=_sink_rows(attn_sink))
@@ -661,9 +659,6 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
     # V4 caches read in place where `_v4_in_place_reason` allows (False: always gathered first; for comparison)
     read_v4_in_place: bool = True
-    # ... by the sm_90 warp-specialised kernel where it runs (`_v4_warpgroup`; False: by the portable kernel's
-    # tiles there too, as on every other device; for comparison)
-    v4_warpgroup: bool = True
     v4_takes_out = True
 
     def forward(self, q_nope, q_pe, kv, indices, scale, *, k_scale=None, topk_length=None, attn_sink=None):
@@ -721,33 +716,25 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
 
     def _v4_in_place_reason(self, q, kv, kv_format, extra_kv, extra_kv_format) -> str:
         """Why the V4 caches cannot be read in place ("" where they can): fp8_ds_mla_v4 caches (both, the
-        second of the main cache's page size, rows on 16 bytes), slots that int32 holds, a GPU launch (or
-        Triton's interpreter). They are read by the sm_90 warp-specialised kernel where it runs
-        (`_v4_warpgroup`), elsewhere by the portable kernel's tiles (`V4Pages.warpgroup`)."""
+        second of the main cache's page size, rows on 16 bytes) on a device whose decode kernels read fp8_ds_mla
+        in place (`_in_place_reason`: sm_90, a bfloat16 query), slots that int32 holds."""
         if not self.read_v4_in_place:
             return "read_v4_in_place is off (the rows are gathered first)"
         if kv_format != "fp8_ds_mla_v4" or (extra_kv is not None and extra_kv_format not in (None, "fp8_ds_mla_v4")):
             return f"caches of formats {kv_format} / {extra_kv_format} (in place: fp8_ds_mla_v4)"
         if extra_kv is not None and extra_kv.shape[1] != kv.shape[1]:
             return f"a second cache of {extra_kv.shape[1]}-token pages beside {kv.shape[1]}-token ones"
-        slots = kv.shape[0] * kv.shape[1] + (0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1])
-        if slots >= 2**31:
-            return f"{slots} slots do not fit int32"
-        if interpreter_active():
-            return ""
-        if kv.device.type != "cuda":
-            return "not a GPU launch"
         for cache in (kv,) if extra_kv is None else (kv, extra_kv):
+            reason = self._in_place_reason(cache, q.dtype)
+            if reason:
+                return reason
             if cache.data_ptr() % 16 or cache.stride(0) % 16:
                 return (f"a V4 cache whose rows do not start on 16 bytes (data_ptr {cache.data_ptr()}, block stride "
                         f"{cache.stride(0)})")
+        slots = kv.shape[0] * kv.shape[1] + (0 if extra_kv is None else extra_kv.shape[0] * extra_kv.shape[1])
+        if slots >= 2**31:
+            return f"{slots} slots do not fit int32"
         return ""
-
-    def _v4_warpgroup(self, q, kv, extra_kv) -> bool:
-        """Whether the sm_90 warp-specialised kernel reads the V4 caches (`_in_place_reason`: sm_90, a bfloat16
-        query, on a GPU) rather than the portable kernel (`v4_warpgroup` off, or any other device)."""
-        return self.v4_warpgroup and not any(self._in_place_reason(cache, q.dtype)
-                                             for cache in ((kv,) if extra_kv is None else (kv, extra_kv)))
 
     def _lists_as_they_are(self, q_nope) -> bool:
         """Whether the in-place kernels read the index lists themselves (-1 masked in the kernel) rather than a

@@ -31,8 +31,6 @@ __all__ = [
     "hip_option_names",
     "decode_config",
     "all_decode_configs",
-    "v4_decode_config",
-    "all_v4_decode_configs",
     "decode_reduce_config",
     "all_decode_reduce_configs",
     "fp8_bit_decode_needed",
@@ -457,50 +455,6 @@ def all_decode_configs(platform, fp8: bool | None = None) -> list[DecodeLaunchCo
             for config in _decode_table(platform, fp8=table, wgmma=wgmma, fp8_qk=fp8_qk).values():
                 if config not in seen:
                     seen.append(config)
-    return seen
-
-
-def v4_decode_config(platform, num_heads: int, q_len: int) -> DecodeLaunchConfig:
-    """The portable Triton kernel's configuration for DeepSeek-V4 rows read in place (`mla_decode.V4Pages` with
-    the Triton kernel: every device but sm_90's warp-specialised path), whose tiles are dequantised in registers
-    (448 e4m3 values times their group's scale, 64 bfloat16 ones: `mla_decode._v4_half`).
-
-    Chosen from the ahead-of-time compile report (a bfloat16 query, the tile loop of the partial variant):
-    the FP8 table's tiles spill there (sm_90 16 x 64 on 8 warps 3.9 KB of stack, 64 x 32 1.5 KB; gfx942 /
-    gfx950 32 x 64 with the tokens as M 1.5 / 4.6 K registers), these do not:
-
-    * CUDA (sm_80, sm_90, sm_100): up to 16 rows 16 x 16 on 4 warps, 2 stages (sm_90 248 registers, sm_80
-      241); past them 32 x 32 on 8 warps, 1 stage, without loop-invariant code motion (179 / 177), where
-      2 stages take 238 / 255 and the 16 x 32, 32 x 16 and 64 x 16 tiles spill 250-940 bytes.
-    * gfx942 / gfx950: up to 16 rows 16 x 16 on 4 warps, 2 stages, waves_per_eu=1 (209 / 273 registers);
-      past them 32 x 32 with the tokens as M on 4 warps, 1 stage (389 / 384, the accumulators in AGPRs),
-      where 32 x 16, 64 x 16 and 32 x 32 with the rows as M spill 20-800 registers.
-    * RDNA (warp 32): 16 x 16 on 4 warps, 1 stage; the CPU (the interpreter): the 16-bit table's small tiles.
-    """
-    if num_heads < 1 or q_len < 1:
-        raise ValueError(f"num_heads={num_heads}, q_len={q_len}; accepted: both >= 1")
-    narrow_rows = num_heads * q_len <= 16
-    if platform.is_cuda():
-        if narrow_rows:
-            return DecodeLaunchConfig(16, 16, 4, 2, programs_per_cu=2)
-        return DecodeLaunchConfig(32, 32, 8, 1, programs_per_cu=2, disable_licm=True)
-    if platform.is_rocm():
-        if platform.warp_size == 32:  # RDNA
-            return DecodeLaunchConfig(16, 16, 4, 1, 2)
-        cdna = dict(matrix_instr_nonkdim=16, kpack=1)
-        if narrow_rows:
-            return DecodeLaunchConfig(16, 16, 4, 2, 1, waves_per_eu=1, **cdna)
-        return DecodeLaunchConfig(32, 32, 4, 1, 1, waves_per_eu=1, tokens_as_m=True, **cdna)
-    return decode_config(platform, num_heads, q_len, torch.bfloat16, warpgroup=False)
-
-
-def all_v4_decode_configs(platform) -> list[DecodeLaunchConfig]:
-    """Every configuration `v4_decode_config` can return on `platform`."""
-    seen: list[DecodeLaunchConfig] = []
-    for heads in (16, 32, 64, 128):
-        config = v4_decode_config(platform, heads, 1)
-        if config not in seen:
-            seen.append(config)
     return seen
 
 

@@ -75,13 +75,11 @@ from mla_multi.kernels.launch_config import (
     DecodeLaunchConfig,
     all_decode_configs,
     all_decode_reduce_configs,
-    all_v4_decode_configs,
     decode_config,
     decode_reduce_config,
     fp8_bit_decode_needed,
     load_k_transposed,
     tl_range_disables_licm,
-    v4_decode_config,
     wgmma_decode_reason,
 )
 
@@ -97,13 +95,6 @@ SUPPORTED_KV_LORA_RANKS = "powers of two from 16 to 512 (DeepSeek: 512)"
 _LOG2E = 1.4426950408889634
 BLOCK_INDEX_ERROR = tl.constexpr(errors.BLOCK_INDEX)
 SEQ_RANGE_ERROR = tl.constexpr(errors.SEQ_RANGE)
-SPARSE_INDEX_ERROR = tl.constexpr(errors.SPARSE_INDEX)
-# fp8_ds_mla_v4's layout (`mla_multi.cache_formats`): a token's data bytes (448 e4m3 values, then 64 bfloat16
-# ones) in the block's head, its scale bytes (7 UE8M0, one per 64 values, and a pad) in the block's tail
-_V4_DATA_BYTES = tl.constexpr(FP8_DS_MLA_V4.data_bytes)
-_V4_SCALE_BYTES = tl.constexpr(FP8_DS_MLA_V4.scale_bytes)
-_V4_LATENT = tl.constexpr(FP8_DS_MLA_V4.width - FP8_DS_MLA_V4.rope_dims)
-_V4_GROUP = tl.constexpr(FP8_DS_MLA_V4.values_per_scale)
 # float32 values per partial row: a multiple of 16, so every partial row starts
 # 64-byte aligned and the partial stores are vectorised
 _ATTN_LOGITS_ALIGN = 16
@@ -167,113 +158,23 @@ def _row_power_of_two_scales(amax):
 
 
 @triton.jit
-def _v4_list_args(Extra_table, stride_extra_t, topk, Topk_length, Extra_topk_length, first_extra_slot, batch,
-                  max_seq_len, num_cache_blocks):
-    """The V4 index lists of one token, read as they are (`V4Pages`): its row of the second list (less the
-    first list's width, so that a list position addresses it), the first list's width, where the entries that
-    count end in each list (topk_length clamped to [0, width]: list positions), the first slot of the second
-    cache and that cache's slot count (the sm_90 kernel's loader reads them alike)."""
-    main_end = tl.minimum(tl.maximum(tl.load(Topk_length + batch), 0), topk)
-    extra_end = topk + tl.minimum(tl.maximum(tl.load(Extra_topk_length + batch), 0), max_seq_len - topk)
-    return (Extra_table + (batch.to(tl.int64) * stride_extra_t - topk), topk, main_end, extra_end,
-            first_extra_slot, num_cache_blocks - first_extra_slot)
-
-
-@triton.jit
-def _v4_list_entries(main_row, lists, pos, split_end):
-    """The V4 index lists at list positions `pos` (those past the first list's width are the second list's):
-    the slot each names where it counts (the second cache's offset by its first slot); -2 where it is bad
-    (outside [-1, its cache's slots), wherever it lies in the list); else -1."""
-    extra_row, topk, main_end, extra_end, first_extra_slot, extra_slots = lists
-    in_main = pos < topk
-    entry = tl.load(tl.where(in_main, main_row, extra_row) + pos, mask=pos < split_end, other=-1)
-    bad = (entry < -1) | (entry >= tl.where(in_main, first_extra_slot, extra_slots))
-    counts = (pos < tl.where(in_main, main_end, extra_end)) & (entry >= 0) & ~bad
-    return tl.where(counts, entry + tl.where(in_main, 0, first_extra_slot), tl.where(bad, -2, -1))
-
-
-@triton.jit
-def _v4_scale(scales, group, valid):
-    """Each row's UE8M0 scale of 64-value group `group` as float32 [rows] (2 ** (code - 127); 1 where not
-    read)."""
-    code = tl.load(scales + group, mask=valid, other=127).to(tl.int32)
-    bits = tl.where(code == 0, 0x00400000, code << 23)  # (code 0: 2 ** -127, a subnormal)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _v4_half(data, scales, valid, HIGH: tl.constexpr, COLS: tl.constexpr):
-    """Columns [0, COLS) (HIGH: [COLS, 2 COLS)) of the V4 rows whose data and scale bytes start at `data` /
-    `scales` [rows], dequantised to float32 in registers (rows where `valid` is false: 0): e4m3 values by
-    their bits (every device; `_fp8_bits_to_float`) times their group's scale, chosen per column by a select
-    (no reshape); the high half's last 64 columns are the bfloat16 rotary values."""
-    offs = tl.arange(0, COLS)
-    if HIGH:
-        latent = offs < _V4_LATENT - COLS
-        codes = tl.load(data[:, None] + (COLS + offs)[None, :], mask=valid[:, None] & latent[None, :], other=0)
-        g0 = _v4_scale(scales, COLS // _V4_GROUP, valid)
-        g1 = _v4_scale(scales, COLS // _V4_GROUP + 1, valid)
-        g2 = _v4_scale(scales, COLS // _V4_GROUP + 2, valid)
-        scale = tl.where(offs[None, :] < _V4_GROUP, g0[:, None], tl.where(offs[None, :] < 2 * _V4_GROUP, g1[:, None],
-                                                                           g2[:, None]))
-        rope_ptr = tl.multiple_of((data + _V4_LATENT).to(tl.pointer_type(tl.bfloat16)), 16)
-        rope = tl.load(rope_ptr[:, None] + (offs - (_V4_LATENT - COLS))[None, :],
-                       mask=valid[:, None] & ~latent[None, :], other=0.0)
-        return tl.where(latent[None, :], _fp8_bits_to_float(codes, 7) * scale, rope.to(tl.float32))
-    codes = tl.load(data[:, None] + offs[None, :], mask=valid[:, None], other=0)
-    g0 = _v4_scale(scales, 0, valid)
-    g1 = _v4_scale(scales, 1, valid)
-    g2 = _v4_scale(scales, 2, valid)
-    g3 = _v4_scale(scales, 3, valid)
-    scale = tl.where(offs[None, :] < 2 * _V4_GROUP,
-                     tl.where(offs[None, :] < _V4_GROUP, g0[:, None], g1[:, None]),
-                     tl.where(offs[None, :] < 3 * _V4_GROUP, g2[:, None], g3[:, None]))
-    return _fp8_bits_to_float(codes, 7) * scale
-
-
-@triton.jit
 def _decode_tile(
     start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block,
     KV_cache, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale,
     rows, row_limit,
     Q_LEN: tl.constexpr, KV_LORA_RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     LOAD_K_TRANSPOSED: tl.constexpr, FP8_BITS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr,
-    TOKENS_AS_M: tl.constexpr, V4_PAGE: tl.constexpr = 0, v4_lists=None, Extra_cache=None, stride_extra_block=0,
+    TOKENS_AS_M: tl.constexpr,
 ):
     """One [BLOCK_N, Lkv + R] cache tile: QK on the 576 columns, online softmax, P @ V on the first Lkv.
 
     A block-table entry outside [0, num_cache_blocks) is read as block 0 (in
     bounds) and marked in `bad_block` (a scalar when the tile lies in one page,
     else one flag per position); the caller turns the request's rows to NaN.
-    V4_PAGE > 0: DeepSeek-V4 rows (`V4Pages`): the tile's positions are the
-    index lists' (`_v4_list_entries`; -1 entries masked, bad ones marked in
-    `bad_block`), each named row's 448 e4m3 values and 64 bfloat16 values read
-    from its cache in place and dequantised in registers (`_v4_half`); QK on
-    the 512 columns (no rotary part).
     """
     pos = start + tl.arange(0, BLOCK_N)
     pos_valid = pos < split_end
-    if V4_PAGE > 0:
-        entries = _v4_list_entries(block_table_row, v4_lists, pos, split_end)
-        bad_block = bad_block | (entries == -2)
-        pos_valid = entries >= 0
-        first_extra_slot = v4_lists[4]
-        slot = tl.maximum(entries, 0)
-        extra = slot >= first_extra_slot
-        slot = tl.where(extra, slot - first_extra_slot, slot)
-        # bytes from KV_cache, the second cache's rows too (its distance from the first added): a select of
-        # offsets, not of pointers, and rows known to start on 16 bytes (both caches and their block strides
-        # do: `V4Pages`) keep the loads 16 bytes wide (a selected pointer's are single bytes)
-        distance = Extra_cache.to(tl.int64) - KV_cache.to(tl.int64)
-        base = (tl.where(extra, distance, 0)
-                + (slot // V4_PAGE).to(tl.int64) * tl.where(extra, stride_extra_block, stride_kv_block))
-        offset = slot % V4_PAGE
-        data = KV_cache + tl.multiple_of(base + offset * _V4_DATA_BYTES, 16)
-        scales = KV_cache + (base + V4_PAGE * _V4_DATA_BYTES + offset * _V4_SCALE_BYTES)
-        kv_lo = _v4_half(data, scales, pos_valid, False, KV_LORA_RANK // 2).to(q_lo.dtype)
-        kv_hi = _v4_half(data, scales, pos_valid, True, KV_LORA_RANK // 2).to(q_lo.dtype)
-        k_pe = kv_lo  # (not read: V4 rows have no rotary part)
-    elif PAGE_SIZE % BLOCK_N == 0:
+    if PAGE_SIZE % BLOCK_N == 0:
         # the tile lies inside one page: one block-table entry
         page = tl.load(block_table_row + start // PAGE_SIZE)
         page_bad = (page < 0) | (page >= num_cache_blocks)
@@ -288,18 +189,17 @@ def _decode_tile(
         bad_block = bad_block | pages_bad
         pages = tl.where(pages_bad, 0, pages).to(tl.int64)
         row_ptrs = KV_cache + pages * stride_kv_block + (pos % PAGE_SIZE) * stride_kv_token
-    if V4_PAGE == 0:
-        kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
-        kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
-        k_pe = tl.load(row_ptrs[:, None] + KV_LORA_RANK + offs_r[None, :], mask=pos_valid[:, None], other=0.0)
-        if FP8_BITS_BIAS != 0:
-            kv_lo = _fp8_bits_to_float(kv_lo, FP8_BITS_BIAS).to(q_lo.dtype)
-            kv_hi = _fp8_bits_to_float(kv_hi, FP8_BITS_BIAS).to(q_lo.dtype)
-            k_pe = _fp8_bits_to_float(k_pe, FP8_BITS_BIAS).to(q_lo.dtype)
-        else:
-            kv_lo = kv_lo.to(q_lo.dtype)
-            kv_hi = kv_hi.to(q_lo.dtype)
-            k_pe = k_pe.to(q_lo.dtype)
+    kv_lo = tl.load(row_ptrs[:, None] + offs_lo[None, :], mask=pos_valid[:, None], other=0.0)
+    kv_hi = tl.load(row_ptrs[:, None] + offs_hi[None, :], mask=pos_valid[:, None], other=0.0)
+    k_pe = tl.load(row_ptrs[:, None] + KV_LORA_RANK + offs_r[None, :], mask=pos_valid[:, None], other=0.0)
+    if FP8_BITS_BIAS != 0:
+        kv_lo = _fp8_bits_to_float(kv_lo, FP8_BITS_BIAS).to(q_lo.dtype)
+        kv_hi = _fp8_bits_to_float(kv_hi, FP8_BITS_BIAS).to(q_lo.dtype)
+        k_pe = _fp8_bits_to_float(k_pe, FP8_BITS_BIAS).to(q_lo.dtype)
+    else:
+        kv_lo = kv_lo.to(q_lo.dtype)
+        kv_hi = kv_hi.to(q_lo.dtype)
+        k_pe = k_pe.to(q_lo.dtype)
 
     if TOKENS_AS_M:
         # S^T = K Q^T: the cache tokens are the matrix op's M, so the warps
@@ -309,8 +209,7 @@ def _decode_tile(
         # transposed, so no K^T is loaded either
         qk_t = tl.dot(kv_lo, tl.trans(q_lo))
         qk_t = tl.dot(kv_hi, tl.trans(q_hi), acc=qk_t)
-        if V4_PAGE == 0:
-            qk_t = tl.dot(k_pe, tl.trans(q_pe), acc=qk_t)
+        qk_t = tl.dot(k_pe, tl.trans(q_pe), acc=qk_t)
         qk = tl.trans(qk_t)
     else:
         if LOAD_K_TRANSPOSED:
@@ -334,8 +233,7 @@ def _decode_tile(
         else:
             qk = tl.dot(q_lo, tl.trans(kv_lo))
             qk = tl.dot(q_hi, tl.trans(kv_hi), acc=qk)
-        if V4_PAGE == 0:
-            qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
+        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk)
     if ROW_SCALED:
         qk = qk * qk_scale[:, None]
     else:
@@ -409,15 +307,6 @@ def _mla_decode_split_kernel(
     Sink=None,
     HAS_SINK: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    Extra_cache=None,
-    extra_first_slot=0,
-    stride_extra_block=0,
-    Extra_table=None,
-    stride_extra_t=0,
-    v4_topk=0,
-    Topk_length=None,
-    Extra_topk_length=None,
-    V4_PAGE: tl.constexpr = 0,
 ):
     if PDL:
         pdl_enter()
@@ -481,10 +370,6 @@ def _mla_decode_split_kernel(
         bad_block = batch < 0
     else:
         bad_block = tl.zeros([BLOCK_N], dtype=tl.int1)
-    v4_lists = None
-    if V4_PAGE > 0:  # (V4 rows: the block table is the first index list; `V4Pages`)
-        v4_lists = _v4_list_args(Extra_table, stride_extra_t, v4_topk, Topk_length, Extra_topk_length,
-                                 extra_first_slot, batch, max_seq_len, num_cache_blocks)
 
     if DISABLE_LICM:
         # Nothing hoisted out of the tile loop: with a 64-row tile on sm_90 the
@@ -496,7 +381,7 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
-                FP8_COMPUTE_FP16, TOKENS_AS_M, V4_PAGE, v4_lists, Extra_cache, stride_extra_block,
+                FP8_COMPUTE_FP16, TOKENS_AS_M,
             )
     else:
         for start in range(split_start, split_end, BLOCK_N):
@@ -504,12 +389,12 @@ def _mla_decode_split_kernel(
                 start, split_end, q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, bad_block, KV_cache, block_table_row,
                 num_cache_blocks, stride_kv_block, stride_kv_token, offs_lo, offs_hi, offs_r, qk_scale, rows,
                 row_limit, Q_LEN, KV_LORA_RANK, PAGE_SIZE, BLOCK_N, LOAD_K_TRANSPOSED, FP8_BITS_BIAS,
-                FP8_COMPUTE_FP16, TOKENS_AS_M, V4_PAGE, v4_lists, Extra_cache, stride_extra_block,
+                FP8_COMPUTE_FP16, TOKENS_AS_M,
             )
 
     if PAGE_SIZE % BLOCK_N != 0:
         bad_block = tl.max(bad_block.to(tl.int32), 0) > 0
-    tl.atomic_or(Error_flag, SPARSE_INDEX_ERROR if V4_PAGE > 0 else BLOCK_INDEX_ERROR, mask=bad_block)
+    tl.atomic_or(Error_flag, BLOCK_INDEX_ERROR, mask=bad_block)
     tl.atomic_or(Error_flag, SEQ_RANGE_ERROR, mask=bad_seq_len)
     invalid = bad_block | bad_seq_len
 
@@ -726,9 +611,6 @@ class V4Pages:
     num_slots: int  # both caches'
     extra_block_stride: int  # bytes
     lists: tuple[int, int, int]
-    # the sm_90 warp-specialised kernel where the platform runs it; False (and every other platform): the
-    # portable Triton kernel, which reads the same rows through `sparse_v4.read_rows` in its tiles
-    warpgroup: bool = True
 
 
 def v4_tiles_per_split(v4: V4Pages, num_kv_splits: int, block_n: int) -> int:
@@ -768,7 +650,7 @@ def _check_inputs(
             f"an fp8_ds_mla (uint8) kv_cache with kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={rope_dim}; "
             f"accepted: {DS_KV_LORA_RANK} and {DS_ROPE_DIM}"
         )
-    if ds_mla and v4 is None and q_nope.dtype != torch.bfloat16:
+    if ds_mla and q_nope.dtype != torch.bfloat16:
         raise ValueError(f"an fp8_ds_mla (uint8) kv_cache with a {q_nope.dtype} query; accepted: bfloat16")
     width = FP8_DS_MLA_V4.bytes_per_token if v4 is not None else FP8_DS_MLA_BYTES if ds_mla else kv_lora_rank + rope_dim
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
@@ -970,12 +852,9 @@ class DecodeKernelPlan:
             value % 4 for value in (kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1))
         )
         if config is None:
-            # V4 rows: the sm_90 warp-specialised kernel (a bfloat16 query), else the portable kernel's own table
-            warpgroup = not fp8_rows_unaligned and (v4 is None or (v4.warpgroup and q_nope.dtype == torch.bfloat16))
-            config = decode_config(platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim,
-                                   warpgroup=warpgroup)
-            if v4 is not None and not config.warpgroup:
-                config = v4_decode_config(platform, num_heads, q_len)
+            config = decode_config(
+                platform, num_heads, q_len, kv_cache.dtype, kv_lora_rank, rope_dim, warpgroup=not fp8_rows_unaligned
+            )
         self.config = config
         self.fp8_bits = kv_cache.dtype in FP8_DTYPES and fp8_bit_decode_needed(platform, kv_cache.dtype)
         fp8_bits_bias = _FP8_EXPONENT_BIAS[kv_cache.dtype] if self.fp8_bits else 0
@@ -1028,7 +907,7 @@ class DecodeKernelPlan:
         # launch, gain from it for both kernels (14.8 against 15.4 for the reduce alone; bench/RESULTS.md)
         small = grid[0] * grid[1] * grid[2] <= platform.num_compute_units // 2
         pdl = pdl_constexprs(device) if small and not masked_entries else {}
-        if ds_mla and v4 is None:
+        if ds_mla:
             reason = ds_mla_decode_reason(platform, kv_cache)
             if not reason and not (config.warp_specialised and config.raw_stages == 0 and config.num_stages > 0
                                    and config.block_n == 64):
@@ -1038,10 +917,9 @@ class DecodeKernelPlan:
                 )
             if reason:
                 raise ValueError(f"an fp8_ds_mla kv_cache cannot be decoded here: {reason}")
-        if v4 is not None and config.warpgroup and not (config.warp_specialised and config.raw_stages == 0
-                                                        and config.num_stages > 0 and config.block_n == 64):
-            raise ValueError(f"V4 pages are read by the sm_90 warp-specialised kernels with 64-token tiles and "
-                             f"no raw FP8 stages, or by the Triton kernel; decode config {config.name} is neither")
+        if v4 is not None and not config.warpgroup:
+            raise ValueError(f"V4 pages are read by the sm_90 warp-specialised kernels; decode config {config.name} "
+                             f"is the Triton kernel's")
         if masked_entries and (v4 is not None or not (ds_mla and kv_cache.shape[1] == 1)):
             raise ValueError(
                 f"masked_entries=True reads -1 entries of one-token fp8_ds_mla pages; got a {kv_cache.dtype} cache "
@@ -1092,10 +970,6 @@ class DecodeKernelPlan:
                 v4_wide=v4 is not None and v4_tiles_per_split(v4, num_kv_splits, config.block_n) > 1,
             )
         else:
-            # V4 pages: the rows of the index lists (`_decode_tile`), one position a page, no K^T load; the
-            # lists passed by name at every call, as to the warp-specialised kernel
-            from mla_multi.kernels.mla_decode_wgmma import V4_KEYWORDS
-
             self.split = BoundLaunch(
                 _mla_decode_split_kernel,
                 grid,
@@ -1103,23 +977,22 @@ class DecodeKernelPlan:
                     Q_LEN=q_len,
                     KV_LORA_RANK=kv_lora_rank,
                     ROPE_DIM=rope_dim,
-                    PAGE_SIZE=1 if v4 is not None else kv_cache.shape[1],
+                    PAGE_SIZE=kv_cache.shape[1],
                     BLOCK_H=config.block_h,
                     BLOCK_N=config.block_n,
                     HAS_K_SCALE=k_scale is not None,
-                    LOAD_K_TRANSPOSED=v4 is None and load_k_transposed(platform, kv_cache.dtype, config),
+                    LOAD_K_TRANSPOSED=load_k_transposed(platform, kv_cache.dtype, config),
                     FP8_COMPUTE_FP16=kv_cache.dtype in FP8_DTYPES,
                     FP8_BITS_BIAS=fp8_bits_bias,
                     DIRECT_OUTPUT=direct,
                     DISABLE_LICM=config.disable_licm and tl_range_disables_licm(),
                     TOKENS_AS_M=config.tokens_as_m,
                     HAS_SINK=self.split_sink,
-                    V4_PAGE=0 if v4 is None else v4.page_size,
                     **pdl,
                     **config.launch_options(),
                 ),
                 device,
-                keyword_names=(V4_KEYWORDS if v4 is not None else ()) + (("Sink",) if self.split_sink else ()),
+                keyword_names=("Sink",) if self.split_sink else (),
             )
         if not direct:
             reduce_config = decode_reduce_config(num_kv_splits, kv_lora_rank)
@@ -1398,36 +1271,6 @@ def compile_specs(platform) -> list[CompileSpec]:
                 name = (f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
                         f"{'direct' if direct else 'partial'},pdl{',wide' if wide else ''}]")
                 specs.append(_wgmma_spec(name, config, torch.uint8, constexprs))
-    # DeepSeek-V4 rows in pages of 64 read in place by the portable kernel's tiles through the index lists
-    # (`V4Pages` with warpgroup=False; every device but sm_90's warp-specialised path): `v4_decode_config`'s
-    # configurations, a bfloat16 query, partial and direct (the sink applied there)
-    for config in all_v4_decode_configs(platform):
-        for direct in (False, True):
-            signature = _split_kernel_signature(torch.bfloat16, torch.uint8, False)
-            signature |= {"Extra_cache": "*u8", "extra_first_slot": "i32", "stride_extra_block": "i32",
-                          "Extra_table": "*i32", "stride_extra_t": "i32", "v4_topk": "i32", "Topk_length": "*i32",
-                          "Extra_topk_length": "*i32"}
-            if direct:
-                signature["Sink"] = "*fp32"
-            specs.append(
-                CompileSpec(
-                    name=f"mla_decode_split[{config.name},kv=fp8_ds_mla_v4,page=64,"
-                         f"{'direct,sink' if direct else 'partial'},portable]",
-                    fn=_mla_decode_split_kernel,
-                    signature=signature,
-                    constexprs={
-                        "Q_LEN": 1, "KV_LORA_RANK": 512, "ROPE_DIM": 64, "PAGE_SIZE": 1, "BLOCK_H": config.block_h,
-                        "BLOCK_N": config.block_n, "HAS_K_SCALE": False, "DIRECT_OUTPUT": direct,
-                        "LOAD_K_TRANSPOSED": False, "FP8_COMPUTE_FP16": False, "FP8_BITS_BIAS": 0,
-                        "DISABLE_LICM": config.disable_licm and tl_range_disables_licm(),
-                        "TOKENS_AS_M": config.tokens_as_m, "HAS_SINK": direct, "V4_PAGE": 64,
-                        **({} if direct else {"Sink": None}),
-                    },
-                    options=config.launch_options(),
-                    divisible_by_16=_SPLIT_DIVISIBLE + ("Extra_cache", "stride_extra_block", "Extra_table",
-                                                        "Topk_length", "Extra_topk_length"),
-                )
-            )
     pdl = platform.is_cuda() and platform.has_device_capability(9, 0)
     for i, reduce_config in enumerate(all_decode_reduce_configs()):
         # the sink's branch (sparse MLA's attention sink) compiled with the first configuration, and there
