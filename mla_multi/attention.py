@@ -1218,7 +1218,7 @@ class MLAAttentionV4(torch.nn.Module):
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata.block_size={metadata.block_size}; this layer's block_size (its window "
                              f"cache's) is {self.block_size}")
-        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(metadata)
         query_lens, computed = metadata.host_lengths()
         longest_decode = max(query_lens[:num_decodes], default=0)
         if longest_decode > V4_MAX_DECODE_QUERY_LEN:
@@ -1241,8 +1241,7 @@ class MLAAttentionV4(torch.nn.Module):
         packed = to_device(torch.cat([requests, positions]), device)
         requests, positions = packed[:tokens], packed[tokens:]
         table = metadata.block_table.long()
-        step = {"num_decode_tokens": num_decode_tokens, "num_prefills": num_prefills,
-                "requests": requests, "positions": positions}
+        step = {"num_decode_tokens": num_decode_tokens}
         width = self.window_size
         if width > 0:
             # newest first: the window's valid entries lead, so its length is min(p + 1, window_size)

@@ -434,8 +434,8 @@ class SparseIndexPlan:
     def keep(self, clean: torch.Tensor, bad_rows: torch.Tensor | None, second_clean: torch.Tensor | None = None
              ) -> None:
         """Keep an eager call's buffers (`sanitize`'s clean, bad_rows, second clean; after its `finish`) for
-        the plan's later eager calls (`eager_kept`). The caller keeps the tensors alive; a call being captured
-        keeps nothing (its buffers belong to its graph)."""
+        the plan's later eager calls (`eager_kept`), which holds the tensors alive; a call being captured keeps
+        nothing (its buffers belong to its graph)."""
         if not (self.gpu and self.tokens) or capturing_on(self.device):
             return
         tensors = self.kept(clean, bad_rows, second_clean, addresses=False)
