@@ -183,7 +183,7 @@ def bench_prefill(heads: int, tokens: int, s_kv: int, rounds: int = 3) -> dict:
         all_indices = torch.cat([indices, window + s_kv], dim=1).unsqueeze(1)
 
         def peer(i):
-            return module.flash_mla_sparse_fwd(q, all_kv, all_indices, scale, 512, attn_sink=sink)
+            return module.flash_mla_sparse_fwd(q, all_kv, all_indices, scale, 512, attn_sink=sink, use_legacy=True)
 
         try:
             peer(0)

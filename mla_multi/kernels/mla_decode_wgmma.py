@@ -1725,17 +1725,20 @@ if gluon is not None:
             mbarrier.arrive(ready_bars.index(slot), count=1)
 
     @gluon.jit
-    def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr):
+    def _tma_tile(kv_buf, pe_buf, bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE: gl.constexpr,
+                  LOAD_ROPE: gl.constexpr = True):
         """One whole tile inside a page by TMA: two bulk tensor copies (latent and rotary columns, addressed
-        by the tile's first row in the cache viewed as [blocks x PAGE_SIZE, width]) that complete the stage's
-        barrier by their bytes, issued by one thread.  An entry outside [0, num_cache_blocks) reads block 0,
-        as the cp.async rows do."""
-        TILE_BYTES: gl.constexpr = kv_buf.shape[0] * (kv_buf.shape[1] + pe_buf.shape[1]) * kv_buf.dtype.primitive_bitwidth // 8
+        by the tile's first row in the cache viewed as [blocks x PAGE_SIZE, width]; the rotary one only where
+        LOAD_ROPE) that complete the stage's barrier by their bytes, issued by one thread.  An entry outside
+        [0, num_cache_blocks) reads block 0, as the cp.async rows do."""
+        PE_COLS: gl.constexpr = pe_buf.shape[1] if LOAD_ROPE else 0
+        TILE_BYTES: gl.constexpr = kv_buf.shape[0] * (kv_buf.shape[1] + PE_COLS) * kv_buf.dtype.primitive_bitwidth // 8
         block = gl.where((page < 0) | (page >= num_cache_blocks), 0, page)
         row = block * PAGE_SIZE + start % PAGE_SIZE
         mbarrier.expect(bar, TILE_BYTES)
         _tma_load(KV_desc, [row, 0], bar, kv_buf)
-        _tma_load(KV_pe_desc, [row, 0], bar, pe_buf)
+        if LOAD_ROPE:
+            _tma_load(KV_pe_desc, [row, 0], bar, pe_buf)
 
     @gluon.jit
     def _convert_latent(raw_kv_buf, kv_buf, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -1809,11 +1812,12 @@ if gluon is not None:
     def _cp_async_tile(
         kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
         stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        BLOCK_N: gl.constexpr, LOAD_ROPE: gl.constexpr = True,
     ):
         """Copy one tile into a stage with cp.async (16 bytes each; positions past split_end zero-filled), the
         stage's ready barrier completing when the copies land: FP8 bytes whole rows at a time, 16-bit
-        values 128 columns at a time."""
+        values 128 columns at a time (the rotary columns only where LOAD_ROPE: a zero rotary query reads
+        none of them)."""
         if kv_buf.dtype.primitive_bitwidth == 8:
             _issue_tile(
                 kv_buf, kpe_buf, KV_cache, start, split_end, block_table_row, num_cache_blocks, stride_kv_block,
@@ -1833,12 +1837,13 @@ if gluon is not None:
                 _async_load(
                     kv_buf.slice(c * CHUNK, CHUNK, dim=1), KV_cache + rows[:, None] + cols[None, :], mask=valid[:, None]
                 )
-            rows_pe, valid_pe, bad_pe = _tile_rows(
-                start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
-            )
-            cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
-            _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
+            if LOAD_ROPE:
+                rows_pe, valid_pe, bad_pe = _tile_rows(
+                    start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
+                    PAGE_SIZE, BLOCK_N, gl.SliceLayout(1, kpe_layout),
+                )
+                cols_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, kpe_layout))
+                _async_load(kpe_buf, KV_cache + rows_pe[:, None] + cols_pe[None, :], mask=valid_pe[:, None])
         # the stage turns ready when every loader thread's copies have landed, without the loader waiting
         # for them: each thread's copies hold the phase open (cp.async.mbarrier.arrive), then one arrive.
         # (Marking a tile ready only after issuing the next one's copies made the first warpgroup wait
@@ -1851,24 +1856,25 @@ if gluon is not None:
     def _fill_stage(
         kv_buf, kpe_buf, ready_bar, KV_cache, KV_desc, KV_pe_desc, start, split_end, block_table_row,
         num_cache_blocks, stride_kv_block, stride_kv_token, page, KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr,
-        PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TMA: gl.constexpr,
+        PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TMA: gl.constexpr, LOAD_ROPE: gl.constexpr = True,
     ):
         """Copy one tile of the cache's values (16-bit, or FP8 bytes into a raw stage) into a stage: by TMA
         (`_tma_tile`; the tile inside one page, `tma_cache_reason`) when TMA and the tile is whole; by
         cp.async otherwise, and for a split's partial last tile, so that its rows past the end are zeros,
-        not the page's stale values."""
+        not the page's stale values. LOAD_ROPE False: the rotary columns are not copied."""
         if TMA:
             if start + BLOCK_N <= split_end:
-                _tma_tile(kv_buf, kpe_buf, ready_bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE)
+                _tma_tile(kv_buf, kpe_buf, ready_bar, KV_desc, KV_pe_desc, start, page, num_cache_blocks, PAGE_SIZE,
+                          LOAD_ROPE)
             else:
                 _cp_async_tile(
                     kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
-                    stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                    stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, LOAD_ROPE,
                 )
         else:
             _cp_async_tile(
                 kv_buf, kpe_buf, ready_bar, KV_cache, start, split_end, block_table_row, num_cache_blocks,
-                stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N,
+                stride_kv_block, stride_kv_token, page, KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, LOAD_ROPE,
             )
 
     @gluon.jit
@@ -1876,10 +1882,10 @@ if gluon is not None:
         kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row, split_start,
         split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token,
         KV_LORA_RANK: gl.constexpr, ROPE_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, TMA: gl.constexpr,
+        STAGES: gl.constexpr, TMA: gl.constexpr, LOAD_ROPE: gl.constexpr = True,
     ):
         """Tiles copied as they are, nothing converted (16-bit stages, or the raw FP8 stages of FP8 P V): wait
-        until the compute partitions released a stage, then fill it (`_fill_stage`)."""
+        until the compute partitions released a stage, then fill it (`_fill_stage`; LOAD_ROPE as its)."""
         page = _tile_page(block_table_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
@@ -1890,7 +1896,7 @@ if gluon is not None:
             _fill_stage(
                 kv_smem.index(slot), kpe_smem.index(slot), ready_bars.index(slot), KV_cache, KV_desc, KV_pe_desc,
                 start, split_end, block_table_row, num_cache_blocks, stride_kv_block, stride_kv_token, page,
-                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA,
+                KV_LORA_RANK, ROPE_DIM, PAGE_SIZE, BLOCK_N, TMA, LOAD_ROPE,
             )
             page = next_page
 
@@ -1901,9 +1907,10 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_K_SCALE: gl.constexpr,
         DIRECT_OUTPUT: gl.constexpr, ROWS_AS_M: gl.constexpr, RAW_STAGES: gl.constexpr, KV_desc, KV_pe_desc,
         TMA: gl.constexpr, MASKED_ENTRIES: gl.constexpr = False, V4_PAGE: gl.constexpr = 0, v4_args=None,
-        v4_lists=None, V4_WIDE: gl.constexpr = False,
+        v4_lists=None, V4_WIDE: gl.constexpr = False, QK_ROPE: gl.constexpr = True,
     ):
-        """The loader warpgroup: 16-bit caches by cp.async into the stages both products read; FP8 caches
+        """The loader warpgroup: 16-bit caches by cp.async into the stages both products read (the rotary
+        columns only where QK_ROPE: a zero rotary query's product is skipped, so they go unread); FP8 caches
         either as raw bytes by cp.async for QK on FP8 tensor cores, the latent part converted once into the
         float16 stages P V reads (RAW_STAGES > 0), or through registers, converted once per element into
         the float16 stages both products read."""
@@ -1957,7 +1964,7 @@ if gluon is not None:
             _ws_load_tiles(
                 kv_smem, kpe_smem, ready_bars, empty_bars, KV_cache, KV_desc, KV_pe_desc, block_table_row,
                 split_start, split_end, num_tiles, num_cache_blocks, stride_kv_block, stride_kv_token, KV_LORA_RANK,
-                ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, TMA,
+                ROPE_DIM, PAGE_SIZE, BLOCK_N, STAGES, TMA, QK_ROPE,
             )
 
     @gluon.jit
@@ -2098,7 +2105,7 @@ if gluon is not None:
                             KV_desc, KV_pe_desc, TMA, MASKED_ENTRIES, V4_PAGE,
                             (Extra_cache, extra_first_slot, stride_extra_block),
                             (Extra_table, stride_extra_t, v4_topk, Topk_length, Extra_topk_length,
-                             extra_first_slot), V4_WIDE)),
+                             extra_first_slot), V4_WIDE, QK_ROPE)),
             ],
             [4, WS_LOAD_WARPS],
             [WS_PV_REGS_F8PV, WS_LOAD_REGS_F8PV] if FP8_PV else [WS_PV_REGS, WS_LOAD_REGS_RAW] if RAW_STAGES > 0 else (
