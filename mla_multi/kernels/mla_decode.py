@@ -785,7 +785,8 @@ def mla_decode_fwd(
         lists: (extra_indices, topk_length, extra_topk_length), each a tensor or None, with ``v4`` (block_table
             the first index list).
         zero_rope: q_pe is zero (V4 rows laid out as 576-wide ones with a zero tail): the sm_90
-            warp-specialised kernels skip its product (the others compute it: the same result).
+            warp-specialised kernels skip its product and copy no rotary columns of a 16-bit cache's rows
+            (the others compute it: the same result, the tail read).
         attn_sink: float32 [N] on q's device, an attention sink per head: out *= exp(lse) / (exp(lse) +
             exp(sink)) (+inf gives 0, -inf nothing, a row without mass keeps 0); lse stays the one without it.
             Applied by the reduce over split partials, or by the split kernel writing the output (one split).
