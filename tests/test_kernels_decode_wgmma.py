@@ -638,3 +638,39 @@ def test_triton_sparse_in_place_decode_goes_through_the_dense_decode_impl(monkey
     assert calls[0][0] == (4096, 1, 656) and calls[0][1] == (32, 2048) and calls[0][3] == splits
     assert calls[0][4] == (32, 128, splits, 528)
     assert "not a GPU launch" in impl._in_place_reason(pages, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("kernel", ["wgmma_ws", "wgmma_rm", "wgmma_rm_tma", "wgmma_ws_tma"])
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_a_zero_rotary_query_reads_no_rotary_column(kernel, block_size):
+    """`zero_rope` (DeepSeek-V4's rows laid out 576 wide): the sm_90 kernels neither multiply nor copy the
+    rows' rotary columns, by cp.async (pages of one token) and by TMA tiles (pages of 64, 16 query rows): NaN
+    in every rotary column leaves the output and LSE the latent attention's (float64)."""
+    from mla_multi.kernels.mla_decode import DecodeKernelPlan, attn_logits_width
+
+    heads, batch = 32, 16
+    seq_lens = [0, 1, 17, 300, 4096] + [64 * (i + 1) + i for i in range(batch - 5)]
+    tensors = _make_case(batch, heads, 1, 512, 64, block_size, seq_lens, torch.bfloat16, torch.bfloat16, "cuda", 11)
+    tensors["q_pe"] = torch.zeros_like(tensors["q_pe"])
+    reference = dict(tensors, kv_cache=tensors["kv_cache"].clone())
+    reference["kv_cache"][..., 512:] = 0
+    tensors["kv_cache"][..., 512:] = float("nan")
+    config = _config_for(heads, 1, kernel)
+    scale = 512**-0.5
+    for splits in (1, 3):
+        out = torch.full((batch, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((batch, heads), float("nan"), dtype=torch.float32, device="cuda")
+        logits = torch.full((batch, heads, splits, attn_logits_width(512)), float("nan"), device="cuda")
+        t = tensors
+        plan = DecodeKernelPlan(t["q_nope"], t["q_pe"], t["kv_cache"], t["block_table"], t["seq_lens"], None, splits,
+                                logits, out, lse, config=config, zero_rope=True)
+        assert plan.tma == (kernel.endswith("_tma") and block_size == 64), (kernel, block_size, plan.tma)
+        plan.launch(t["q_nope"], t["q_pe"], t["kv_cache"], t["block_table"], t["seq_lens"], None, logits, out, lse,
+                    scale)
+        torch.cuda.synchronize()
+        result = _errors(reference, out, lse, scale)
+        assert not result["nan"], (splits, result)
+        assert result["inf_pattern_ok"] and result["empty_rows_zero"], (splits, result)
+        assert result["rel_err"] <= 1e-2 and result["lse_err"] <= 2e-2, (splits, result)
