@@ -124,9 +124,9 @@ def test_decode_into_a_given_buffer_copies_where_the_backend_writes_its_own():
 
 
 def test_reference_decode_of_many_entries_runs_in_parts(monkeypatch):
-    """REFERENCE dequantises every named row of a call at once: past V4_DEQUANTISED_ROWS entries it runs the
+    """REFERENCE dequantises every named row of a call at once: past `base.V4_ROWS_AT_ONCE` entries it runs the
     tokens in parts (here two of 16 + 6 entries a part), each token's lengths and window its own."""
-    from mla_multi.backends import reference
+    from mla_multi.backends import base, reference
 
     gen = torch.Generator().manual_seed(7)
     cache, rows = _cache("fp8_ds_mla_v41", 3, 8, gen)
@@ -139,7 +139,7 @@ def test_reference_decode_of_many_entries_runs_in_parts(monkeypatch):
     parts = []
     whole = reference._forward_v4
     monkeypatch.setattr(reference, "_forward_v4", lambda q, *rest, **kw: parts.append(q.shape[0]) or whole(q, *rest, **kw))
-    monkeypatch.setattr(reference, "V4_DEQUANTISED_ROWS", 44)
+    monkeypatch.setattr(base, "V4_ROWS_AT_ONCE", 44)
     out, lse = mm.ops.mla_sparse_decode_v4(q, cache, indices, SCALE, topk_length=lengths, attn_sink=sink,
                                            extra_kv_cache=extra_cache, extra_indices=extra_indices,
                                            extra_topk_length=extra_lengths, backend="REFERENCE", return_lse=True)

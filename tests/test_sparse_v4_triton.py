@@ -289,18 +289,19 @@ def _last_slots() -> dict:
 
 
 def _in_parts() -> dict:
-    """A gathered decode of more entries than V4_GATHERED_ROWS: run two tokens at a time (16 + 6 entries a
+    """A gathered decode of more entries than `base.V4_ROWS_AT_ONCE`: run two tokens at a time (16 + 6 entries a
     token), the same rows as one call; then into a given buffer (`ops.sparse_decode_v4_into`), in parts too."""
+    from mla_multi.backends import base
     from mla_multi.backends import triton as triton_backend
 
-    impl, saved = triton_backend.TritonSparseDecodeImpl, triton_backend.V4_GATHERED_ROWS
+    impl, saved = triton_backend.TritonSparseDecodeImpl, base.V4_ROWS_AT_ONCE
     original, parts = impl._v4_scratch, []
 
     def counted(self, q, tokens, width, rows):
         parts.append(tokens)
         return original(self, q, tokens, width, rows)
 
-    triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = 44, counted
+    base.V4_ROWS_AT_ONCE, impl._v4_scratch = 44, counted
     try:
         result = _decode_pair("fp8_ds_mla_v41", "fp4_ds_mla_v41", seed=5)
         result["parts"] = list(parts)
@@ -308,7 +309,7 @@ def _in_parts() -> dict:
         result["into"] = _into_a_buffer()
         result["into parts"] = parts
     finally:
-        triton_backend.V4_GATHERED_ROWS, impl._v4_scratch = saved, original
+        base.V4_ROWS_AT_ONCE, impl._v4_scratch = saved, original
     return result
 
 

@@ -588,6 +588,18 @@ class MLASparseImpl(ABC):
         return launch
 
 
+# the most named rows (top-k and window entries together) a V4 call of an impl that gathers or dequantises them
+# first holds at once (TRITON's 576-wide bf16 rows: 75 MB; REFERENCE's float32 rows of 512: 128 MB); a call of more
+# runs its tokens in parts (`v4_tokens_per_call`, `forward_v4_in_parts`)
+V4_ROWS_AT_ONCE = 1 << 16
+
+
+def v4_tokens_per_call(indices, extra_indices) -> int:
+    """The tokens of a V4 call whose named rows (both lists' widths a token) fit V4_ROWS_AT_ONCE, at least one."""
+    width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+    return max(1, V4_ROWS_AT_ONCE // width)
+
+
 def forward_v4_in_parts(forward_v4, q, kv, indices, scale, per_call: int, *, out=None, topk_length=None,
                         extra_indices=None, extra_topk_length=None, takes_out: bool = False, **fixed):
     """`forward_v4` (an impl's, the V4 contract) over q's tokens `per_call` at a time, the token-indexed arguments

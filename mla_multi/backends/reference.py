@@ -26,6 +26,7 @@ from mla_multi.backends.base import (
     MLASparseBackend,
     MLASparseImpl,
     forward_v4_in_parts,
+    v4_tokens_per_call,
 )
 
 _ALL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -497,10 +498,9 @@ class ReferenceSparseDecodeImpl(MLASparseImpl):
 
     def forward_v4(self, q, kv, indices, scale, *, kv_format, topk_length=None, attn_sink=None, extra_kv=None,
                    extra_indices=None, extra_topk_length=None, extra_kv_format=None):
-        """Every named row dequantised in the compute dtype: a call of more than V4_DEQUANTISED_ROWS entries
+        """Every named row dequantised in the compute dtype: a call of more than `base.V4_ROWS_AT_ONCE` entries
         runs in parts (`forward_v4_in_parts`)."""
-        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
-        per_call = max(1, V4_DEQUANTISED_ROWS // width)
+        per_call = v4_tokens_per_call(indices, extra_indices)
         if q.shape[0] > per_call:
             return forward_v4_in_parts(self.forward_v4, q, kv, indices, scale, per_call, topk_length=topk_length,
                                        extra_indices=extra_indices, extra_topk_length=extra_topk_length,
@@ -511,10 +511,6 @@ class ReferenceSparseDecodeImpl(MLASparseImpl):
         errors.error_flag(q.device).bitwise_or_(bad.any().to(torch.int32) * errors.SPARSE_INDEX)
         return out, lse
 
-
-# the most rows a REFERENCE V4 sparse decode dequantises at once (`ReferenceSparseDecodeImpl.forward_v4`: 128 MB
-# of float32 rows of 512); a call of more tokens runs in parts
-V4_DEQUANTISED_ROWS = 1 << 16
 
 
 def _forward_v4(q, kv, indices, scale, kv_format, topk_length, attn_sink, extra_kv, extra_indices,

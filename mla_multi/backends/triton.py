@@ -26,6 +26,7 @@ from mla_multi.backends.base import (
     DecodeLaunch,
     dtype_name,
     forward_v4_in_parts,
+    v4_tokens_per_call,
     MLADecodeBackend,
     MLADecodeImpl,
     MLAPrefillBackend,
@@ -644,11 +645,6 @@ class _V4InPlaceLaunch:
                           lists=(extra_indices, topk_length, extra_topk_length), out=out)
 
 
-# the most 576-wide rows a V4 decode call gathers at once (`TritonSparseDecodeImpl.forward_v4`: 75 MB in bf16); a
-# call of more tokens runs in parts
-V4_GATHERED_ROWS = 1 << 16
-
-
 class TritonSparseDecodeImpl(_SparseThroughDense):
     """Each token's valid indices are compacted (one launch) into the block-table row of a cache of one-token
     pages, which the dense split-KV decode kernels then read (their split heuristic, their sm_90 warpgroup
@@ -702,13 +698,13 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
                                       extra_topk_length)
             return launch(q, kv, indices, scale, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
                           extra_indices=extra_indices, extra_topk_length=extra_topk_length, out=out)
-        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
-        per_call = max(1, V4_GATHERED_ROWS // width)
-        if tokens > per_call:  # the gathered rows of at most V4_GATHERED_ROWS entries at a time
+        per_call = v4_tokens_per_call(indices, extra_indices)
+        if tokens > per_call:  # the gathered rows of at most `base.V4_ROWS_AT_ONCE` entries at a time
             return forward_v4_in_parts(self.forward_v4, q, kv, indices, scale, per_call, out=out, takes_out=True,
                                        topk_length=topk_length, extra_indices=extra_indices,
                                        extra_topk_length=extra_topk_length, kv_format=kv_format,
                                        attn_sink=attn_sink, extra_kv=extra_kv, extra_kv_format=extra_kv_format)
+        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
