@@ -594,10 +594,14 @@ class MLASparseImpl(ABC):
 V4_ROWS_AT_ONCE = 1 << 16
 
 
+def v4_entries_per_token(indices, extra_indices) -> int:
+    """The entries a token of a V4 call names: both index lists' widths, at least one."""
+    return max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+
+
 def v4_tokens_per_call(indices, extra_indices) -> int:
-    """The tokens of a V4 call whose named rows (both lists' widths a token) fit V4_ROWS_AT_ONCE, at least one."""
-    width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
-    return max(1, V4_ROWS_AT_ONCE // width)
+    """The tokens of a V4 call whose named rows (`v4_entries_per_token`) fit V4_ROWS_AT_ONCE, at least one."""
+    return max(1, V4_ROWS_AT_ONCE // v4_entries_per_token(indices, extra_indices))
 
 
 def forward_v4_in_parts(forward_v4, q, kv, indices, scale, per_call: int, *, out=None, topk_length=None,

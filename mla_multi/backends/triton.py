@@ -26,6 +26,7 @@ from mla_multi.backends.base import (
     DecodeLaunch,
     dtype_name,
     forward_v4_in_parts,
+    v4_entries_per_token,
     v4_tokens_per_call,
     MLADecodeBackend,
     MLADecodeImpl,
@@ -704,7 +705,7 @@ class TritonSparseDecodeImpl(_SparseThroughDense):
                                        topk_length=topk_length, extra_indices=extra_indices,
                                        extra_topk_length=extra_topk_length, kv_format=kv_format,
                                        attn_sink=attn_sink, extra_kv=extra_kv, extra_kv_format=extra_kv_format)
-        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        width = v4_entries_per_token(indices, extra_indices)
         table, lens, rows = self._v4_scratch(q, tokens, width, tokens * width)
         gather_rows(indices, topk_length, kv, kv_format, extra_indices, extra_topk_length, extra_kv,
                     extra_kv_format, rows=rows, table=table, lens=lens)
@@ -815,7 +816,7 @@ class TritonSparsePrefillImpl(_SparseThroughDense):
             return _v4_empty(q)
         count = kv.shape[0]
         extra_count = 0 if extra_kv is None else extra_kv.shape[0]
-        width = max(indices.shape[1] + (0 if extra_indices is None else extra_indices.shape[1]), 1)
+        width = v4_entries_per_token(indices, extra_indices)
         table, lens, rows = self._v4_scratch(q, tokens, width, count + extra_count)
         pad_rows(kv, extra_kv, rows)
         compact_lists(indices, topk_length, count, extra_indices, extra_topk_length, extra_count, table=table,
