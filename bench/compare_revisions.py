@@ -11,7 +11,9 @@ and FP8 caches, block 64) and `mm.ops.mla_prefill(..., backend="TRITON")` (causa
 Captured: a CUDA graph of 10 calls replayed (`triton.testing.do_bench`, median per call); eager:
 `do_bench` of the plain call, host path included. Decode reads at least 128 MiB of cache per case (copies
 rotated). `mm.ops.mla_sparse_decode(..., backend="TRITON")` over an fp8_ds_mla cache of 256K rows (block 64,
-topk 2048, index lists drawn anew for each of the rotated copies). COMPARE_ONLY=decode, =prefill or =sparse
+topk 2048, index lists drawn anew for each of the rotated copies). Layer decode steps: `MLAAttention.forward`
+of DeepSeek-V3 dims (`mla_multi.benchmarks.layer.v3_case`, the step planned outside), four layers of their
+own weights and caches taken in turn, as a model's are. COMPARE_ONLY=decode, =prefill, =sparse or =layer
 runs those cases alone. The table keeps each case's best (lowest)
 time over the rounds, and each checkout's ratio to the first.
 """
@@ -28,6 +30,9 @@ DECODE_CASES = [  # (heads, batch, seq_len, kv dtype)
 ]
 PREFILL_CASES = [(128, 1, 8192), (128, 4, 2048), (128, 16, 512), (16, 16, 512)]  # (heads, batch, seq_len)
 SPARSE_CASES = [(128, 1), (128, 32), (128, 64), (128, 128), (64, 64)]  # (heads, tokens): fp8_ds_mla, topk 2048
+LAYER_CASES = [(128, 1, 8192), (128, 2, 8192), (128, 4, 8192), (128, 8, 8192), (16, 1, 8192), (16, 4, 8192),
+               (128, 64, 4096)]  # (heads, batch, seq_len): decode steps of one layer, bf16 cache
+LAYER_COPIES = 4
 
 
 def _worker() -> None:
@@ -110,6 +115,25 @@ def _worker() -> None:
 
             report(f"sparse fp8_ds_mla N={heads} T={tokens}", sparse)
         del cache
+    for heads, batch, seq_len in LAYER_CASES if only in ("", "layer") else ():
+        from mla_multi.benchmarks.layer import v3_case
+
+        steps = []
+        for _ in range(LAYER_COPIES):
+            layer, metadata, step, _ = v3_case(f"decode:{batch}x{seq_len}", heads, None, None, torch.device(dev))
+            md = metadata()
+            layer.plan(md)
+            layer.lock_workspace()
+            steps.append((step, md))
+        state = [0]
+
+        def layer_step():
+            state[0] = (state[0] + 1) % len(steps)
+            step, md = steps[state[0]]
+            return step(md)
+
+        report(f"layer N={heads} {batch}x{seq_len}", layer_step)
+        del steps
     for heads, batch, seq_len in PREFILL_CASES if only in ("", "prefill") else ():
         total = batch * seq_len
         q = torch.randn(total, heads, 192, device=dev, dtype=torch.bfloat16)

@@ -31,6 +31,9 @@ from mla_multi.workspace import WorkspaceManager, current_workspace_manager
 # the longest new prefill of a step without context that goes to the context prefill backend where
 # `MLAAttention._short_prefills` holds
 SHORT_PREFILL_TOKENS = 4096
+# the most tokens a step's absorbed products take as Triton launches (`kernels.absorb.MAX_TOKENS`, not imported
+# here: the module needs Triton); more take torch.bmm
+MAX_PRODUCT_TOKENS = 16
 
 # what a backward through the layer says (`_InferenceOnly`)
 NO_BACKWARD = (
@@ -267,13 +270,14 @@ class MLAAttention(torch.nn.Module):
                 what=f"workspace_tokens={self.workspace_tokens} latent rows of {lkv + dims.qk_rope_head_dim}",
             )
         # the kernels' error flag (mla_multi.errors) must exist before a graph captures its address
-        ops.error_flag(self.device)
+        self._error_flag = ops.error_flag(self.device)
         self._bound = (self.dtype, self.device)
         self._make_views()
 
     # ------------------------------------------------------------------ weights
     def _make_views(self) -> tuple:
-        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight."""
+        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight; and
+        the products' bound launches over them (`_products`) or None."""
         d = self.dims
         n, p, v, lkv = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
         weight = self._parameters["kv_b_proj_weight"]
@@ -281,8 +285,23 @@ class MLAAttention(torch.nn.Module):
         per_head = weight.detach().view(n, p + v, lkv)
         w_uk = per_head[:, :p, :]  # q_nope @ W_UK -> absorbed query
         w_uv = per_head[:, p:, :]  # latent output @ W_UV^T -> per-head V
-        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2))
+        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2), self._products(w_uk, w_uv))
         return self._views
+
+    def _products(self, w_uk: torch.Tensor, w_uv: torch.Tensor):
+        """The absorbed products of steps of a few tokens as Triton launches (`kernels.absorb.DecodeProducts`:
+        half a `torch.bmm`'s host time, the decode's cache write in the W_UK product's launch), on a GPU where
+        the dims and dtype allow them; None elsewhere (`torch.bmm` and the cache op)."""
+        if w_uk.device.type != "cuda":
+            return None
+        try:
+            from mla_multi.kernels.absorb import DecodeProducts, products_reason
+        except ImportError:  # no Triton: the products stay torch's
+            return None
+        d = self.dims
+        if products_reason(w_uk.dtype, d.qk_nope_head_dim, d.kv_lora_rank, d.v_head_dim):
+            return None
+        return DecodeProducts(w_uk, w_uv.transpose(1, 2))
 
     def _absorbed(self) -> tuple:
         """The views of `_make_views`, made again where the weight was replaced or moved behind the module's back
@@ -712,10 +731,22 @@ class MLAAttention(torch.nn.Module):
         if topk_indices is not None:
             raise ValueError("topk_indices given to a dense MLAAttention; accepted: None (or build it with sparse_topk)")
         output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
+        num_decodes, num_prefills, num_decode_tokens, _ = self._split(metadata)
+        if num_prefills == 0 and self.dcp is None:
+            products = self._absorbed()[5]
+            if (products is not None and 0 < num_decode_tokens <= MAX_PRODUCT_TOKENS and q.stride(2) == 1
+                    and kv_c_normed.stride(1) == 1 and k_pe.stride(1) == 1 and kv_cache.is_contiguous()
+                    and kv_cache.dtype != torch.uint8 and metadata.slot_mapping.dtype == torch.int64
+                    and metadata.slot_mapping.shape[0] == q.shape[0] and not checks.data_checks_enabled(self.device)):
+                # a decode step of a few tokens: the cache write and the W_UK product in one launch (the cache
+                # op's rules: `kernels.absorb`); with the data checks on, the op's checks run instead
+                ql_nope = products.prologue(q, kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, self.k_scale,
+                                            self._error_flag)
+                self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope)
+                return output
         slot_mapping = metadata.slot_mapping if self.dcp is None else self.dcp.local_slot_mapping(metadata)
         ops.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, slot_mapping, scale=self.k_scale)
 
-        num_decodes, num_prefills, num_decode_tokens, _ = self._split(metadata)
         if num_decode_tokens > 0:
             self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output)
         if num_prefills > 0:
@@ -827,13 +858,19 @@ class MLAAttention(torch.nn.Module):
 
     def _up_project_latent(self, latent: torch.Tensor, output: torch.Tensor, tokens: int) -> None:
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
-        written by the product itself (no copy, no temporary)."""
+        written by the product itself (no copy, no temporary): the Triton launch for a few tokens
+        (`kernels.absorb.DecodeProducts`), else `torch.bmm`."""
         n, v = self.dims.num_heads, self.dims.v_head_dim
         # the product's [N, tokens, V] view of the rows (their columns contiguous: `_check_step`): one view
         heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
-        torch.bmm(latent.transpose(0, 1), self._absorbed()[4], out=heads_first)
+        views = self._absorbed()
+        products = views[5]
+        if products is not None and tokens <= MAX_PRODUCT_TOKENS and latent.stride(2) == 1:
+            products.up_project(latent, heads_first)
+        else:
+            torch.bmm(latent.transpose(0, 1), views[4], out=heads_first)
 
-    def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output) -> None:
+    def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope=None) -> None:
         d = self.dims
         p = d.qk_nope_head_dim
         block_table, seq_lens, keywords, impl = self._decode_step(metadata, num_decodes)
@@ -849,9 +886,10 @@ class MLAAttention(torch.nn.Module):
         # the decode tokens' nope part as [N, B, P] and their rotary part: one view each
         s0, s1, s2 = q.stride()
         offset = q.storage_offset()
-        q_nope_t = q.as_strided((d.num_heads, num_decode_tokens, p), (s1, s0, s2), offset)
         q_pe = q.as_strided((num_decode_tokens, d.num_heads, d.qk_rope_head_dim), (s0, s1, s2), offset + p * s2)
-        ql_nope = torch.bmm(q_nope_t, self._absorbed()[2]).transpose(0, 1)
+        if ql_nope is None:  # else made with the step's cache write (`_forward_step`)
+            q_nope_t = q.as_strided((d.num_heads, num_decode_tokens, p), (s1, s0, s2), offset)
+            ql_nope = torch.bmm(q_nope_t, self._absorbed()[2]).transpose(0, 1)
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous() if contiguous_pe else q_pe, kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **keywords,
@@ -872,7 +910,7 @@ class MLAAttention(torch.nn.Module):
         """
         d = self.dims
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
-        _, _, w_uk, w_uv, _ = self._absorbed()
+        _, _, w_uk, w_uv, _, _ = self._absorbed()
         tokens = kv_c.shape[0]
         latent = kv_c.expand(n, tokens, kv_c.shape[1])
         value = torch.empty(tokens, n, v, dtype=kv_c.dtype, device=kv_c.device)

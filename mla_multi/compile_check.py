@@ -53,6 +53,7 @@ __all__ = ["KERNEL_MODULES", "TARGETS", "CompileSpec", "CompileResult", "run_che
 KERNEL_MODULES: list[str] = [
     "mla_multi.kernels.mla_decode",
     "mla_multi.kernels.cache_ops",
+    "mla_multi.kernels.absorb",
     "mla_multi.kernels.prefill",
     "mla_multi.kernels.merge",
     "mla_multi.kernels.dcp_combine",

@@ -70,7 +70,8 @@ def _float_to_fp8_bits(x, EXPONENT_BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _concat_and_cache_mla_kernel(
+def _write_token_row(
+    token,
     KV_c,
     K_pe,
     KV_cache,
@@ -88,7 +89,7 @@ def _concat_and_cache_mla_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """Write token `token`'s ``[kv_c | k_pe]`` row into its slot (`concat_and_cache_mla`'s rules)."""
     slot = tl.load(Slot_mapping + token).to(tl.int64)
     # padding tokens (negative slots) write nothing; slots past the cache neither, and are recorded
     past_cache = slot >= num_slots
@@ -114,6 +115,30 @@ def _concat_and_cache_mla_kernel(
         k_pe = k_pe.to(KV_cache.dtype.element_ty)
     tl.store(row + offs_c, kv_c, mask=keep_c)
     tl.store(row + KV_LORA_RANK + offs_r, k_pe, mask=keep_r)
+
+
+@triton.jit
+def _concat_and_cache_mla_kernel(
+    KV_c,
+    K_pe,
+    KV_cache,
+    Slot_mapping,
+    Scale,
+    Error_flag,
+    stride_kv_c_t,
+    stride_k_pe_t,
+    stride_cache_block,
+    stride_cache_token,
+    block_size,
+    num_slots,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    _write_token_row(tl.program_id(0).to(tl.int64), KV_c, K_pe, KV_cache, Slot_mapping, Scale, Error_flag,
+                     stride_kv_c_t, stride_k_pe_t, stride_cache_block, stride_cache_token, block_size, num_slots,
+                     KV_LORA_RANK, ROPE_DIM, FP8_BIAS, FP8_MAX)
 
 
 # the quantising cache formats (`mla_multi.cache_formats`) as the writer kernel names them
