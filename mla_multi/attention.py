@@ -292,7 +292,7 @@ class MLAAttention(torch.nn.Module):
         """The absorbed products of steps of a few tokens as Triton launches (`kernels.absorb.DecodeProducts`:
         half a `torch.bmm`'s host time, the decode's cache write in the W_UK product's launch), on a GPU where
         the dims and dtype allow them; None elsewhere (`torch.bmm` and the cache op)."""
-        if w_uk.device.type != "cuda":
+        if w_uk.device.type != "cuda" or w_uk.stride(2) != 1:  # the prologue reads W_UK's rows as contiguous
             return None
         try:
             from mla_multi.kernels.absorb import DecodeProducts, products_reason
