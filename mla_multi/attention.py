@@ -276,8 +276,9 @@ class MLAAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ weights
     def _make_views(self) -> tuple:
-        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight; and
-        the products' bound launches over them (`_products`) or None."""
+        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight; then
+        the products' bound launches over them (`_products`) or None, and the same where a decode step may take the
+        prologue (no DCP, no byte-format cache) or None."""
         d = self.dims
         n, p, v, lkv = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
         weight = self._parameters["kv_b_proj_weight"]
@@ -285,7 +286,9 @@ class MLAAttention(torch.nn.Module):
         per_head = weight.detach().view(n, p + v, lkv)
         w_uk = per_head[:, :p, :]  # q_nope @ W_UK -> absorbed query
         w_uv = per_head[:, p:, :]  # latent output @ W_UV^T -> per-head V
-        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2), self._products(w_uk, w_uv))
+        products = self._products(w_uk, w_uv)
+        prologue = products if self.dcp is None and self.kv_cache_dtype != torch.uint8 else None
+        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2), products, prologue)
         return self._views
 
     def _products(self, w_uk: torch.Tensor, w_uv: torch.Tensor):
@@ -732,15 +735,14 @@ class MLAAttention(torch.nn.Module):
             raise ValueError("topk_indices given to a dense MLAAttention; accepted: None (or build it with sparse_topk)")
         output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         num_decodes, num_prefills, num_decode_tokens, _ = self._split(metadata)
-        if num_prefills == 0 and self.dcp is None:
-            products = self._absorbed()[5]
-            if (products is not None and 0 < num_decode_tokens <= MAX_PRODUCT_TOKENS and q.stride(2) == 1
-                    and kv_c_normed.stride(1) == 1 and k_pe.stride(1) == 1 and kv_cache.is_contiguous()
-                    and kv_cache.dtype != torch.uint8 and metadata.slot_mapping.dtype == torch.int64
+        if num_prefills == 0 and 0 < num_decode_tokens <= MAX_PRODUCT_TOKENS:
+            prologue = self._absorbed()[6]
+            if (prologue is not None and q.stride(2) == 1 and kv_c_normed.stride(1) == 1 and k_pe.stride(1) == 1
+                    and kv_cache.is_contiguous() and metadata.slot_mapping.dtype == torch.int64
                     and metadata.slot_mapping.shape[0] == q.shape[0] and not checks.data_checks_enabled(self.device)):
                 # a decode step of a few tokens: the cache write and the W_UK product in one launch (the cache
                 # op's rules: `kernels.absorb`); with the data checks on, the op's checks run instead
-                ql_nope = products.prologue(q, kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, self.k_scale,
+                ql_nope = prologue.prologue(q, kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, self.k_scale,
                                             self._error_flag)
                 self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope)
                 return output
@@ -910,7 +912,8 @@ class MLAAttention(torch.nn.Module):
         """
         d = self.dims
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
-        _, _, w_uk, w_uv, _, _ = self._absorbed()
+        views = self._absorbed()
+        w_uk, w_uv = views[2], views[3]
         tokens = kv_c.shape[0]
         latent = kv_c.expand(n, tokens, kv_c.shape[1])
         value = torch.empty(tokens, n, v, dtype=kv_c.dtype, device=kv_c.device)

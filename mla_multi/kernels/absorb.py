@@ -24,13 +24,15 @@ tensor is read by its strides; the weights are per-head views of
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mla_multi.kernels.cache_ops import _FP8_EXPONENT_BIAS as FP8_EXPONENT_BIAS
 from mla_multi.kernels.cache_ops import FP8_DTYPES, FP8_MAX, _write_token_row
-from mla_multi.kernels.launch import BoundLaunch, alignment_key
+from mla_multi.kernels.launch import alignment_key, bound_by_layout
 from mla_multi.kernels.launch_config import CompileSpec
 
 __all__ = ["MAX_TOKENS", "DecodeProducts", "products_reason", "compile_specs"]
@@ -137,7 +139,6 @@ PROLOGUE_BLOCK_L = 128
 UP_BLOCK_K = 128
 UP_STAGES = 3
 _NUM_WARPS = 4
-_BOUND_MAX = 64  # bound launches a `DecodeProducts` keeps (by specialisation)
 
 
 def up_block_v(num_heads: int, v_dim: int) -> int:
@@ -157,11 +158,20 @@ def products_reason(dtype: torch.dtype, nope: int, kv_lora_rank: int, v_dim: int
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def _prologue_constexprs(nope: int, kv_lora_rank: int, rope: int, cache_dtype: torch.dtype) -> dict:
+    fp8 = cache_dtype in FP8_DTYPES
+    return dict(NOPE=nope, KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope, BLOCK_T=MAX_TOKENS, BLOCK_L=PROLOGUE_BLOCK_L,
+                FP8_BIAS=FP8_EXPONENT_BIAS[cache_dtype] if fp8 else 0, FP8_MAX=FP8_MAX[cache_dtype] if fp8 else 0.0,
+                num_warps=_NUM_WARPS)
+
+
 class DecodeProducts:
     """One layer's absorbed products as bound launches: W_UK (`w_uk` [N, P, Lkv], rows contiguous) into a
     decode step's queries with the step's cache write (`prologue`), W_UV (`w_uv` [N, Lkv, V] by strides) out
-    of its latent output (`up_project`). A launch is bound once per specialisation (every integer argument,
-    the tensors' dtypes and 16-byte alignment): a call only works out its arguments and launches."""
+    of its latent output (`up_project`). The launches are bound by specialisation (every integer argument, the
+    tensors' dtypes and 16-byte alignment) in `launch.bound_by_layout`'s cache, shared by every layer of the
+    same layouts: a call only works out its arguments and launches."""
 
     def __init__(self, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
         self.w_uk = w_uk
@@ -170,15 +180,10 @@ class DecodeProducts:
         self.v_dim = w_uv.shape[2]
         self._uk_strides = (w_uk.stride(0), w_uk.stride(1))
         self._uv_strides = tuple(w_uv.stride())
-        self._bound: dict = {}
-
-    def _launch(self, kernel, grid, constexprs: dict, device, key) -> BoundLaunch:
-        launch = self._bound.get(key)
-        if launch is None:
-            if len(self._bound) >= _BOUND_MAX:
-                self._bound.clear()
-            launch = self._bound[key] = BoundLaunch(kernel, grid, constexprs, device)
-        return launch
+        block_v = up_block_v(self.num_heads, self.v_dim)
+        self._up_grid = (self.num_heads, self.v_dim // block_v)
+        self._up_constexprs = dict(KV_LORA_RANK=self.kv_lora_rank, BLOCK_T=MAX_TOKENS, BLOCK_K=UP_BLOCK_K,
+                                   BLOCK_V=block_v, NUM_STAGES=UP_STAGES, num_warps=_NUM_WARPS)
 
     def prologue(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, scale: torch.Tensor | None, error_flag: torch.Tensor) -> torch.Tensor:
@@ -194,13 +199,12 @@ class DecodeProducts:
         ints = (tokens, q_strides[0], q_strides[1], *self._uk_strides, tokens * lkv, lkv, kv_c.stride(0),
                 k_pe.stride(0), cache_strides[0], cache_strides[1], cache_shape[1], cache_shape[0] * cache_shape[1])
         scale = scale if fp8 else slot_mapping
-        key = ("prologue", ints, q.dtype, kv_cache.dtype, alignment_key(q, kv_c, k_pe, cache, slot_mapping, scale))
-        launch = self._bound.get(key)
-        if launch is None:
-            launch = self._launch(_decode_prologue_kernel, (tokens + n * (lkv // PROLOGUE_BLOCK_L),), dict(
-                NOPE=self.nope, KV_LORA_RANK=lkv, ROPE_DIM=k_pe.shape[1], BLOCK_T=MAX_TOKENS,
-                BLOCK_L=PROLOGUE_BLOCK_L, FP8_BIAS=FP8_EXPONENT_BIAS[kv_cache.dtype] if fp8 else 0,
-                FP8_MAX=FP8_MAX[kv_cache.dtype] if fp8 else 0.0, num_warps=_NUM_WARPS), q.device, key)
+        launch = bound_by_layout(
+            _decode_prologue_kernel, (tokens + n * (lkv // PROLOGUE_BLOCK_L),),
+            _prologue_constexprs(self.nope, lkv, k_pe.shape[1], kv_cache.dtype), q.device,
+            (ints, q.dtype, kv_cache.dtype, alignment_key(q, self.w_uk, kv_c, k_pe, cache, slot_mapping, scale)),
+            pdl=False,
+        )
         launch(q, self.w_uk, ql, kv_c, k_pe, cache, slot_mapping, scale, error_flag, *ints)
         return ql.transpose(0, 1)
 
@@ -209,13 +213,8 @@ class DecodeProducts:
         latent_strides, out_strides = latent.stride(), out.stride()
         ints = (latent.shape[0], latent_strides[0], latent_strides[1], *self._uv_strides, out_strides[0],
                 out_strides[1])
-        key = ("up", ints, latent.dtype, alignment_key(latent, out))
-        launch = self._bound.get(key)
-        if launch is None:
-            block_v = up_block_v(self.num_heads, self.v_dim)
-            launch = self._launch(_up_project_kernel, (self.num_heads, self.v_dim // block_v), dict(
-                KV_LORA_RANK=self.kv_lora_rank, BLOCK_T=MAX_TOKENS, BLOCK_K=UP_BLOCK_K, BLOCK_V=block_v,
-                NUM_STAGES=UP_STAGES, num_warps=_NUM_WARPS), latent.device, key)
+        launch = bound_by_layout(_up_project_kernel, self._up_grid, self._up_constexprs, latent.device,
+                                 (ints, latent.dtype, alignment_key(latent, self.w_uv, out)), pdl=False)
         launch(latent, self.w_uv, out, *ints)
 
 

@@ -256,15 +256,16 @@ _BY_LAYOUT_MAX = 256
 
 
 def bound_by_layout(kernel, grid: tuple[int, ...], constexprs: dict[str, Any], device: torch.device,
-                    key: tuple) -> BoundLaunch:
+                    key: tuple, *, pdl: bool = True) -> BoundLaunch:
     """The `BoundLaunch` of `kernel` for `key` (every layout and integer its specialisation depends on), made
-    once and kept in the bounded cache `_BY_LAYOUT`. Every kernel launched so takes `PDL` (`pdl_enter`): made
-    on a device that launches by programmatic dependent launch, it is launched so."""
+    once and kept in the bounded cache `_BY_LAYOUT`. A kernel launched so takes `PDL` (`pdl_enter`) unless
+    `pdl` is False: made on a device that launches by programmatic dependent launch, it is launched so."""
     key = (kernel, grid) + key
     launch = _BY_LAYOUT.get(key)
     if launch is None:
         if len(_BY_LAYOUT) >= _BY_LAYOUT_MAX:
             _BY_LAYOUT.clear()
-        constexprs = {**constexprs, **pdl_constexprs(device)}
+        if pdl:
+            constexprs = {**constexprs, **pdl_constexprs(device)}
         launch = _BY_LAYOUT[key] = BoundLaunch(kernel, grid, constexprs, device)
     return launch
