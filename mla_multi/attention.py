@@ -862,15 +862,15 @@ class MLAAttention(torch.nn.Module):
         """output[:tokens] = latent [tokens, N, Lkv] up-projected with W_UV ([N, Lkv] x [N, Lkv, V] per head),
         written by the product itself (no copy, no temporary): the Triton launch for a few tokens
         (`kernels.absorb.DecodeProducts`), else `torch.bmm`."""
-        n, v = self.dims.num_heads, self.dims.v_head_dim
-        # the product's [N, tokens, V] view of the rows (their columns contiguous: `_check_step`): one view
-        heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
         views = self._absorbed()
         products = views[5]
         if products is not None and tokens <= MAX_PRODUCT_TOKENS and latent.stride(2) == 1:
-            products.up_project(latent, heads_first)
-        else:
-            torch.bmm(latent.transpose(0, 1), views[4], out=heads_first)
+            products.up_project(latent, output)  # (the rows by their strides: no view)
+            return
+        n, v = self.dims.num_heads, self.dims.v_head_dim
+        # the product's [N, tokens, V] view of the rows (their columns contiguous: `_check_step`): one view
+        heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
+        torch.bmm(latent.transpose(0, 1), views[4], out=heads_first)
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope=None) -> None:
         d = self.dims

@@ -54,8 +54,7 @@ def run_case(heads, nope, lkv, rope, v_dim, tokens, cache_dtype, device="cpu", d
     ref_ql = torch.einsum("tnp,npl->tnl", q[..., :nope].double(), w_uk.double())
     latent = torch.randn(tokens, heads, lkv, generator=gen).to(device, dtype)
     out = torch.full((tokens + 2, heads * v_dim), float("nan"), dtype=dtype, device=device)
-    heads_first = out.as_strided((heads, tokens, v_dim), (v_dim, out.stride(0), 1))
-    products.up_project(latent, heads_first)
+    products.up_project(latent, out)
     ref_up = torch.einsum("tnl,nlv->tnv", latent.double(), w_uv.double()).reshape(tokens, heads * v_dim)
     bits = lambda t: t.view(torch.uint8) if fp8 else t  # noqa: E731 - FP8 compared by bytes
     return {
@@ -115,6 +114,38 @@ def test_the_layer_bound_matches_the_kernels():
     from mla_multi.kernels.absorb import MAX_TOKENS
 
     assert MAX_PRODUCT_TOKENS == MAX_TOKENS
+
+
+def test_absorbed_queries_are_views_of_one_buffer_a_device():
+    from mla_multi.kernels import absorb
+
+    device = torch.device("cpu")
+    ql, tokens_first = absorb.absorbed_queries(3, 5, 128, torch.float16, device)
+    assert ql.shape == (3, 5, 128) and ql.is_contiguous() and tokens_first.shape == (5, 3, 128)
+    assert tokens_first.stride() == (128, 5 * 128, 1) and tokens_first.data_ptr() == ql.data_ptr()
+    again = absorb.absorbed_queries(3, 5, 128, torch.float16, device)
+    assert again[0] is ql and again[1] is tokens_first  # given again: no view made a call
+    wider, _ = absorb.absorbed_queries(3, absorb.MAX_TOKENS, 128, torch.float16, device)
+    assert wider.data_ptr() == ql.data_ptr() and wider.numel() == 3 * absorb.MAX_TOKENS * 128
+    other, _ = absorb.absorbed_queries(3, 5, 128, torch.bfloat16, device)
+    assert other.dtype == torch.bfloat16 and other.data_ptr() != ql.data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_absorbed_queries_made_in_a_capture_are_the_captures_own():
+    from mla_multi.kernels import absorb
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, torch.float16, 7, 128)
+    absorb._ABSORBED_QUERIES.pop(key, None)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        ql, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device)
+    assert key not in absorb._ABSORBED_QUERIES  # the graph's memory, kept by nothing
+    eager, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device)
+    assert key in absorb._ABSORBED_QUERIES and eager.data_ptr() != ql.data_ptr()
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_multi.kernels import capturing_on
 from mla_multi.kernels.cache_ops import _FP8_EXPONENT_BIAS as FP8_EXPONENT_BIAS
 from mla_multi.kernels.cache_ops import FP8_DTYPES, FP8_MAX, _write_token_row
 from mla_multi.kernels.launch import alignment_key, bound_by_layout
@@ -166,6 +167,31 @@ def _prologue_constexprs(nope: int, kv_lora_rank: int, rope: int, cache_dtype: t
                 num_warps=_NUM_WARPS)
 
 
+# (device, dtype, heads, Lkv) -> the device's buffer of MAX_TOKENS tokens' absorbed queries, and its views by
+# token count: what a step's prologue writes lives only until the step's split kernel has read it, in stream
+# order, so every layer of the device shares one buffer (as the split partials share the device's workspace)
+_ABSORBED_QUERIES: dict = {}
+
+
+def absorbed_queries(heads: int, tokens: int, lkv: int, dtype: torch.dtype, device: torch.device):
+    """(ql [N, T, Lkv] contiguous, its [T, N, Lkv] view) for `tokens` <= MAX_TOKENS: views of the device's shared
+    buffer, made once and given again (no allocation, no view made a call). During a CUDA-graph capture before
+    the buffer exists, a tensor of the capture's own (kept by nothing: the graph's memory)."""
+    key = (device, dtype, heads, lkv)
+    found = _ABSORBED_QUERIES.get(key)
+    if found is None:
+        if capturing_on(device):
+            ql = torch.empty((heads, tokens, lkv), dtype=dtype, device=device)
+            return ql, ql.transpose(0, 1)
+        found = _ABSORBED_QUERIES[key] = (torch.empty(heads * MAX_TOKENS * lkv, dtype=dtype, device=device), {})
+    buffer, views = found
+    pair = views.get(tokens)
+    if pair is None:
+        ql = buffer[: heads * tokens * lkv].view(heads, tokens, lkv)
+        pair = views[tokens] = (ql, ql.transpose(0, 1))
+    return pair
+
+
 class DecodeProducts:
     """One layer's absorbed products as bound launches: W_UK (`w_uk` [N, P, Lkv], rows contiguous) into a
     decode step's queries with the step's cache write (`prologue`), W_UV (`w_uv` [N, Lkv, V] by strides) out
@@ -192,7 +218,7 @@ class DecodeProducts:
         W_UK per head (a view of a heads-first [N, T, Lkv] tensor, as ``torch.bmm`` gives it). The caller
         checked the tensors (`MLAAttention`) and `products_reason`."""
         tokens, n, lkv = q.shape[0], self.num_heads, self.kv_lora_rank
-        ql = torch.empty((n, tokens, lkv), dtype=q.dtype, device=q.device)
+        ql, ql_tokens_first = absorbed_queries(n, tokens, lkv, q.dtype, q.device)
         fp8 = kv_cache.dtype in FP8_DTYPES
         cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
         q_strides, cache_strides, cache_shape = q.stride(), cache.stride(), kv_cache.shape
@@ -206,13 +232,13 @@ class DecodeProducts:
             pdl=False,
         )
         launch(q, self.w_uk, ql, kv_c, k_pe, cache, slot_mapping, scale, error_flag, *ints)
-        return ql.transpose(0, 1)
+        return ql_tokens_first
 
     def up_project(self, latent: torch.Tensor, out: torch.Tensor) -> None:
-        """out [N, T, V] (rows of V contiguous) = latent [T, N, Lkv] (rows contiguous) times W_UV per head."""
-        latent_strides, out_strides = latent.stride(), out.stride()
-        ints = (latent.shape[0], latent_strides[0], latent_strides[1], *self._uv_strides, out_strides[0],
-                out_strides[1])
+        """out[:T] [T, N * V] (columns contiguous; each head's V columns side by side, as a layer's output) =
+        latent [T, N, Lkv] (rows contiguous) times W_UV per head."""
+        latent_strides = latent.stride()
+        ints = (latent.shape[0], latent_strides[0], latent_strides[1], *self._uv_strides, self.v_dim, out.stride(0))
         launch = bound_by_layout(_up_project_kernel, self._up_grid, self._up_constexprs, latent.device,
                                  (ints, latent.dtype, alignment_key(latent, self.w_uv, out)), pdl=False)
         launch(latent, self.w_uv, out, *ints)
