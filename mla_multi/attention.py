@@ -743,7 +743,7 @@ class MLAAttention(torch.nn.Module):
                 # a decode step of a few tokens: the cache write and the W_UK product in one launch (the cache
                 # op's rules: `kernels.absorb`); with the data checks on, the op's checks run instead
                 ql_nope = prologue.prologue(q, kv_c_normed, k_pe, kv_cache, metadata.slot_mapping, self.k_scale,
-                                            self._error_flag)
+                                            self._error_flag, self.workspace.side)
                 self._forward_decode(q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope)
                 return output
         slot_mapping = metadata.slot_mapping if self.dcp is None else self.dcp.local_slot_mapping(metadata)

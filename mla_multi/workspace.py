@@ -63,6 +63,9 @@ class WorkspaceManager:
         self.reservations: dict[str, tuple[int, str]] = {}
         # specs -> the views `get_simultaneous` made of the current buffer (dropped when it is replaced)
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        # buffers kept beside the scratch for as long as the manager lives, shared in stream order by the layers
+        # that share it, each while one launch writes it and the next reads it (`kernels.absorb.absorbed_queries`)
+        self.side: dict = {}
 
     @property
     def size_bytes(self) -> int:

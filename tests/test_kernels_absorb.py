@@ -50,7 +50,7 @@ def run_case(heads, nope, lkv, rope, v_dim, tokens, cache_dtype, device="cpu", d
     concat_and_cache_mla(kv_c, k_pe, expected_cache, slots, scale, error_flag=op_flag)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     products = DecodeProducts(w_uk, w_uv)
-    ql = products.prologue(q, kv_c, k_pe, cache, slots, scale, flag)
+    ql = products.prologue(q, kv_c, k_pe, cache, slots, scale, flag, {})
     ref_ql = torch.einsum("tnp,npl->tnl", q[..., :nope].double(), w_uk.double())
     latent = torch.randn(tokens, heads, lkv, generator=gen).to(device, dtype)
     out = torch.full((tokens + 2, heads * v_dim), float("nan"), dtype=dtype, device=device)
@@ -116,19 +116,38 @@ def test_the_layer_bound_matches_the_kernels():
     assert MAX_PRODUCT_TOKENS == MAX_TOKENS
 
 
-def test_absorbed_queries_are_views_of_one_buffer_a_device():
+def test_absorbed_queries_are_views_of_one_buffer_a_store():
     from mla_multi.kernels import absorb
+    from mla_multi.workspace import WorkspaceManager
 
     device = torch.device("cpu")
-    ql, tokens_first = absorb.absorbed_queries(3, 5, 128, torch.float16, device)
+    store = WorkspaceManager(device).side
+    ql, tokens_first = absorb.absorbed_queries(3, 5, 128, torch.float16, device, store)
     assert ql.shape == (3, 5, 128) and ql.is_contiguous() and tokens_first.shape == (5, 3, 128)
     assert tokens_first.stride() == (128, 5 * 128, 1) and tokens_first.data_ptr() == ql.data_ptr()
-    again = absorb.absorbed_queries(3, 5, 128, torch.float16, device)
+    again = absorb.absorbed_queries(3, 5, 128, torch.float16, device, store)
     assert again[0] is ql and again[1] is tokens_first  # given again: no view made a call
-    wider, _ = absorb.absorbed_queries(3, absorb.MAX_TOKENS, 128, torch.float16, device)
+    wider, _ = absorb.absorbed_queries(3, absorb.MAX_TOKENS, 128, torch.float16, device, store)
     assert wider.data_ptr() == ql.data_ptr() and wider.numel() == 3 * absorb.MAX_TOKENS * 128
-    other, _ = absorb.absorbed_queries(3, 5, 128, torch.bfloat16, device)
+    other, _ = absorb.absorbed_queries(3, 5, 128, torch.bfloat16, device, store)
     assert other.dtype == torch.bfloat16 and other.data_ptr() != ql.data_ptr()
+    # layers of another workspace (run on another stream, say) get a buffer of their own
+    apart, _ = absorb.absorbed_queries(3, 5, 128, torch.float16, device, WorkspaceManager(device).side)
+    assert apart.data_ptr() != ql.data_ptr()
+
+
+def test_the_layers_of_one_workspace_share_the_absorbed_queries():
+    """Two layers built on one device share its workspace's side buffers; one given a workspace of its own does
+    not (what the prologue keeps follows the workspace's sharing)."""
+    import mla_multi as mm
+    from mla_multi.workspace import WorkspaceManager
+
+    dims = mm.MLADims.deepseek_v3(num_heads=2)
+    weight = torch.randn(2 * 256, 512, dtype=torch.float16)
+    make = lambda **kw: mm.MLAAttention(dims, 0.1, weight, block_size=16, max_model_len=64,  # noqa: E731
+                                        max_num_seqs=2, **kw)
+    first, second, apart = make(), make(), make(workspace=WorkspaceManager("cpu"))
+    assert first.workspace.side is second.workspace.side and apart.workspace.side is not first.workspace.side
 
 
 @pytest.mark.gpu
@@ -137,15 +156,14 @@ def test_absorbed_queries_made_in_a_capture_are_the_captures_own():
     from mla_multi.kernels import absorb
 
     device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, torch.float16, 7, 128)
-    absorb._ABSORBED_QUERIES.pop(key, None)
+    store = {}
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        ql, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device)
-    assert key not in absorb._ABSORBED_QUERIES  # the graph's memory, kept by nothing
-    eager, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device)
-    assert key in absorb._ABSORBED_QUERIES and eager.data_ptr() != ql.data_ptr()
+        ql, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device, store)
+    assert not store  # the graph's memory, kept by nothing
+    eager, _ = absorb.absorbed_queries(7, 2, 128, torch.float16, device, store)
+    assert len(store) == 1 and eager.data_ptr() != ql.data_ptr()
 
 
 @pytest.mark.gpu

@@ -167,23 +167,20 @@ def _prologue_constexprs(nope: int, kv_lora_rank: int, rope: int, cache_dtype: t
                 num_warps=_NUM_WARPS)
 
 
-# (device, dtype, heads, Lkv) -> the device's buffer of MAX_TOKENS tokens' absorbed queries, and its views by
-# token count: what a step's prologue writes lives only until the step's split kernel has read it, in stream
-# order, so every layer of the device shares one buffer (as the split partials share the device's workspace)
-_ABSORBED_QUERIES: dict = {}
-
-
-def absorbed_queries(heads: int, tokens: int, lkv: int, dtype: torch.dtype, device: torch.device):
-    """(ql [N, T, Lkv] contiguous, its [T, N, Lkv] view) for `tokens` <= MAX_TOKENS: views of the device's shared
-    buffer, made once and given again (no allocation, no view made a call). During a CUDA-graph capture before
-    the buffer exists, a tensor of the capture's own (kept by nothing: the graph's memory)."""
-    key = (device, dtype, heads, lkv)
-    found = _ABSORBED_QUERIES.get(key)
+def absorbed_queries(heads: int, tokens: int, lkv: int, dtype: torch.dtype, device: torch.device, store: dict):
+    """(ql [N, T, Lkv] contiguous, its [T, N, Lkv] view) for `tokens` <= MAX_TOKENS: views of one buffer of
+    MAX_TOKENS tokens' absorbed queries kept in `store` (a workspace's `side` buffers: what a step's prologue
+    writes lives only until the step's split kernel has read it, in stream order, so the layers that share a
+    workspace share it too), its views made once per token count and given again (no allocation, no view made a
+    call). During a CUDA-graph capture before the buffer exists, a tensor of the capture's own (kept by nothing:
+    the graph's memory)."""
+    key = ("absorbed queries", device, dtype, heads, lkv)
+    found = store.get(key)
     if found is None:
         if capturing_on(device):
             ql = torch.empty((heads, tokens, lkv), dtype=dtype, device=device)
             return ql, ql.transpose(0, 1)
-        found = _ABSORBED_QUERIES[key] = (torch.empty(heads * MAX_TOKENS * lkv, dtype=dtype, device=device), {})
+        found = store[key] = (torch.empty(heads * MAX_TOKENS * lkv, dtype=dtype, device=device), {})
     buffer, views = found
     pair = views.get(tokens)
     if pair is None:
@@ -212,13 +209,14 @@ class DecodeProducts:
                                    BLOCK_V=block_v, NUM_STAGES=UP_STAGES, num_warps=_NUM_WARPS)
 
     def prologue(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, scale: torch.Tensor | None, error_flag: torch.Tensor) -> torch.Tensor:
+                 slot_mapping: torch.Tensor, scale: torch.Tensor | None, error_flag: torch.Tensor,
+                 store: dict) -> torch.Tensor:
         """Write each token's ``[kv_c | k_pe]`` row into its slot of `kv_cache` (`concat_and_cache_mla`'s rules,
         FP8 caches by `scale`) and return the absorbed queries [T, N, Lkv]: q [T, N, P + R]'s nope part times
-        W_UK per head (a view of a heads-first [N, T, Lkv] tensor, as ``torch.bmm`` gives it). The caller
-        checked the tensors (`MLAAttention`) and `products_reason`."""
+        W_UK per head (a view of a heads-first [N, T, Lkv] buffer kept in `store`, `absorbed_queries`). The
+        caller checked the tensors (`MLAAttention`) and `products_reason`."""
         tokens, n, lkv = q.shape[0], self.num_heads, self.kv_lora_rank
-        ql, ql_tokens_first = absorbed_queries(n, tokens, lkv, q.dtype, q.device)
+        ql, ql_tokens_first = absorbed_queries(n, tokens, lkv, q.dtype, q.device, store)
         fp8 = kv_cache.dtype in FP8_DTYPES
         cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
         q_strides, cache_strides, cache_shape = q.stride(), cache.stride(), kv_cache.shape
