@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import typing
 
 import torch
 
@@ -34,6 +35,18 @@ SHORT_PREFILL_TOKENS = 4096
 # the most tokens a step's absorbed products take as Triton launches (`kernels.absorb.MAX_TOKENS`, not imported
 # here: the module needs Triton); more take torch.bmm
 MAX_PRODUCT_TOKENS = 16
+
+class _AbsorbedViews(typing.NamedTuple):
+    """What `MLAAttention._make_views` makes of kv_b_proj's weight, by name (a tuple: read as one)."""
+
+    weight: torch.Tensor  # the parameter the views were made of (identity and address: `_absorbed`)
+    address: int
+    w_uk: torch.Tensor  # [N, P, Lkv]: q_nope @ W_UK -> the absorbed query
+    w_uv: torch.Tensor  # [N, V, Lkv]
+    w_uv_t: torch.Tensor  # [N, Lkv, V]: latent output @ W_UV^T -> each head's V
+    products: typing.Any  # the products' bound launches (`kernels.absorb.DecodeProducts`) or None
+    prologue: typing.Any  # the same where a decode step may take the prologue (no DCP, no byte cache) or None
+
 
 # what a backward through the layer says (`_InferenceOnly`)
 NO_BACKWARD = (
@@ -191,7 +204,7 @@ class MLAAttention(torch.nn.Module):
         if not isinstance(kv_b_proj_weight, torch.nn.Parameter):
             kv_b_proj_weight = torch.nn.Parameter(kv_b_proj_weight, requires_grad=False)
         self.kv_b_proj_weight = kv_b_proj_weight
-        self._views: tuple | None = None
+        self._views: _AbsorbedViews | None = None
         self._bound: tuple | None = None
         self._bind()
         # torch.ops.mla_multi.mla_attention finds the layer by this id (forward under torch.compile)
@@ -275,10 +288,8 @@ class MLAAttention(torch.nn.Module):
         self._make_views()
 
     # ------------------------------------------------------------------ weights
-    def _make_views(self) -> tuple:
-        """(weight, its address, W_UK [N, P, Lkv], W_UV [N, V, Lkv], W_UV^T [N, Lkv, V]): views of the weight; then
-        the products' bound launches over them (`_products`) or None, and the same where a decode step may take the
-        prologue (no DCP, no byte-format cache) or None."""
+    def _make_views(self) -> _AbsorbedViews:
+        """The views of the weight and the products' bound launches over them (`_AbsorbedViews`, `_products`)."""
         d = self.dims
         n, p, v, lkv = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
         weight = self._parameters["kv_b_proj_weight"]
@@ -288,7 +299,7 @@ class MLAAttention(torch.nn.Module):
         w_uv = per_head[:, p:, :]  # latent output @ W_UV^T -> per-head V
         products = self._products(w_uk, w_uv)
         prologue = products if self.dcp is None and self.kv_cache_dtype != torch.uint8 else None
-        self._views = (weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2), products, prologue)
+        self._views = _AbsorbedViews(weight, weight.data_ptr(), w_uk, w_uv, w_uv.transpose(1, 2), products, prologue)
         return self._views
 
     def _products(self, w_uk: torch.Tensor, w_uv: torch.Tensor):
@@ -306,12 +317,12 @@ class MLAAttention(torch.nn.Module):
             return None
         return DecodeProducts(w_uk, w_uv.transpose(1, 2))
 
-    def _absorbed(self) -> tuple:
+    def _absorbed(self) -> _AbsorbedViews:
         """The views of `_make_views`, made again where the weight was replaced or moved behind the module's back
         (``param.data = ...``, ``load_state_dict(assign=True)``): one identity and one address comparison."""
         views = self._views
         weight = self._parameters["kv_b_proj_weight"]
-        if views[0] is not weight or views[1] != weight.data_ptr():
+        if views.weight is not weight or views.address != weight.data_ptr():
             self.process_weights_after_loading()
             views = self._views
         return views
@@ -337,12 +348,12 @@ class MLAAttention(torch.nn.Module):
     @property
     def W_UK(self) -> torch.Tensor:
         """[N, P, Lkv]: a view of `kv_b_proj_weight` (q_nope @ W_UK is the absorbed query)."""
-        return self._absorbed()[2]
+        return self._absorbed().w_uk
 
     @property
     def W_UV(self) -> torch.Tensor:
         """[N, V, Lkv]: a view of `kv_b_proj_weight` (the latent output @ W_UV^T is each head's V)."""
-        return self._absorbed()[3]
+        return self._absorbed().w_uv
 
     def allocate_kv_cache(self, num_blocks: int, *, device=None) -> torch.Tensor:
         """A zeroed paged cache for this layer: [num_blocks, block_size, Lkv + R] of `kv_cache_dtype` (uint8
@@ -473,7 +484,7 @@ class MLAAttention(torch.nn.Module):
     @property
     def W_UK_T(self) -> torch.Tensor:
         """[N, P, Lkv], vLLM's name for the absorption weight (`W_UK`, a view of `kv_b_proj_weight`)."""
-        return self._absorbed()[2]
+        return self._absorbed().w_uk
 
     def lock_workspace(self) -> None:
         """Forbid growth of the workspace (shared by every layer of the device: locking it once locks it for
@@ -736,7 +747,7 @@ class MLAAttention(torch.nn.Module):
         output = self._check_step(q, kv_c_normed, k_pe, kv_cache, metadata, output)
         num_decodes, num_prefills, num_decode_tokens, _ = self._split(metadata)
         if num_prefills == 0 and 0 < num_decode_tokens <= MAX_PRODUCT_TOKENS:
-            prologue = self._absorbed()[6]
+            prologue = self._absorbed().prologue
             if (prologue is not None and q.stride(2) == 1 and kv_c_normed.stride(1) == 1 and k_pe.stride(1) == 1
                     and kv_cache.is_contiguous() and metadata.slot_mapping.dtype == torch.int64
                     and metadata.slot_mapping.shape[0] == q.shape[0] and not checks.data_checks_enabled(self.device)):
@@ -808,7 +819,7 @@ class MLAAttention(torch.nn.Module):
         slots = self._positions_to_slots(topk_indices, metadata)
         q_nope, q_pe = q[..., :p], q[..., p:]
         # every token, prefill or decode, attends in the latent space: absorb W_UK into the query
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), self._absorbed()[2]).transpose(0, 1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), self._absorbed().w_uk).transpose(0, 1)
         # one [T, N, 576] buffer, read in place by kernels that take the joined query
         q_latent = torch.cat([ql_nope, q_pe], dim=-1)
         latent = ops.mla_sparse_decode(
@@ -863,14 +874,14 @@ class MLAAttention(torch.nn.Module):
         written by the product itself (no copy, no temporary): the Triton launch for a few tokens
         (`kernels.absorb.DecodeProducts`), else `torch.bmm`."""
         views = self._absorbed()
-        products = views[5]
+        products = views.products
         if products is not None and tokens <= MAX_PRODUCT_TOKENS and latent.stride(2) == 1:
             products.up_project(latent, output)  # (the rows by their strides: no view)
             return
         n, v = self.dims.num_heads, self.dims.v_head_dim
         # the product's [N, tokens, V] view of the rows (their columns contiguous: `_check_step`): one view
         heads_first = output.as_strided((n, tokens, v), (v, output.stride(0), 1), output.storage_offset())
-        torch.bmm(latent.transpose(0, 1), views[4], out=heads_first)
+        torch.bmm(latent.transpose(0, 1), views.w_uv_t, out=heads_first)
 
     def _forward_decode(self, q, kv_cache, metadata, num_decodes, num_decode_tokens, output, ql_nope=None) -> None:
         d = self.dims
@@ -891,7 +902,7 @@ class MLAAttention(torch.nn.Module):
         q_pe = q.as_strided((num_decode_tokens, d.num_heads, d.qk_rope_head_dim), (s0, s1, s2), offset + p * s2)
         if ql_nope is None:  # else made with the step's cache write (`_forward_step`)
             q_nope_t = q.as_strided((d.num_heads, num_decode_tokens, p), (s1, s0, s2), offset)
-            ql_nope = torch.bmm(q_nope_t, self._absorbed()[2]).transpose(0, 1)
+            ql_nope = torch.bmm(q_nope_t, self._absorbed().w_uk).transpose(0, 1)
         latent_out, _ = forward_mqa(
             ql_nope, q_pe.contiguous() if contiguous_pe else q_pe, kv_cache, block_table, seq_lens,
             k_scale=self.k_scale, workspace_manager=self.workspace, max_seq_len=metadata.max_seq_len, **keywords,
@@ -913,7 +924,7 @@ class MLAAttention(torch.nn.Module):
         d = self.dims
         n, p, r, v = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         views = self._absorbed()
-        w_uk, w_uv = views[2], views[3]
+        w_uk, w_uv = views.w_uk, views.w_uv
         tokens = kv_c.shape[0]
         latent = kv_c.expand(n, tokens, kv_c.shape[1])
         value = torch.empty(tokens, n, v, dtype=kv_c.dtype, device=kv_c.device)
